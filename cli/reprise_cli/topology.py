@@ -1,0 +1,129 @@
+"""The local stack's topology, in one place: which services run, with which command, environment and ports.
+
+docker-compose.yml describes the same topology for Docker; tests/test_compose_drift.py compares the two.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEFAULT_PORTS: dict[str, int] = {
+    "nats": 14222,
+    "nats-monitor": 18222,
+    "redis": 16379,
+    "checkpoint-registry": 8710,
+    "detector": 8720,
+    "orchestrator": 8730,
+    "agent": 8800,  # agents take 8800, 8801, ... in node order
+}
+
+# The console script each role runs (also `python -m <package>`); docker-compose uses the same commands.
+ROLE_COMMANDS: dict[str, str] = {
+    "checkpoint-registry": "reprise-registry",
+    "detector": "reprise-detector",
+    "orchestrator": "reprise-orchestrator",
+    "agent": "reprise-agent",
+}
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    """What `reprise up` was asked to run."""
+
+    nodes: int = 4
+    spares: int = 1
+    gpus_per_node: int = 8
+    state_dir: Path = Path(".state")
+    host: str = "127.0.0.1"
+    ports: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_PORTS))
+
+    @property
+    def nats_url(self) -> str:
+        """Where services reach NATS."""
+        return f"nats://{self.host}:{self.ports['nats']}"
+
+    @property
+    def redis_url(self) -> str:
+        """Where the orchestrator reaches Redis."""
+        return f"redis://{self.host}:{self.ports['redis']}/0"
+
+    def http_url(self, port: int) -> str:
+        """Base URL of a service on this host."""
+        return f"http://{self.host}:{port}"
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    """One service process of the stack."""
+
+    name: str
+    role: str
+    command: str
+    env: dict[str, str]
+    http_port: int
+
+
+def node_ids(config: StackConfig) -> list[tuple[str, bool]]:
+    """Worker node ids then spare node ids, each with whether it is a spare."""
+    workers = [(f"node-{i}", False) for i in range(1, config.nodes + 1)]
+    spares = [(f"spare-{i}", True) for i in range(1, config.spares + 1)]
+    return workers + spares
+
+
+def build_services(config: StackConfig) -> list[ServiceSpec]:
+    """Every service process, in start order (registry, detector, orchestrator, then the agents)."""
+    state = config.state_dir.resolve()
+
+    def base(role: str, port: int) -> dict[str, str]:
+        return {
+            "REPRISE_NATS_URL": config.nats_url,
+            "REPRISE_HTTP_HOST": config.host,
+            "REPRISE_HTTP_PORT": str(port),
+            "REPRISE_STATE_DIR": str(state / role),
+            "REPRISE_LOG_FORMAT": "json",
+        }
+
+    ports = config.ports
+    registry_url = config.http_url(ports["checkpoint-registry"])
+    services = [
+        ServiceSpec(
+            name="checkpoint-registry",
+            role="checkpoint-registry",
+            command=ROLE_COMMANDS["checkpoint-registry"],
+            env={**base("checkpoint-registry", ports["checkpoint-registry"]),
+                 "REPRISE_DATABASE_URL": f"sqlite:///{state / 'registry.db'}"},
+            http_port=ports["checkpoint-registry"],
+        ),
+        ServiceSpec(
+            name="detector",
+            role="detector",
+            command=ROLE_COMMANDS["detector"],
+            env={**base("detector", ports["detector"]), "REPRISE_DATABASE_URL": f"sqlite:///{state / 'detector.db'}"},
+            http_port=ports["detector"],
+        ),
+        ServiceSpec(
+            name="orchestrator",
+            role="orchestrator",
+            command=ROLE_COMMANDS["orchestrator"],
+            env={
+                **base("orchestrator", ports["orchestrator"]),
+                "REPRISE_DATABASE_URL": f"sqlite:///{state / 'orchestrator.db'}",
+                "REPRISE_REDIS_URL": config.redis_url,
+                "REPRISE_REGISTRY_URL": registry_url,
+            },
+            http_port=ports["orchestrator"],
+        ),
+    ]  # fmt: skip
+    for index, (node_id, spare) in enumerate(node_ids(config)):
+        port = ports["agent"] + index
+        env = {
+            **base("agent", port),
+            "REPRISE_STATE_DIR": str(state / "agents" / node_id),
+            "REPRISE_NODE_ID": node_id,
+            "REPRISE_GPU_BACKEND": "sim",
+            "REPRISE_GPU_COUNT": str(config.gpus_per_node),
+            "REPRISE_SPARE": "true" if spare else "false",
+        }
+        services.append(ServiceSpec(f"agent-{node_id}", "agent", ROLE_COMMANDS["agent"], env, port))
+    return services

@@ -1,0 +1,81 @@
+"""Fixtures shared by every test in the monorepo: real nats-server, real Redis-compatible server, SQL databases.
+
+No fakes for NATS, Redis or SQL: each fixture starts (or connects to) the real thing on a free port and stops it.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from reprise_cli.servers import NatsServer, RedisServer, free_port
+
+POSTGRES_ADMIN_URL = os.environ.get("REPRISE_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+
+
+@pytest.fixture
+def nats_server(tmp_path: Path) -> Iterator[NatsServer]:
+    """A real nats-server with JetStream on free ports, its store under the test's temp dir."""
+    server = NatsServer(
+        port=free_port(),
+        monitor_port=free_port(),
+        store_dir=tmp_path / "nats-store",
+        log_path=tmp_path / "nats.log",
+    )
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A real Redis-compatible server on a free port."""
+    server = RedisServer(port=free_port(), data_dir=tmp_path / "redis-data", log_path=tmp_path / "redis.log")
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    """A fresh SQLite database file for one test."""
+    return f"sqlite:///{tmp_path / 'test.db'}"
+
+
+def _postgres_database() -> Iterator[str]:
+    try:
+        import psycopg
+    except ImportError:
+        pytest.skip("PostgreSQL path not tested: psycopg is not installed")
+    name = f"reprise_test_{uuid.uuid4().hex[:12]}"
+    try:
+        admin = psycopg.connect(POSTGRES_ADMIN_URL, autocommit=True, connect_timeout=3)
+    except psycopg.OperationalError as exc:
+        pytest.skip(f"PostgreSQL path not tested: no server at {POSTGRES_ADMIN_URL} ({str(exc).strip()[:80]})")
+    with admin:
+        admin.execute(f'CREATE DATABASE "{name}"')
+    base = POSTGRES_ADMIN_URL.rsplit("/", 1)[0]
+    try:
+        yield f"{base}/{name}"
+    finally:
+        with psycopg.connect(POSTGRES_ADMIN_URL, autocommit=True) as admin:
+            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def postgres_url() -> Iterator[str]:
+    """A fresh PostgreSQL database on the reachable server, dropped afterwards; skipped with the reason if none."""
+    yield from _postgres_database()
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """Each SQL backend in turn: SQLite always, PostgreSQL where a server is reachable."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'test.db'}"
+    else:
+        yield from _postgres_database()

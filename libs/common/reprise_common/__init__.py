@@ -1,0 +1,1 @@
+"""Reprise shared library: the contract and plumbing every service uses."""

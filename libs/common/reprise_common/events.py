@@ -1,0 +1,373 @@
+"""Every message type Reprise sends, as a versioned schema.
+
+Each event carries an id (also used as the JetStream ``Nats-Msg-Id`` for dedup), a schema version, a UTC-aware
+timestamp and its source. Readers ignore unknown fields so a newer writer does not break an older reader; a
+schema version newer than the reader knows is rejected (dead-lettered) rather than misread.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from enum import StrEnum
+from typing import Annotated, Any, ClassVar, Literal
+from uuid import uuid4
+
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
+
+from reprise_common.clock import utcnow
+from reprise_common.errors import MalformedEventError
+
+SCHEMA_VERSION = 1
+
+
+def new_id() -> str:
+    """A fresh, collision-free id for events, commands and records."""
+    return uuid4().hex
+
+
+class Wire(BaseModel):
+    """Base of every wire model: tolerant of unknown fields, immutable once built."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+class Event(Wire):
+    """Envelope fields every event carries."""
+
+    SUPPORTED_VERSION: ClassVar[int] = SCHEMA_VERSION
+
+    event_id: str = Field(default_factory=new_id, min_length=1, max_length=128)
+    schema_version: int = SCHEMA_VERSION
+    time: AwareDatetime = Field(default_factory=utcnow)
+    source: str = Field(min_length=1, max_length=128)
+
+    @field_validator("schema_version")
+    @classmethod
+    def _known_version(cls, value: int) -> int:
+        if value < 1 or value > cls.SUPPORTED_VERSION:
+            raise ValueError(f"schema_version {value} not supported (this reader knows 1..{cls.SUPPORTED_VERSION})")
+        return value
+
+    def to_bytes(self) -> bytes:
+        """Serialise to compact JSON."""
+        return self.model_dump_json().encode()
+
+
+# --- GPU and node health ------------------------------------------------------------------------------------
+class GpuHealth(StrEnum):
+    """What the agent knows of one GPU."""
+
+    OK = "ok"
+    DEGRADED = "degraded"
+    FAILED = "failed"
+    LOST = "lost"
+    UNKNOWN = "unknown"
+
+
+class GpuStatus(Wire):
+    """One GPU's readings in a node report."""
+
+    index: int = Field(ge=0)
+    uuid: str = ""
+    health: GpuHealth = GpuHealth.OK
+    temperature_c: float | None = None
+    power_w: float | None = None
+    utilization_pct: float | None = None
+    memory_used_mib: float | None = None
+    memory_total_mib: float | None = None
+    ecc_sbe: int | None = None
+    ecc_dbe: int | None = None
+    throttle_reasons: list[str] = Field(default_factory=list)
+    last_xid: int | None = None
+
+
+class RankStatus(Wire):
+    """One rank's progress in a node report."""
+
+    job_id: str
+    rank: int = Field(ge=0)
+    pid: int | None = None
+    gpu: int | None = None
+    step: int | None = None
+    heartbeat_age_s: float | None = None
+    phase: str = "training"
+    alive: bool = True
+
+
+class NodeReport(Event):
+    """One compact report per node per interval: all GPUs, all ranks."""
+
+    type: Literal["node.report"] = "node.report"
+    node_id: str
+    interval_s: float = Field(gt=0)
+    gpu_backend: str
+    gpus: list[GpuStatus] = Field(default_factory=list)
+    ranks: list[RankStatus] = Field(default_factory=list)
+    spare: bool = False
+    cordoned: bool = False
+
+
+class GpuXid(Event):
+    """An XID error reported by the driver for one GPU."""
+
+    type: Literal["gpu.xid"] = "gpu.xid"
+    node_id: str
+    gpu: int = Field(ge=0)
+    xid: int = Field(ge=0)
+    message: str = ""
+
+
+class GpuLost(Event):
+    """A GPU can no longer be read (fallen off the bus, NVML says GPU is lost)."""
+
+    type: Literal["gpu.lost"] = "gpu.lost"
+    node_id: str
+    gpu: int = Field(ge=0)
+    reason: str = ""
+
+
+class RankExited(Event):
+    """A rank process ended, with how and the last lines it printed."""
+
+    type: Literal["rank.exited"] = "rank.exited"
+    node_id: str
+    job_id: str
+    rank: int = Field(ge=0)
+    exit_code: int | None = None
+    signal: str | None = None
+    oom_killed: bool = False
+    log_tail: list[str] = Field(default_factory=list)
+
+
+class DependencyFailed(Event):
+    """A dependency check (storage, disk, rendezvous master, HTTP endpoint) failed on a node."""
+
+    type: Literal["dependency.failed"] = "dependency.failed"
+    node_id: str
+    dependency: str
+    detail: str = ""
+
+
+class AgentLifecycle(Event):
+    """An agent started or is stopping."""
+
+    type: Literal["agent.lifecycle"] = "agent.lifecycle"
+    node_id: str
+    state: Literal["starting", "stopping"]
+    gpu_count: int = 0
+
+
+# --- incidents ----------------------------------------------------------------------------------------------
+class Category(StrEnum):
+    """Where the root cause of an incident lies."""
+
+    GPU_HARDWARE = "gpu_hardware"
+    INTERCONNECT = "interconnect"
+    NODE = "node"
+    APPLICATION = "application"
+    DEPENDENCY = "dependency"
+    UNKNOWN = "unknown"
+
+
+class Severity(StrEnum):
+    """How bad an incident is for the job."""
+
+    INFO = "info"
+    WARNING = "warning"
+    CRITICAL = "critical"
+
+
+class RecommendedAction(StrEnum):
+    """What the detector recommends the orchestrator do."""
+
+    NONE = "none"
+    RESTART_JOB = "restart_job"
+    RESTART_EXCLUDE_NODE = "restart_exclude_node"
+    RESET_GPU = "reset_gpu"
+    ALERT_HUMAN = "alert_human"
+
+
+class Culprit(Wire):
+    """Who the root cause points at."""
+
+    node_id: str | None = None
+    gpu: int | None = None
+    rank: int | None = None
+
+
+class IncidentChange(Event):
+    """An incident was opened, updated or resolved."""
+
+    type: Literal["incident.change"] = "incident.change"
+    change: Literal["opened", "updated", "resolved"]
+    incident_id: str
+    job_id: str
+    category: Category
+    severity: Severity
+    root_cause: str
+    culprit: Culprit
+    recommended_action: RecommendedAction
+    symptom_count: int = Field(default=1, ge=0)
+    first_symptom_at: AwareDatetime
+
+
+# --- orchestrator -------------------------------------------------------------------------------------------
+class RankAssignment(Wire):
+    """Which node and GPU a rank runs on."""
+
+    rank: int = Field(ge=0)
+    node_id: str
+    gpu: int | None = None
+    local_rank: int = Field(ge=0)
+
+
+class JobPlacement(Event):
+    """The placement of a job's ranks for one restart epoch."""
+
+    type: Literal["job.placement"] = "job.placement"
+    job_id: str
+    restart_epoch: int = Field(ge=0)
+    world_size: int = Field(ge=0)
+    ranks: list[RankAssignment] = Field(default_factory=list)
+    active: bool = True
+
+    def nodes(self) -> list[str]:
+        """The distinct nodes of the placement, in rank order."""
+        return list(dict.fromkeys(r.node_id for r in self.ranks))
+
+
+class RecoveryChange(Event):
+    """A recovery started, moved to a new step, succeeded or failed."""
+
+    type: Literal["recovery.change"] = "recovery.change"
+    change: Literal["started", "step", "succeeded", "failed"]
+    recovery_id: str
+    job_id: str
+    incident_id: str | None = None
+    step: str
+    fence: int = Field(ge=0)
+    detail: str = ""
+
+
+# --- dead letters -------------------------------------------------------------------------------------------
+class DeadLetter(Event):
+    """A message a consumer could not use, kept with the reason; nothing is dropped silently."""
+
+    type: Literal["dead.letter"] = "dead.letter"
+    original_subject: str
+    reason: str
+    payload: str = Field(description="the raw payload, decoded as UTF-8 with replacement, at most 64 KiB")
+    delivered: int = 1
+
+
+AnyEvent = Annotated[
+    NodeReport
+    | GpuXid
+    | GpuLost
+    | RankExited
+    | DependencyFailed
+    | AgentLifecycle
+    | IncidentChange
+    | JobPlacement
+    | RecoveryChange
+    | DeadLetter,
+    Field(discriminator="type"),
+]
+_ANY_EVENT: TypeAdapter[Any] = TypeAdapter(AnyEvent)
+EVENT_TYPES: tuple[type[Event], ...] = (
+    NodeReport,
+    GpuXid,
+    GpuLost,
+    RankExited,
+    DependencyFailed,
+    AgentLifecycle,
+    IncidentChange,
+    JobPlacement,
+    RecoveryChange,
+    DeadLetter,
+)
+
+
+def parse_event(data: bytes) -> Event:
+    """Parse any event by its ``type`` field, or raise MalformedEventError with a one-line reason."""
+    try:
+        raw = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise MalformedEventError(f"not JSON: {exc}") from exc
+    try:
+        event: Event = _ANY_EVENT.validate_python(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "(root)"
+        raise MalformedEventError(f"invalid event at {where}: {first['msg']}") from exc
+    return event
+
+
+def event_timestamp(event: Event) -> datetime:
+    """The event's own timestamp (always UTC-aware)."""
+    return event.time
+
+
+# --- commands (request/reply, not events) -------------------------------------------------------------------
+class CommandAction(StrEnum):
+    """What a command asks an agent to do."""
+
+    PING = "ping"
+    LAUNCH = "launch"
+    STOP = "stop"
+
+
+class AgentCommand(Wire):
+    """A fenced, idempotent command to one agent."""
+
+    command_id: str = Field(min_length=1, max_length=256)
+    job_id: str
+    fence: int = Field(ge=0)
+    action: CommandAction
+    args: dict[str, Any] = Field(default_factory=dict)
+    issued_at: AwareDatetime = Field(default_factory=utcnow)
+
+
+class CommandResult(StrEnum):
+    """How an agent answered a command."""
+
+    DONE = "done"
+    REJECTED_STALE_FENCE = "rejected_stale_fence"
+    FAILED = "failed"
+
+
+class CommandReply(Wire):
+    """The agent's answer to a command; a repeated command id gets the first answer again."""
+
+    command_id: str
+    node_id: str
+    result: CommandResult
+    detail: str = ""
+    data: dict[str, Any] = Field(default_factory=dict)
+    duplicate: bool = False
+
+
+class FaultKind(StrEnum):
+    """Faults the simulated GPU backend can inject."""
+
+    XID = "xid"
+    ECC_DBE = "ecc_dbe"
+    THERMAL = "thermal"
+    OFF_BUS = "off_bus"
+    NVLINK = "nvlink"
+
+
+class InjectFault(Wire):
+    """Ask a node's simulated GPUs to fail in a given way."""
+
+    kind: FaultKind
+    gpu: int = Field(ge=0)
+    xid: int | None = None
+
+
+class InjectReply(Wire):
+    """What the simulated backend did with an injected fault."""
+
+    accepted: bool
+    detail: str = ""

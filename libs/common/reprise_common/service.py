@@ -1,0 +1,115 @@
+"""What every HTTP service shares: /healthz, /readyz, /metrics, background connection, and a clean SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable, Mapping
+
+import uvicorn
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from reprise_common.bus import Bus
+from reprise_common.errors import ConflictError, NotFoundError, RepriseError, StaleFenceError
+from reprise_common.logging import get_logger
+from reprise_common.settings import ServiceSettings
+
+log = get_logger("reprise.service")
+ReadinessCheck = Callable[[], Awaitable[bool]]
+READINESS_TIMEOUT_S = 1.0
+
+
+def add_ops_routes(app: FastAPI, *, checks: Mapping[str, ReadinessCheck]) -> None:
+    """Add /healthz (the process is alive), /readyz (every dependency reachable) and /metrics (Prometheus)."""
+
+    @app.get("/healthz", tags=["ops"], summary="Liveness: the process answers")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz", tags=["ops"], summary="Readiness: every dependency is reachable")
+    async def readyz() -> JSONResponse:
+        results = await asyncio.gather(*(_run_check(check) for check in checks.values()))
+        detail = {name: ("ok" if ok else "down") for name, ok in zip(checks, results, strict=True)}
+        ready = all(results)
+        return JSONResponse({"status": "ready" if ready else "not ready", "checks": detail}, status_code=200 if ready else 503)
+
+    @app.get("/metrics", tags=["ops"], summary="Prometheus metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+
+_STATUS_BY_ERROR: tuple[tuple[type[RepriseError], int], ...] = (
+    (NotFoundError, 404),
+    (StaleFenceError, 409),
+    (ConflictError, 409),
+)
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Map domain errors to HTTP answers in this one place: {"detail": message}."""
+
+    async def handle(_request: Request, exc: Exception) -> JSONResponse:
+        status = next((code for kind, code in _STATUS_BY_ERROR if isinstance(exc, kind)), 500)
+        return JSONResponse({"detail": str(exc)}, status_code=status)
+
+    for kind, _code in _STATUS_BY_ERROR:
+        app.add_exception_handler(kind, handle)
+
+
+async def _run_check(check: ReadinessCheck) -> bool:
+    try:
+        return await asyncio.wait_for(check(), timeout=READINESS_TIMEOUT_S)
+    except Exception:  # a failing probe means "not ready", whatever the reason
+        return False
+
+
+def nats_check(bus: Bus) -> ReadinessCheck:
+    """Readiness of the NATS connection."""
+
+    async def check() -> bool:
+        return bus.connected
+
+    return check
+
+
+class Background:
+    """Connects to NATS in the background (so /healthz answers at once), then runs the service's start hook."""
+
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+        self._task: asyncio.Task[None] | None = None
+        self.started = asyncio.Event()
+
+    def start(self, on_connected: Callable[[], Awaitable[None]]) -> None:
+        """Begin connecting; on_connected runs once the bus is up (consumers, responders)."""
+
+        async def run() -> None:
+            await self.bus.connect()
+            await on_connected()
+            self.started.set()
+            log.info("connected and consuming", extra={"nats": self.bus.url})
+
+        self._task = asyncio.create_task(run(), name="connect")
+
+    async def stop(self) -> None:
+        """Stop consuming, let in-flight work finish, drain NATS."""
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self.bus.close()
+
+
+def run_http_service(app: FastAPI, settings: ServiceSettings) -> None:
+    """Serve the app until SIGTERM or SIGINT; uvicorn then runs the app's lifespan shutdown (the clean stop)."""
+    config = uvicorn.Config(
+        app,
+        host=settings.http_host,
+        port=settings.http_port,
+        log_config=None,
+        access_log=False,
+        timeout_graceful_shutdown=int(settings.shutdown_grace_s),
+    )
+    uvicorn.Server(config).run()

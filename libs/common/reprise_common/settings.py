@@ -1,0 +1,47 @@
+"""The one settings pattern: a pydantic-settings class per service, all read from REPRISE_* variables."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+NODE_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+
+
+class ServiceSettings(BaseSettings):
+    """Settings every service shares; each service subclasses it and adds its own."""
+
+    model_config = SettingsConfigDict(env_prefix="REPRISE_", extra="ignore")
+
+    nats_url: str = "nats://127.0.0.1:4222"
+    http_host: str = "127.0.0.1"
+    http_port: int = Field(default=8000, ge=0, le=65535)
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    log_format: Literal["json", "text"] = "json"
+    state_dir: Path = Path(".state")
+    shutdown_grace_s: float = Field(default=10.0, gt=0)
+
+    @field_validator("nats_url")
+    @classmethod
+    def _nats_scheme(cls, value: str) -> str:
+        if not value.startswith(("nats://", "tls://", "ws://", "wss://")):
+            raise ValueError("REPRISE_NATS_URL must start with nats://, tls://, ws:// or wss://")
+        return value
+
+
+class DatabaseSettings(BaseSettings):
+    """Mixin for services that keep state in SQL: SQLite by default, PostgreSQL at scale."""
+
+    model_config = SettingsConfigDict(env_prefix="REPRISE_", extra="ignore")
+
+    database_url: str = "sqlite:///.state/reprise.db"
+
+    @field_validator("database_url")
+    @classmethod
+    def _known_dialect(cls, value: str) -> str:
+        if not value.startswith(("sqlite:///", "postgresql://", "postgresql+psycopg://")):
+            raise ValueError("REPRISE_DATABASE_URL must be sqlite:///PATH or postgresql+psycopg://...")
+        return value

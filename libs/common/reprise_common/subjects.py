@@ -1,0 +1,137 @@
+"""Every NATS subject and JetStream stream Reprise uses, defined in this one place.
+
+Node identity comes from the subject (which the server's permissions tie to the node's credentials), never from a
+payload field. Subject tokens are validated so that a node or job id can never inject wildcards.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+PREFIX = "reprise"
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def token(value: str) -> str:
+    """Return value if it is safe as one subject token (no dots, spaces or wildcards), else raise ValueError."""
+    if not _TOKEN.match(value):
+        raise ValueError(f"{value!r} is not a valid id: use 1-64 letters, digits, '_' or '-'")
+    return value
+
+
+# --- agents -> platform (JetStream, stream AGENT) -------------------------------------------------------------
+def node_report(node_id: str) -> str:
+    """The per-interval compact report of one node."""
+    return f"{PREFIX}.agent.{token(node_id)}.report"
+
+
+def node_event(node_id: str, event_type: str) -> str:
+    """A discrete event from one node, e.g. gpu.xid or rank.exited."""
+    return f"{PREFIX}.agent.{token(node_id)}.event.{event_type}"
+
+
+AGENT_REPORTS = f"{PREFIX}.agent.*.report"
+AGENT_EVENTS = f"{PREFIX}.agent.*.event.>"
+
+
+def node_from_agent_subject(subject: str) -> str:
+    """The node id carried by an agent subject (the second token after the prefix)."""
+    parts = subject.split(".")
+    if len(parts) < 4 or parts[0] != PREFIX or parts[1] != "agent":
+        raise ValueError(f"not an agent subject: {subject}")
+    return token(parts[2])
+
+
+# --- platform -> agents (core NATS request/reply; not stored) -------------------------------------------------
+def node_command(node_id: str) -> str:
+    """Fenced commands for one node's agent (launch, stop, ping); the agent replies to each."""
+    return f"{PREFIX}.cmd.{token(node_id)}"
+
+
+def node_inject(node_id: str) -> str:
+    """Fault injection into one node's simulated GPUs (tests, demo, drills)."""
+    return f"{PREFIX}.inject.{token(node_id)}"
+
+
+# --- detector -> platform (JetStream, stream INCIDENTS) -------------------------------------------------------
+def incident(job_id: str, change: str) -> str:
+    """An incident change for a job: opened, updated or resolved."""
+    return f"{PREFIX}.incident.{token(job_id)}.{token(change)}"
+
+
+INCIDENTS_ALL = f"{PREFIX}.incident.>"
+
+
+# --- orchestrator -> platform (JetStream) ---------------------------------------------------------------------
+def placement(job_id: str) -> str:
+    """The current placement (rank map) of a job; the stream keeps the last one per job."""
+    return f"{PREFIX}.placement.{token(job_id)}"
+
+
+PLACEMENTS_ALL = f"{PREFIX}.placement.>"
+
+
+def recovery(job_id: str, change: str) -> str:
+    """A recovery change for a job: started, step, succeeded or failed."""
+    return f"{PREFIX}.recovery.{token(job_id)}.{token(change)}"
+
+
+RECOVERIES_ALL = f"{PREFIX}.recovery.>"
+
+
+# --- dead letters ---------------------------------------------------------------------------------------------
+def dead_letter(service: str) -> str:
+    """Where a service puts messages it could not parse, with the reason."""
+    return f"{PREFIX}.deadletter.{token(service)}"
+
+
+DEAD_LETTERS_ALL = f"{PREFIX}.deadletter.>"
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    """A JetStream stream Reprise provisions (idempotently) at start."""
+
+    name: str
+    subjects: tuple[str, ...]
+    max_age_s: float
+    max_msgs_per_subject: int = -1
+    duplicate_window_s: float = 120.0
+    description: str = ""
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+STREAMS: tuple[StreamSpec, ...] = (
+    StreamSpec(
+        name="AGENT",
+        subjects=(AGENT_REPORTS, AGENT_EVENTS),
+        max_age_s=3600.0,
+        description="Node reports and discrete node events (XIDs, rank exits, dependency failures).",
+    ),
+    StreamSpec(
+        name="INCIDENTS",
+        subjects=(INCIDENTS_ALL,),
+        max_age_s=7 * 86400.0,
+        description="Incident opened / updated / resolved, from the detector.",
+    ),
+    StreamSpec(
+        name="PLACEMENTS",
+        subjects=(PLACEMENTS_ALL,),
+        max_age_s=30 * 86400.0,
+        max_msgs_per_subject=1,
+        description="The latest placement of each job (last value per subject).",
+    ),
+    StreamSpec(
+        name="RECOVERIES",
+        subjects=(RECOVERIES_ALL,),
+        max_age_s=7 * 86400.0,
+        description="Recovery started / step / succeeded / failed, from the orchestrator.",
+    ),
+    StreamSpec(
+        name="DEADLETTER",
+        subjects=(DEAD_LETTERS_ALL,),
+        max_age_s=14 * 86400.0,
+        description="Messages a consumer could not parse, with the reason and the raw payload.",
+    ),
+)

@@ -1,0 +1,1 @@
+"""Reprise agent service."""

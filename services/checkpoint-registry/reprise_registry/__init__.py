@@ -1,0 +1,1 @@
+"""Reprise checkpoint registry service."""
