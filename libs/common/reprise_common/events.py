@@ -13,7 +13,15 @@ from enum import StrEnum
 from typing import Annotated, Any, ClassVar, Literal
 from uuid import uuid4
 
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
+from pydantic import (
+    AwareDatetime,
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+)
 
 from reprise_common.clock import utcnow
 from reprise_common.errors import MalformedEventError

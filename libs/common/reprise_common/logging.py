@@ -45,9 +45,7 @@ class TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         """Render a record as a text line."""
         line = super().format(record)
-        extras = [
-            f"{k}={v}" for k, v in record.__dict__.items() if k not in _STANDARD_ATTRS and not k.startswith("_")
-        ]
+        extras = [f"{k}={v}" for k, v in record.__dict__.items() if k not in _STANDARD_ATTRS and not k.startswith("_")]
         return line + (" " + " ".join(extras) if extras else "")
 
 

@@ -8,10 +8,14 @@ EVENTS_PUBLISHED = Counter(
     "reprise_events_published_total", "Events published to JetStream", ["service", "subject_kind"]
 )
 EVENTS_CONSUMED = Counter(
-    "reprise_events_consumed_total", "Events taken from a durable consumer, by outcome", ["service", "consumer", "outcome"]
+    "reprise_events_consumed_total",
+    "Events taken from a durable consumer, by outcome",
+    ["service", "consumer", "outcome"],
 )
 DEAD_LETTERS = Counter(
-    "reprise_dead_letters_total", "Messages dead-lettered instead of processed", ["service", "consumer", "reason_kind"]
+    "reprise_dead_letters_total",
+    "Messages dead-lettered instead of processed",
+    ["service", "consumer", "reason_kind"],
 )
 BUS_CONNECTED = Gauge("reprise_bus_connected", "1 while connected to NATS", ["service"])
 BUS_RECONNECTS = Counter("reprise_bus_reconnects_total", "Reconnections to NATS", ["service"])

@@ -33,7 +33,9 @@ def add_ops_routes(app: FastAPI, *, checks: Mapping[str, ReadinessCheck]) -> Non
         results = await asyncio.gather(*(_run_check(check) for check in checks.values()))
         detail = {name: ("ok" if ok else "down") for name, ok in zip(checks, results, strict=True)}
         ready = all(results)
-        return JSONResponse({"status": "ready" if ready else "not ready", "checks": detail}, status_code=200 if ready else 503)
+        return JSONResponse(
+            {"status": "ready" if ready else "not ready", "checks": detail}, status_code=200 if ready else 503
+        )
 
     @app.get("/metrics", tags=["ops"], summary="Prometheus metrics")
     async def metrics() -> Response:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, StringConstraints, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 NODE_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
@@ -45,3 +45,7 @@ class DatabaseSettings(BaseSettings):
         if not value.startswith(("sqlite:///", "postgresql://", "postgresql+psycopg://")):
             raise ValueError("REPRISE_DATABASE_URL must be sqlite:///PATH or postgresql+psycopg://...")
         return value
+
+
+# Ids that travel in NATS subjects (nodes, jobs) must be one safe subject token.
+IdStr = Annotated[str, StringConstraints(pattern=NODE_ID_PATTERN, min_length=1, max_length=64)]

@@ -61,6 +61,7 @@ def incident(job_id: str, change: str) -> str:
 
 
 INCIDENTS_ALL = f"{PREFIX}.incident.>"
+INCIDENTS_OPENED = f"{PREFIX}.incident.*.opened"
 
 
 # --- orchestrator -> platform (JetStream) ---------------------------------------------------------------------

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
+from reprise_cli.servers import NatsServer
 from reprise_common import subjects
 from reprise_common.bus import Bus, Delivery, Outcome
 from reprise_common.events import Event, GpuXid, NodeReport
-
-from reprise_cli.servers import NatsServer
 
 
 async def _wait_for(predicate, timeout: float = 10.0) -> bool:  # type: ignore[no-untyped-def]

@@ -1,0 +1,148 @@
+"""The `reprise` command."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from pathlib import Path
+from types import FrameType
+
+from reprise_cli.stack import Stack
+from reprise_cli.topology import DEFAULT_PORTS, StackConfig
+from reprise_common import subjects
+from reprise_common.bus import Bus
+from reprise_common.errors import BusError, ConfigError
+from reprise_common.events import FaultKind, InjectFault, InjectReply
+
+
+def _stack_config(args: argparse.Namespace) -> StackConfig:
+    ports = dict(DEFAULT_PORTS)
+    for key, attr in (
+        ("nats", "nats_port"),
+        ("nats-monitor", "nats_monitor_port"),
+        ("redis", "redis_port"),
+        ("checkpoint-registry", "registry_port"),
+        ("detector", "detector_port"),
+        ("orchestrator", "orchestrator_port"),
+        ("agent", "agent_port"),
+    ):
+        value = getattr(args, attr, None)
+        if value is not None:
+            ports[key] = value
+    return StackConfig(
+        nodes=args.nodes,
+        spares=args.spares,
+        gpus_per_node=args.gpus_per_node,
+        state_dir=Path(args.state_dir),
+        ports=ports,
+    )
+
+
+def _add_stack_flags(parser: argparse.ArgumentParser, *, nodes: int, spares: int) -> None:
+    parser.add_argument("--nodes", type=int, default=nodes, help="simulated worker nodes")
+    parser.add_argument("--spares", type=int, default=spares, help="simulated spare nodes")
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--state-dir", default=".state", help="logs, SQLite files, NATS store, Redis data")
+    for flag in ("nats", "nats-monitor", "redis", "registry", "detector", "orchestrator", "agent"):
+        parser.add_argument(f"--{flag}-port", type=int, default=None, help="override the default port")
+
+
+class _Stop(Exception):
+    pass
+
+
+def _raise_stop(signum: int, _frame: FrameType | None) -> None:
+    raise _Stop
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    """Run the local stack until Ctrl-C."""
+    stack = Stack(_stack_config(args))
+    signal.signal(signal.SIGTERM, _raise_stop)
+    try:
+        print(f"starting Reprise: {args.nodes} nodes + {args.spares} spares (logs in {stack.log_dir})", flush=True)
+        stack.start(timeout_s=args.timeout)
+        print(
+            f"  nats          {stack.config.nats_url}  (monitor http://127.0.0.1:{stack.config.ports['nats-monitor']})"
+        )
+        print(f"  redis         {stack.config.redis_url}")
+        for spec in stack.specs:
+            print(f"  {spec.name:<20} {stack.url(spec.name)}  (/healthz /readyz /metrics)")
+        print("ready. Ctrl-C stops everything.", flush=True)
+        while True:
+            signal.pause()
+    except (KeyboardInterrupt, _Stop):
+        print("\nstopping...", flush=True)
+        return 0
+    except ConfigError as exc:
+        print(f"reprise up: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        stack.stop()
+        print("stopped.", flush=True)
+
+
+async def _inject(args: argparse.Namespace) -> InjectReply:
+    bus = Bus(url=args.nats_url, service="reprise-cli")
+    await bus.connect(attempts=3)
+    try:
+        fault = InjectFault(kind=FaultKind(args.kind), gpu=args.gpu, xid=args.xid)
+        return await bus.request(subjects.node_inject(args.node), fault, InjectReply, timeout=5.0)
+    finally:
+        await bus.close()
+
+
+def cmd_inject(args: argparse.Namespace) -> int:
+    """Inject a simulated GPU fault into one node."""
+    try:
+        reply = asyncio.run(_inject(args))
+    except (BusError, ValueError) as exc:
+        print(f"reprise inject: {exc}", file=sys.stderr)
+        return 2
+    print(("accepted: " if reply.accepted else "refused: ") + reply.detail)
+    return 0 if reply.accepted else 1
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Run the scripted demo."""
+    from reprise_cli.demo import run_demo  # noqa: PLC0415 - keeps `reprise up` start-up light
+
+    return run_demo(_stack_config(args))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line."""
+    parser = argparse.ArgumentParser(prog="reprise", description="Automated recovery for distributed training.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="run the whole platform locally (real NATS, Redis, services, simulated nodes)")
+    _add_stack_flags(up, nodes=4, spares=1)
+    up.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for every service to be ready")
+    up.set_defaults(func=cmd_up)
+
+    inject = sub.add_parser("inject", help="inject a simulated GPU fault into a node")
+    inject.add_argument("--node", required=True)
+    inject.add_argument("--gpu", type=int, required=True)
+    inject.add_argument("--kind", choices=[k.value for k in FaultKind], default=FaultKind.XID.value)
+    inject.add_argument("--xid", type=int, default=None, help="XID number (for --kind xid)")
+    inject.add_argument("--nats-url", default=f"nats://127.0.0.1:{DEFAULT_PORTS['nats']}")
+    inject.set_defaults(func=cmd_inject)
+
+    demo = sub.add_parser("demo", help="start the platform, run a job, inject a fault, show the recovery")
+    _add_stack_flags(demo, nodes=2, spares=0)
+    demo.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `reprise` console script."""
+    args = build_parser().parse_args(argv)
+    code: int = args.func(args)
+    return code
+
+
+def run() -> None:
+    """Console-script wrapper: exit with main's code."""
+    sys.exit(main())

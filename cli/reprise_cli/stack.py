@@ -1,0 +1,129 @@
+"""The whole platform on this machine, without Docker: real servers and every service as processes."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from reprise_cli.servers import ManagedProcess, NatsServer, RedisServer, find_nats_server, find_redis_server
+from reprise_cli.servers import require_free_port as _require_free_port
+from reprise_cli.topology import ServiceSpec, StackConfig, build_services
+from reprise_common.errors import ConfigError
+
+_PORT_FLAGS = {
+    "nats": "--nats-port",
+    "nats-monitor": "--nats-monitor-port",
+    "redis": "--redis-port",
+    "checkpoint-registry": "--registry-port",
+    "detector": "--detector-port",
+    "orchestrator": "--orchestrator-port",
+    "agent": "--agent-port",
+}
+
+
+def _command_path(command: str) -> str:
+    path = Path(sys.executable).parent / command
+    if not path.exists():
+        raise ConfigError(f"{command} is not installed beside {sys.executable}: run `make venv`")
+    return str(path)
+
+
+@dataclass
+class Stack:
+    """Starts NATS, Redis and every service; stops all of them, leaving no process behind."""
+
+    config: StackConfig
+    say: Callable[[str], None] = print
+    nats: NatsServer | None = None
+    redis: RedisServer | None = None
+    services: dict[str, ManagedProcess] = field(default_factory=dict)
+    specs: list[ServiceSpec] = field(default_factory=list)
+
+    @property
+    def log_dir(self) -> Path:
+        """Where every process writes its output."""
+        return self.config.state_dir / "logs"
+
+    def preflight(self) -> None:
+        """Fail fast, with one line naming the fix, on a missing binary or a taken port."""
+        find_nats_server()
+        find_redis_server()
+        self.specs = build_services(self.config)
+        for spec in self.specs:
+            _command_path(spec.command)
+        ports = self.config.ports
+        for key in ("nats", "nats-monitor", "redis"):
+            _require_free_port(ports[key], key, _PORT_FLAGS[key])
+        for spec in self.specs:
+            _require_free_port(spec.http_port, spec.name, _PORT_FLAGS[spec.role])
+
+    def start(self, *, timeout_s: float = 30.0) -> None:
+        """Start everything and wait until every service reports ready."""
+        self.preflight()
+        state = self.config.state_dir
+        state.mkdir(parents=True, exist_ok=True)
+        self.nats = NatsServer(
+            port=self.config.ports["nats"],
+            monitor_port=self.config.ports["nats-monitor"],
+            store_dir=state / "nats",
+            log_path=self.log_dir / "nats.log",
+            host=self.config.host,
+        )
+        self.redis = RedisServer(
+            port=self.config.ports["redis"], data_dir=state / "redis", log_path=self.log_dir / "redis.log"
+        )
+        self.nats.start()
+        self.redis.start()
+        for spec in self.specs:
+            process = ManagedProcess(
+                spec.name, [_command_path(spec.command)], self.log_dir / f"{spec.name}.log", spec.env
+            )
+            process.start()
+            self.services[spec.name] = process
+        self.wait_ready(timeout_s=timeout_s)
+
+    def url(self, name: str) -> str:
+        """Base URL of a service by name."""
+        spec = next(s for s in self.specs if s.name == name)
+        return self.config.http_url(spec.http_port)
+
+    def wait_ready(self, *, timeout_s: float) -> None:
+        """Poll every /readyz until all answer 200; a service that dies or stays unready is named with its log."""
+        pending = {spec.name for spec in self.specs}
+        deadline = time.monotonic() + timeout_s
+        with httpx.Client(timeout=1.0) as client:
+            while pending and time.monotonic() < deadline:
+                for name in sorted(pending):
+                    process = self.services[name]
+                    if not process.alive():
+                        raise ConfigError(f"{name} exited during start: {process.log_tail(5)}")
+                    try:
+                        if client.get(self.url(name) + "/readyz").status_code == 200:
+                            pending.discard(name)
+                    except httpx.HTTPError:
+                        pass
+                time.sleep(0.1)
+        if pending:
+            raise ConfigError(
+                f"not ready after {timeout_s:.0f}s: {', '.join(sorted(pending))} (logs in {self.log_dir})"
+            )
+
+    def stop(self) -> None:
+        """Stop services (agents first, so ranks stop cleanly), then Redis and NATS."""
+        for name in reversed(list(self.services)):
+            self.services[name].stop(grace_s=15.0)
+        if self.redis is not None:
+            self.redis.stop()
+        if self.nats is not None:
+            self.nats.stop()
+
+    def pids(self) -> list[int]:
+        """Every process the stack started."""
+        processes = [*self.services.values()]
+        processes += [s.process for s in (self.nats, self.redis) if s is not None and s.process is not None]
+        return [p.pid for p in processes if p.proc is not None]

@@ -1,0 +1,1 @@
+"""Small workloads for demos and tests (the PyTorch training job arrives with the demo issue)."""

@@ -1,0 +1,30 @@
+"""Process helpers shared by the launcher and the agent."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import signal
+from collections.abc import Callable
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None]:
+    """A preexec_fn asking the kernel to send `sig` to the child when its parent dies (no orphans)."""
+
+    def preexec() -> None:
+        with contextlib.suppress(Exception):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
+
+    return preexec
+
+
+def describe_exit(returncode: int) -> tuple[int | None, str | None]:
+    """Split a subprocess return code into (exit code, signal name): negative codes are signals."""
+    if returncode < 0:
+        try:
+            return None, signal.Signals(-returncode).name
+        except ValueError:
+            return None, f"SIG{-returncode}"
+    return returncode, None

@@ -1,0 +1,201 @@
+"""The node agent: GPU health, rank supervision, node reports, discrete events and fenced commands."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+from pydantic import ValidationError
+
+from reprise_agent.commands import CommandBook
+from reprise_agent.gpu.base import SignalKind
+from reprise_agent.gpu.sim import SimulatedGpus
+from reprise_agent.outbox import Outbox
+from reprise_agent.ranks import LaunchSpec, RankProcess, RankSupervisor
+from reprise_agent.settings import AgentSettings
+from reprise_common import subjects
+from reprise_common.bus import Bus
+from reprise_common.errors import BusError
+from reprise_common.events import (
+    AgentCommand,
+    AgentLifecycle,
+    CommandAction,
+    CommandReply,
+    CommandResult,
+    GpuLost,
+    GpuXid,
+    InjectFault,
+    InjectReply,
+    NodeReport,
+    RankAssignment,
+    RankExited,
+    Wire,
+)
+from reprise_common.logging import get_logger
+
+log = get_logger("reprise.agent")
+
+
+class Agent:
+    """Everything one node's agent does, wired to one bus connection."""
+
+    def __init__(self, settings: AgentSettings, bus: Bus) -> None:
+        self.settings = settings
+        self.node_id = settings.node_id
+        self.bus = bus
+        self.gpus = SimulatedGpus(settings.gpu_count, node_id=self.node_id)
+        self.supervisor = RankSupervisor(
+            node_id=self.node_id,
+            state_dir=settings.state_dir,
+            on_exit=self._on_rank_exit,
+            tail_lines=settings.log_tail_lines,
+        )
+        self.book = CommandBook(node_id=self.node_id, state_file=settings.state_dir / "fences.json")
+        self.outbox = Outbox(bus, capacity=settings.outbox_capacity)
+        self.reports_skipped = 0
+        self._tasks: list[asyncio.Task[None]] = []
+        self._subscriptions: list[Any] = []
+
+    # --- lifecycle --------------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Serve commands and injections, start the loops, announce ourselves."""
+        self._subscriptions.append(await self.bus.serve(subjects.node_command(self.node_id), self._on_command))
+        self._subscriptions.append(await self.bus.serve(subjects.node_inject(self.node_id), self._on_inject))
+        self._tasks = [
+            asyncio.create_task(self.outbox.run(), name="outbox"),
+            asyncio.create_task(self._report_loop(), name="reports"),
+            asyncio.create_task(self._gpu_loop(), name="gpu-signals"),
+        ]
+        self._emit_lifecycle("starting")
+
+    async def stop(self) -> None:
+        """Stop taking commands, stop the ranks, say goodbye, flush what is queued."""
+        for sub in self._subscriptions:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        await self.supervisor.stop_all(grace_s=self.settings.stop_grace_s)
+        self._emit_lifecycle("stopping")
+        await self.outbox.flush(timeout_s=2.0)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.gpus.close()
+
+    def _emit_lifecycle(self, state: str) -> None:
+        event = AgentLifecycle(
+            source=self.node_id, node_id=self.node_id, state=state, gpu_count=self.settings.gpu_count
+        )
+        self.outbox.put(subjects.node_event(self.node_id, "agent.lifecycle"), event)
+
+    # --- reporting --------------------------------------------------------------------------------------------
+    def report(self) -> NodeReport:
+        """The node's compact report: every GPU and every rank."""
+        return NodeReport(
+            source=self.node_id,
+            node_id=self.node_id,
+            interval_s=self.settings.report_interval_s,
+            gpu_backend=self.gpus.name,
+            gpus=self.gpus.statuses(),
+            ranks=[rank.status() for rank in self.supervisor.ranks()],
+            spare=self.settings.spare,
+        )
+
+    async def _report_loop(self) -> None:
+        while True:
+            if self.bus.connected:
+                try:
+                    await self.bus.publish(subjects.node_report(self.node_id), self.report(), timeout=1.0)
+                except BusError:
+                    self.reports_skipped += 1
+            else:
+                self.reports_skipped += 1  # a report is a snapshot: a stale one is worth nothing later
+            await asyncio.sleep(self.settings.report_interval_s)
+
+    async def _gpu_loop(self) -> None:
+        while True:
+            self.flush_gpu_signals()
+            await asyncio.sleep(self.settings.gpu_poll_interval_s)
+
+    def flush_gpu_signals(self) -> None:
+        """Publish every GPU signal seen since the last call, at once."""
+        for signal in self.gpus.drain_signals():
+            if signal.kind is SignalKind.XID and signal.xid is not None:
+                xid = GpuXid(
+                    source=self.node_id,
+                    node_id=self.node_id,
+                    gpu=signal.gpu,
+                    xid=signal.xid,
+                    message=signal.message,
+                )
+                self.outbox.put(subjects.node_event(self.node_id, "gpu.xid"), xid)
+            elif signal.kind is SignalKind.LOST:
+                lost = GpuLost(source=self.node_id, node_id=self.node_id, gpu=signal.gpu, reason=signal.message)
+                self.outbox.put(subjects.node_event(self.node_id, "gpu.lost"), lost)
+
+    async def _on_rank_exit(self, rank: RankProcess) -> None:
+        event = RankExited(
+            source=self.node_id,
+            node_id=self.node_id,
+            job_id=rank.job_id,
+            rank=rank.rank,
+            exit_code=rank.exit_code,
+            signal=rank.exit_signal,
+            log_tail=list(rank.tail),
+        )
+        self.outbox.put(subjects.node_event(self.node_id, "rank.exited"), event)
+
+    # --- commands and injection -------------------------------------------------------------------------------
+    async def _on_command(self, data: bytes) -> Wire:
+        try:
+            command = AgentCommand.model_validate_json(data)
+        except ValidationError as exc:
+            return CommandReply(
+                command_id="", node_id=self.node_id, result=CommandResult.FAILED, detail=f"bad command: {exc}"
+            )
+        return await self.book.run(command, self._execute)
+
+    async def _execute(self, command: AgentCommand) -> CommandReply:
+        data: dict[str, Any]
+        if command.action is CommandAction.PING:
+            data = {"ranks": len(self.supervisor.ranks()), "spare": self.settings.spare}
+        elif command.action is CommandAction.LAUNCH:
+            spec = _launch_spec(command)
+            data = {"pids": await self.supervisor.launch(spec)}
+        else:  # STOP
+            grace = float(command.args.get("grace_s", self.settings.stop_grace_s))
+            stopped = await self.supervisor.stop(command.job_id, grace_s=grace)
+            data = {"stopped": [{"rank": r.rank, "exit_code": r.exit_code, "signal": r.exit_signal} for r in stopped]}
+        return CommandReply(command_id=command.command_id, node_id=self.node_id, result=CommandResult.DONE, data=data)
+
+    async def _on_inject(self, data: bytes) -> Wire:
+        try:
+            fault = InjectFault.model_validate_json(data)
+        except ValidationError as exc:
+            return InjectReply(accepted=False, detail=f"bad fault: {exc.errors()[0]['msg']}")
+        result = self.gpus.inject(fault)
+        self.flush_gpu_signals()  # the driver reports the error before the process dies of it
+        detail = result.detail
+        if result.fatal:
+            victim = self.supervisor.rank_on_gpu(fault.gpu)
+            if victim is not None:
+                self.supervisor.kill(victim)
+                detail += f"; killed rank {victim.rank} of job {victim.job_id}"
+        log.warning("fault injected", extra={"fault": fault.model_dump(mode="json"), "detail": detail})
+        return InjectReply(accepted=result.accepted, detail=detail)
+
+
+def _launch_spec(command: AgentCommand) -> LaunchSpec:
+    args = command.args
+    return LaunchSpec(
+        job_id=command.job_id,
+        restart_epoch=int(args["restart_epoch"]),
+        world_size=int(args["world_size"]),
+        master_addr=str(args["master_addr"]),
+        master_port=int(args["master_port"]),
+        command=[str(part) for part in args["command"]],
+        ranks=[RankAssignment.model_validate(r) for r in args["ranks"]],
+        env={str(k): str(v) for k, v in dict(args.get("env", {})).items()},
+        cwd=args.get("cwd"),
+        resume_checkpoint=args.get("resume_checkpoint"),
+    )

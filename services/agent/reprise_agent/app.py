@@ -1,0 +1,49 @@
+"""The agent's HTTP side: health, readiness, metrics and a status page for people."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI
+
+from reprise_agent.agent import Agent
+from reprise_agent.settings import AgentSettings
+from reprise_common.bus import Bus
+from reprise_common.service import Background, add_ops_routes, nats_check
+
+
+def create_app(settings: AgentSettings) -> FastAPI:
+    """Build the agent's app; the agent itself starts once NATS is reachable."""
+    bus = Bus(url=settings.nats_url, service=f"agent-{settings.node_id}")
+    agent = Agent(settings, bus)
+    background = Background(bus)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        background.start(agent.start)
+        yield
+        if background.started.is_set():
+            await agent.stop()
+        await background.stop()
+
+    app = FastAPI(title=f"Reprise agent {settings.node_id}", version="0.1.0", lifespan=lifespan)
+    app.state.agent = agent
+    add_ops_routes(app, checks={"nats": nats_check(bus)})
+
+    @app.get("/v1/status", tags=["agent"], summary="This node's GPUs, ranks and command state")
+    async def status() -> dict[str, Any]:
+        report = agent.report()
+        return {
+            "node_id": agent.node_id,
+            "spare": settings.spare,
+            "gpus": [g.model_dump(mode="json") for g in report.gpus],
+            "ranks": [r.model_dump(mode="json") for r in report.ranks],
+            "commands_executed": agent.book.executed,
+            "outbox_depth": len(agent.outbox),
+            "outbox_dropped": agent.outbox.dropped,
+            "reports_skipped": agent.reports_skipped,
+        }
+
+    return app

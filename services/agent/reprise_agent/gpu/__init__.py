@@ -1,0 +1,1 @@
+"""GPU health backends: real NVML and a simulator with fault injection, behind one interface."""

@@ -1,0 +1,206 @@
+"""Rank supervision: the job's ranks on this node as child processes, each in its own process group."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from reprise_common.events import RankAssignment, RankStatus
+from reprise_common.logging import get_logger
+from reprise_common.procs import describe_exit, die_with_parent
+
+log = get_logger("reprise.agent.ranks")
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """What a launch command asks for: the job's rendezvous and the ranks that run on this node."""
+
+    job_id: str
+    restart_epoch: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    command: list[str]
+    ranks: list[RankAssignment]
+    env: dict[str, str] = field(default_factory=dict)
+    cwd: str | None = None
+    resume_checkpoint: str | None = None
+
+
+@dataclass
+class RankProcess:
+    """One running (or finished) rank."""
+
+    job_id: str
+    rank: int
+    local_rank: int
+    gpu: int | None
+    proc: asyncio.subprocess.Process
+    log_path: Path
+    tail: deque[str]
+    stopping: bool = False
+    exit_code: int | None = None
+    exit_signal: str | None = None
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def alive(self) -> bool:
+        """True until the process has exited."""
+        return not self.done.is_set()
+
+    def status(self) -> RankStatus:
+        """This rank as a node report shows it."""
+        return RankStatus(job_id=self.job_id, rank=self.rank, pid=self.proc.pid, gpu=self.gpu, alive=self.alive)
+
+
+ExitCallback = Callable[[RankProcess], Awaitable[None]]
+
+
+class RankSupervisor:
+    """Starts, watches and stops ranks; calls on_exit for every exit it did not cause itself."""
+
+    def __init__(self, *, node_id: str, state_dir: Path, on_exit: ExitCallback, tail_lines: int = 50) -> None:
+        self.node_id = node_id
+        self.log_dir = state_dir / "ranks"
+        self.on_exit = on_exit
+        self.tail_lines = tail_lines
+        self._ranks: dict[tuple[str, int], RankProcess] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def ranks(self) -> list[RankProcess]:
+        """Every rank this agent knows, running or finished (finished ones until the job is stopped)."""
+        return list(self._ranks.values())
+
+    def rank_on_gpu(self, gpu: int) -> RankProcess | None:
+        """The live rank using a GPU, if any."""
+        return next((r for r in self._ranks.values() if r.gpu == gpu and r.alive), None)
+
+    async def launch(self, spec: LaunchSpec) -> list[int]:
+        """Start this node's ranks of a job (any earlier ranks of the job must be stopped first)."""
+        if any(r.alive for r in self._ranks.values() if r.job_id == spec.job_id):
+            raise RuntimeError(f"job {spec.job_id} already has live ranks on {self.node_id}: stop it first")
+        self._forget(spec.job_id)
+        pids = []
+        for assignment in spec.ranks:
+            rank = await self._start(spec, assignment)
+            self._ranks[(spec.job_id, assignment.rank)] = rank
+            pids.append(rank.proc.pid)
+        return pids
+
+    async def _start(self, spec: LaunchSpec, assignment: RankAssignment) -> RankProcess:
+        env = {
+            **os.environ,
+            **spec.env,
+            "RANK": str(assignment.rank),
+            "LOCAL_RANK": str(assignment.local_rank),
+            "WORLD_SIZE": str(spec.world_size),
+            "LOCAL_WORLD_SIZE": str(len(spec.ranks)),
+            "MASTER_ADDR": spec.master_addr,
+            "MASTER_PORT": str(spec.master_port),
+            "REPRISE_JOB_ID": spec.job_id,
+            "REPRISE_NODE_ID": self.node_id,
+            "REPRISE_RESTART_EPOCH": str(spec.restart_epoch),
+            "REPRISE_RESUME_CHECKPOINT": spec.resume_checkpoint or "",
+        }
+        if assignment.gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = str(assignment.gpu)
+        log_path = self.log_dir / spec.job_id / f"epoch-{spec.restart_epoch}-rank-{assignment.rank}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        proc = await asyncio.create_subprocess_exec(
+            *spec.command,
+            env=env,
+            cwd=spec.cwd,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=die_with_parent(signal.SIGKILL),  # a lost agent means a lost node: its ranks go too
+        )
+        rank = RankProcess(
+            job_id=spec.job_id,
+            rank=assignment.rank,
+            local_rank=assignment.local_rank,
+            gpu=assignment.gpu,
+            proc=proc,
+            log_path=log_path,
+            tail=deque(maxlen=self.tail_lines),
+        )
+        task = asyncio.create_task(self._watch(rank), name=f"rank:{spec.job_id}:{assignment.rank}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        log.info("rank started", extra={"job_id": spec.job_id, "rank": assignment.rank, "pid": proc.pid})
+        return rank
+
+    async def _watch(self, rank: RankProcess) -> None:
+        assert rank.proc.stdout is not None
+        with rank.log_path.open("a", encoding="utf-8") as sink:
+            await self._pump(rank, rank.proc.stdout, sink)
+        returncode = await rank.proc.wait()
+        rank.exit_code, rank.exit_signal = describe_exit(returncode)
+        rank.done.set()
+        log.info(
+            "rank exited",
+            extra={
+                "job_id": rank.job_id,
+                "rank": rank.rank,
+                "code": rank.exit_code,
+                "signal": rank.exit_signal,
+            },
+        )
+        if not rank.stopping:
+            await self.on_exit(rank)
+
+    @staticmethod
+    async def _pump(rank: RankProcess, stream: asyncio.StreamReader, sink: IO[str]) -> None:
+        while True:
+            try:
+                raw = await stream.readline()
+            except ValueError:  # a line longer than the stream limit: keep what fits
+                raw = await stream.read(64 * 1024)
+            if not raw:
+                return
+            line = raw.decode("utf-8", errors="replace").rstrip("\n")
+            rank.tail.append(line[:2000])
+            sink.write(line + "\n")
+            sink.flush()
+
+    def kill(self, rank: RankProcess, sig: int = signal.SIGKILL) -> None:
+        """Signal a rank's whole process group, as a fault would (the exit is reported)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(rank.proc.pid, sig)
+
+    async def stop(self, job_id: str, *, grace_s: float) -> list[RankProcess]:
+        """SIGTERM every rank of the job, wait up to grace_s, then SIGKILL their process groups."""
+        ranks = [r for r in self._ranks.values() if r.job_id == job_id]
+        for rank in ranks:
+            rank.stopping = True
+            if rank.alive:
+                self.kill(rank, signal.SIGTERM)
+        waits = [asyncio.wait_for(r.done.wait(), timeout=grace_s) for r in ranks if r.alive]
+        results = await asyncio.gather(*waits, return_exceptions=True)
+        if any(isinstance(result, TimeoutError) for result in results):
+            for rank in ranks:
+                if rank.alive:
+                    self.kill(rank, signal.SIGKILL)
+            await asyncio.gather(*(r.done.wait() for r in ranks))
+        for rank in ranks:  # nothing of the group may survive the leader
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(rank.proc.pid, signal.SIGKILL)
+        return ranks
+
+    def _forget(self, job_id: str) -> None:
+        for key in [k for k, r in self._ranks.items() if r.job_id == job_id and not r.alive]:
+            del self._ranks[key]
+
+    async def stop_all(self, *, grace_s: float) -> None:
+        """Stop every job's ranks (agent shutdown)."""
+        for job_id in {r.job_id for r in self._ranks.values()}:
+            await self.stop(job_id, grace_s=grace_s)

@@ -1,0 +1,82 @@
+"""The orchestrator's FastAPI application and its background work."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from redis.asyncio import Redis
+from sqlmodel import SQLModel
+
+from reprise_common import subjects
+from reprise_common.bus import Bus
+from reprise_common.clock import SystemClock
+from reprise_common.db import db_check, make_engine
+from reprise_common.service import Background, add_error_handlers, add_ops_routes, nats_check
+from reprise_orchestrator.deps import Deps
+from reprise_orchestrator.jobs import views as job_views
+from reprise_orchestrator.locks import RedisJobLocks
+from reprise_orchestrator.nodes import views as node_views
+from reprise_orchestrator.nodes.inventory import Inventory
+from reprise_orchestrator.recoveries.flows import RecoveryFlow
+from reprise_orchestrator.registry_client import RegistryClient
+from reprise_orchestrator.settings import OrchestratorSettings
+
+INCIDENTS_DURABLE = "orchestrator-incidents"
+
+
+def _redis_check(redis: Redis) -> Callable[[], Awaitable[bool]]:
+    async def check() -> bool:
+        return bool(await redis.ping())
+
+    return check
+
+
+def create_app(settings: OrchestratorSettings) -> FastAPI:
+    """Build the app; consumers start once NATS is reachable."""
+    clock = SystemClock()
+    engine = make_engine(settings.database_url)
+    redis = Redis.from_url(settings.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+    bus = Bus(url=settings.nats_url, service="orchestrator")
+    deps = Deps(
+        settings=settings,
+        engine=engine,
+        bus=bus,
+        locks=RedisJobLocks(redis, ttl_s=settings.lock_ttl_s),
+        inventory=Inventory(clock=clock, stale_s=settings.node_stale_s),
+        registry=RegistryClient(settings.registry_url, timeout_s=settings.http_timeout_s),
+        clock=clock,
+    )
+    flow = RecoveryFlow(deps)
+    background = Background(bus)
+
+    async def on_connected() -> None:
+        await deps.inventory.start(bus)
+        bus.consumer(
+            stream="INCIDENTS",
+            durable=INCIDENTS_DURABLE,
+            filter_subject=subjects.INCIDENTS_OPENED,
+            handler=flow.on_incident,
+            ack_wait_s=300.0,
+            max_deliver=20,
+        ).start()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        SQLModel.metadata.create_all(engine)
+        background.start(on_connected)
+        yield
+        await background.stop()
+        await deps.registry.close()
+        await redis.aclose()
+        engine.dispose()
+
+    app = FastAPI(title="Reprise orchestrator", version="0.1.0", lifespan=lifespan)
+    app.state.deps = deps
+    app.state.inventory = deps.inventory
+    add_ops_routes(app, checks={"nats": nats_check(bus), "redis": _redis_check(redis), "database": db_check(engine)})
+    add_error_handlers(app)
+    app.include_router(job_views.router)
+    app.include_router(node_views.router)
+    return app

@@ -1,0 +1,1 @@
+"""Jobs: registration, placement and launch."""

@@ -1,0 +1,1 @@
+"""Nodes: the inventory built from agent reports."""

@@ -1,0 +1,1 @@
+"""Recoveries: the exactly-once recovery state machine."""

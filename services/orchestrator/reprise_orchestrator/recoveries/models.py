@@ -1,0 +1,73 @@
+"""Recovery records: one row per recovery, every step with its start and end time."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+from typing import Any
+
+from pydantic import field_validator
+from sqlalchemy import JSON, Column
+from sqlmodel import Field, SQLModel
+
+from reprise_common.clock import utcnow
+from reprise_orchestrator.timeutil import as_utc
+
+
+class RecoveryStep(StrEnum):
+    """The steps of a recovery, in order; a recovery ends in RUNNING or FAILED."""
+
+    DETECTED = "detected"
+    LOCKED = "locked"
+    STOPPING_RANKS = "stopping_ranks"
+    RESTORING = "restoring"
+    LAUNCHING = "launching"
+    RUNNING = "running"
+    FAILED = "failed"
+
+
+TERMINAL_STEPS = frozenset({RecoveryStep.RUNNING, RecoveryStep.FAILED})
+
+
+class Recovery(SQLModel, table=True):
+    """One recovery of one job, owned by the holder of its fencing token."""
+
+    id: str = Field(primary_key=True)
+    job_id: str = Field(index=True, foreign_key="job.id")
+    incident_id: str | None = None
+    attached_incidents: list[str] = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
+    fence: int = Field(index=True)
+    owner: str
+    step: RecoveryStep = Field(default=RecoveryStep.DETECTED, index=True)
+    steps: list[dict[str, Any]] = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
+    detail: str = ""
+    started_at: datetime = Field(default_factory=utcnow)
+    finished_at: datetime | None = None
+
+
+class RecoveryPublic(SQLModel):
+    """A recovery as the API shows it."""
+
+    id: str
+    job_id: str
+    incident_id: str | None
+    attached_incidents: list[str]
+    fence: int
+    owner: str
+    step: RecoveryStep
+    steps: list[dict[str, Any]]
+    detail: str
+    started_at: datetime
+    finished_at: datetime | None
+
+    @field_validator("started_at", "finished_at")
+    @classmethod
+    def _utc(cls, value: datetime | None) -> datetime | None:
+        return None if value is None else as_utc(value)
+
+
+class RecoveriesPublic(SQLModel):
+    """A job's recoveries."""
+
+    data: list[RecoveryPublic]
+    count: int
