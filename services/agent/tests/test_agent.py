@@ -10,6 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from reprise_agent.agent import Agent
+from reprise_agent.settings import AgentSettings
+from reprise_cli.servers import NatsServer
 from reprise_common import subjects
 from reprise_common.bus import Bus, Delivery, Outcome
 from reprise_common.events import (
@@ -27,10 +30,6 @@ from reprise_common.events import (
     NodeReport,
     RankExited,
 )
-
-from reprise_agent.agent import Agent
-from reprise_agent.settings import AgentSettings
-from reprise_cli.servers import NatsServer
 
 SLEEPER = [sys.executable, "-c", "import time, os; print('rank', os.environ['RANK'], flush=True); time.sleep(600)"]
 
@@ -172,5 +171,7 @@ async def test_xid79_kills_rank_on_that_gpu_and_reports_gpu_lost(harness: Harnes
 
 
 async def test_bad_injection_is_refused_with_a_reason(harness: Harness) -> None:
-    answer = await harness.client.request(subjects.node_inject("n1"), InjectFault(kind=FaultKind.XID, gpu=9, xid=79), InjectReply)
+    answer = await harness.client.request(
+        subjects.node_inject("n1"), InjectFault(kind=FaultKind.XID, gpu=9, xid=79), InjectReply
+    )
     assert not answer.accepted and "no GPU 9" in answer.detail

@@ -1,0 +1,200 @@
+"""Classify stage: map a symptom to a category, severity and recommended action using rules kept as data."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Mapping
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from reprise_common.errors import ConfigError
+from reprise_common.events import Category, DependencyFailed, GpuLost, GpuXid, RankExited, RecommendedAction, Severity
+from reprise_detector.observe import SymptomEvent
+
+BUILTIN_RULES = "rules.yaml"
+
+
+@dataclass(frozen=True)
+class Classification:
+    """What a symptom means: where the fault lies, how bad it is, what to do, and whether it can be a root cause."""
+
+    category: Category
+    severity: Severity
+    action: RecommendedAction
+    root_cause_grade: bool
+    reason: str
+
+
+class _Rule(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    category: Category
+    severity: Severity
+    action: RecommendedAction
+    root_cause: bool
+
+
+class TemplateRule(_Rule):
+    """A rule whose reason is a template filled from the event's fields."""
+
+    reason: str = Field(min_length=1)
+
+    @field_validator("reason")
+    @classmethod
+    def _renders(cls, value: str) -> str:
+        try:
+            value.format_map(_Facts())
+        except (ValueError, IndexError) as exc:
+            raise ValueError(f"reason template {value!r} is not valid: {exc}") from exc
+        return value
+
+    def apply(self, facts: Mapping[str, Any]) -> Classification:
+        """The classification this rule gives, its reason filled in from facts."""
+        return Classification(
+            self.category, self.severity, self.action, self.root_cause, self.reason.format_map(_Facts(facts))
+        )
+
+
+class XidRule(_Rule):
+    """The meaning of one or more XID codes."""
+
+    xids: list[int] = Field(min_length=1)
+    meaning: str = Field(min_length=1)
+
+
+class ExitMatch(BaseModel):
+    """Fields a rank exit must match; a field left out matches anything."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    oom_killed: bool | None = None
+    signal: str | None = None
+    exit_code: int | None = None
+
+    @field_validator("signal")
+    @classmethod
+    def _normalise(cls, value: str | None) -> str | None:
+        return normalise_signal(value, None)
+
+    def matches(self, *, oom_killed: bool, signal: str | None, exit_code: int | None) -> bool:
+        """True when every given field equals the exit's."""
+        return (
+            (self.oom_killed is None or self.oom_killed == oom_killed)
+            and (self.signal is None or self.signal == signal)
+            and (self.exit_code is None or self.exit_code == exit_code)
+        )
+
+
+class ExitRule(TemplateRule):
+    """A rank-exit rule: the first whose `when` matches decides."""
+
+    when: ExitMatch = Field(default_factory=ExitMatch)
+
+
+class RulesFile(BaseModel):
+    """The shape of rules.yaml and of an operator's rules file (every section optional in the latter)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    version: Literal[1] = 1
+    xid: list[XidRule] = Field(default_factory=list)
+    unknown_xid: TemplateRule | None = None
+    gpu_lost: TemplateRule | None = None
+    dependency_failed: TemplateRule | None = None
+    rank_exited: list[ExitRule] = Field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class RuleBook:
+    """The merged rules, ready to classify symptoms."""
+
+    xids: Mapping[int, XidRule]
+    unknown_xid: TemplateRule
+    gpu_lost: TemplateRule
+    dependency_failed: TemplateRule
+    rank_exited: tuple[ExitRule, ...]
+
+    def classify(self, event: SymptomEvent) -> Classification:
+        """Classify one symptom event."""
+        match event:
+            case GpuXid():
+                return self._xid(event)
+            case GpuLost():
+                return self.gpu_lost.apply({**event.model_dump(), "reason": event.reason or "no reason given"})
+            case DependencyFailed():
+                return self.dependency_failed.apply(event.model_dump())
+            case RankExited():
+                return self._rank_exited(event)
+
+    def _xid(self, event: GpuXid) -> Classification:
+        rule = self.xids.get(event.xid)
+        if rule is None:
+            return self.unknown_xid.apply(event.model_dump())
+        reason = f"XID {event.xid} on GPU {event.gpu}: {rule.meaning}"
+        return Classification(rule.category, rule.severity, rule.action, rule.root_cause, reason)
+
+    def _rank_exited(self, event: RankExited) -> Classification:
+        sig = normalise_signal(event.signal, event.exit_code)
+        how = f"signal {sig}" if sig else f"exit code {event.exit_code}"
+        facts = {**event.model_dump(), "signal": sig, "how": how}
+        for rule in self.rank_exited:
+            if rule.when.matches(oom_killed=event.oom_killed, signal=sig, exit_code=event.exit_code):
+                return rule.apply(facts)
+        return Classification(Category.UNKNOWN, Severity.WARNING, RecommendedAction.NONE, False, f"rank exit: {how}")
+
+
+def normalise_signal(value: str | None, exit_code: int | None) -> str | None:
+    """A signal as its SIG name, from a name ("KILL", "sigkill"), a number, or a shell-style exit code (137)."""
+    if value:
+        text = value.strip().upper()
+        if text.lstrip("-").isdigit():
+            return _signal_name(abs(int(text))) or text
+        return text if text.startswith("SIG") else f"SIG{text}"
+    if exit_code is not None and exit_code < 0:
+        return _signal_name(-exit_code)
+    if exit_code is not None and exit_code > 128:
+        return _signal_name(exit_code - 128)
+    return None
+
+
+def _signal_name(number: int) -> str | None:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return None
+
+
+def load_rules(path: Path | None = None) -> RuleBook:
+    """The built-in rules, extended and overridden by an operator's file when one is given."""
+    builtin = _read(resources.files("reprise_detector").joinpath(BUILTIN_RULES).read_text(), BUILTIN_RULES)
+    operator = _read(path.read_text(), str(path)) if path is not None else RulesFile()
+    xids = {code: rule for rule in (*builtin.xid, *operator.xid) for code in rule.xids}
+    unknown = operator.unknown_xid or builtin.unknown_xid
+    lost = operator.gpu_lost or builtin.gpu_lost
+    dependency = operator.dependency_failed or builtin.dependency_failed
+    if unknown is None or lost is None or dependency is None:
+        raise ConfigError(f"built-in {BUILTIN_RULES} lacks a required section")
+    return RuleBook(xids, unknown, lost, dependency, (*operator.rank_exited, *builtin.rank_exited))
+
+
+def _read(text: str, where: str) -> RulesFile:
+    try:
+        return RulesFile.model_validate(yaml.safe_load(text) or {})
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"rules file {where} is not valid YAML: {exc}") from exc
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        at = ".".join(str(p) for p in first["loc"]) or "(root)"
+        raise ConfigError(f"rules file {where}: {at}: {first['msg']}") from exc
+
+
+class _Facts(dict[str, Any]):
+    """Template values; a field a template names but the event lacks renders as '?' instead of failing."""
+
+    def __missing__(self, key: str) -> str:
+        return "?"

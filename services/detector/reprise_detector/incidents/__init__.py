@@ -1,0 +1,1 @@
+"""Incidents: one per fault per job, with the symptoms that explain it."""

@@ -1,0 +1,69 @@
+"""Incident side effects: announce changes on the bus (deduplicated by message id) and resolve incidents."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy.engine import Engine
+
+from reprise_common import subjects
+from reprise_common.bus import Bus
+from reprise_common.clock import Clock
+from reprise_common.db import session_scope
+from reprise_common.events import Category, Culprit, IncidentChange, RecommendedAction, Severity
+from reprise_detector.incidents import service
+from reprise_detector.incidents.models import Incident, IncidentChangeKind, IncidentPublic
+
+SOURCE = "detector"
+
+
+@dataclass(frozen=True)
+class PendingChange:
+    """An IncidentChange to publish once the database has committed it."""
+
+    subject: str
+    msg_id: str
+    event: IncidentChange
+
+
+def pending_change(incident: Incident, kind: IncidentChangeKind, *, seq: int, now: datetime) -> PendingChange:
+    """The change event for an incident; its id is stable per (incident, change, symptom count) so a retry dedups."""
+    msg_id = f"{incident.id}:{kind.value}:{seq}"
+    event = IncidentChange(
+        event_id=msg_id,
+        time=now,
+        source=SOURCE,
+        change=kind.value,
+        incident_id=incident.id,
+        job_id=incident.job_id,
+        category=Category(incident.category),
+        severity=Severity(incident.severity),
+        root_cause=incident.root_cause,
+        culprit=Culprit(node_id=incident.culprit_node_id, gpu=incident.culprit_gpu, rank=incident.culprit_rank),
+        recommended_action=RecommendedAction(incident.recommended_action),
+        symptom_count=seq,
+        first_symptom_at=incident.first_symptom_at,
+    )
+    return PendingChange(subject=subjects.incident(incident.job_id, kind.value), msg_id=msg_id, event=event)
+
+
+async def publish_changes(bus: Bus, changes: list[PendingChange]) -> None:
+    """Publish committed changes in order; raises BusError so the caller can retry (the ids make that safe)."""
+    for change in changes:
+        await bus.publish(change.subject, change.event, msg_id=change.msg_id)
+
+
+async def resolve(*, engine: Engine, bus: Bus, clock: Clock, incident_id: str) -> IncidentPublic:
+    """Resolve an incident and announce it; repeating it re-announces the same change, which the stream dedups."""
+
+    def commit() -> tuple[IncidentPublic, PendingChange]:
+        with session_scope(engine) as session:
+            incident = service.resolve(session, incident_id=incident_id, now=clock.now())
+            change = pending_change(incident, IncidentChangeKind.RESOLVED, seq=incident.symptom_count, now=clock.now())
+            return IncidentPublic.model_validate(incident), change
+
+    public, change = await asyncio.to_thread(commit)
+    await publish_changes(bus, [change])
+    return public

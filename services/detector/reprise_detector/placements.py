@@ -1,0 +1,94 @@
+"""Where each job's ranks run, kept in memory from the PLACEMENTS stream (the last placement per job)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from reprise_common.bus import Delivery, Outcome
+from reprise_common.events import Event, JobPlacement
+from reprise_common.logging import get_logger
+
+log = get_logger("reprise.detector.placements")
+
+
+@dataclass(frozen=True)
+class PlacedRank:
+    """One rank of one job on a node."""
+
+    job_id: str
+    rank: int
+    gpu: int | None
+
+
+class PlacementMap:
+    """node_id -> the ranks placed on it; a newer epoch replaces a job's placement, an inactive one removes it."""
+
+    def __init__(self) -> None:
+        self._by_node: dict[str, list[PlacedRank]] = {}
+        self._epochs: dict[str, int] = {}
+        self.last_seq = 0
+        self._advanced = asyncio.Event()
+
+    def apply(self, placement: JobPlacement) -> bool:
+        """Apply a placement; False when it is older than the one already known for the job."""
+        job_id = placement.job_id
+        if placement.restart_epoch < self._epochs.get(job_id, -1):
+            return False
+        self._epochs[job_id] = placement.restart_epoch
+        for node_id in list(self._by_node):
+            kept = [placed for placed in self._by_node[node_id] if placed.job_id != job_id]
+            if kept:
+                self._by_node[node_id] = kept
+            else:
+                del self._by_node[node_id]
+        if placement.active:
+            for assignment in placement.ranks:
+                placed = PlacedRank(job_id=job_id, rank=assignment.rank, gpu=assignment.gpu)
+                self._by_node.setdefault(assignment.node_id, []).append(placed)
+        return True
+
+    def on_node(self, node_id: str) -> list[PlacedRank]:
+        """The ranks placed on a node, every job."""
+        return list(self._by_node.get(node_id, ()))
+
+    def jobs_on(self, node_id: str) -> list[str]:
+        """The distinct jobs with a rank on a node, in placement order."""
+        return list(dict.fromkeys(placed.job_id for placed in self._by_node.get(node_id, ())))
+
+    def rank_on_gpu(self, *, job_id: str, node_id: str, gpu: int | None) -> int | None:
+        """The job's rank that runs on this GPU of this node, if the placement says so."""
+        if gpu is None:
+            return None
+        ranks = [p.rank for p in self._by_node.get(node_id, ()) if p.job_id == job_id and p.gpu == gpu]
+        return ranks[0] if len(ranks) == 1 else None
+
+    def gpu_of(self, *, job_id: str, node_id: str, rank: int) -> int | None:
+        """The GPU a rank of a job runs on, if the placement says so."""
+        return next((p.gpu for p in self._by_node.get(node_id, ()) if p.job_id == job_id and p.rank == rank), None)
+
+    async def handle(self, event: Event, delivery: Delivery) -> Outcome:
+        """Consumer handler for the PLACEMENTS stream."""
+        if not isinstance(event, JobPlacement):
+            log.warning("not a placement on the placements stream", extra={"subject": delivery.subject})
+            return Outcome.REJECT
+        if not self.apply(event):
+            log.info("ignored a stale placement", extra={"job_id": event.job_id, "epoch": event.restart_epoch})
+        self.last_seq = max(self.last_seq, delivery.stream_seq)
+        self._advanced.set()
+        return Outcome.ACK
+
+    async def wait_for_seq(self, seq: int, *, timeout: float) -> bool:
+        """Wait until the placement at stream sequence seq (or a later one) has been applied."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.last_seq < seq:
+            self._advanced.clear()
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self._advanced.wait(), timeout=remaining)
+            except TimeoutError:
+                return self.last_seq >= seq
+        return True

@@ -1,0 +1,147 @@
+"""Fixtures for detector tests: the real app (lifespan and all) against a real nats-server and a real database."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI
+from sqlmodel import Session, select
+
+from reprise_cli.servers import NatsServer
+from reprise_common import subjects
+from reprise_common.bus import Bus
+from reprise_common.events import Event, IncidentChange, JobPlacement, RankAssignment, parse_event
+from reprise_detector.app import create_app
+from reprise_detector.incidents.models import Symptom
+from reprise_detector.runtime import EVENTS_DURABLE, Runtime
+from reprise_detector.settings import DetectorSettings
+
+
+async def wait_until(predicate: Callable[[], Awaitable[bool]], timeout: float = 10.0) -> bool:
+    """Poll an async predicate until it holds or the timeout passes."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while loop.time() < deadline:
+        if await predicate():
+            return True
+        await asyncio.sleep(0.02)
+    return await predicate()
+
+
+@dataclass
+class Harness:
+    """A running detector, an HTTP client on it, and a bus to play the agents and the orchestrator."""
+
+    app: FastAPI
+    client: httpx.AsyncClient
+    agents: Bus
+    stack: AsyncExitStack
+
+    async def stop(self) -> None:
+        """Close the client and run the app's shutdown (consumers stop, NATS drains); safe to call twice."""
+        await self.stack.aclose()
+
+    @property
+    def runtime(self) -> Runtime:
+        """The detector's runtime."""
+        runtime: Runtime = self.app.state.runtime
+        return runtime
+
+    async def place(self, job_id: str, ranks: list[tuple[int, str, int]], *, epoch: int = 0) -> None:
+        """Publish a placement: (rank, node, gpu) per rank, and wait until the detector has applied it."""
+        assignments = [RankAssignment(rank=r, node_id=n, gpu=g, local_rank=g) for r, n, g in ranks]
+        placement = JobPlacement(
+            source="orchestrator", job_id=job_id, restart_epoch=epoch, world_size=len(ranks), ranks=assignments
+        )
+        seq = await self.agents.publish(subjects.placement(job_id), placement)
+        assert await self.runtime.placements.wait_for_seq(seq, timeout=10)
+
+    async def emit(self, node_id: str, event: Event) -> int:
+        """Publish an agent event on the node's subject, as its agent would."""
+        return await self.agents.publish(subjects.node_event(node_id, event.type), event)
+
+    async def settled(self, timeout: float = 10.0) -> None:
+        """Wait until the detector has handled and acknowledged every agent event published so far."""
+        last = (await self.agents.js.stream_info("AGENT")).state.last_seq
+
+        async def done() -> bool:
+            info = await self.agents.js.consumer_info("AGENT", EVENTS_DURABLE)
+            return info.delivered.stream_seq >= last and info.num_ack_pending == 0 and info.num_pending == 0
+
+        assert await wait_until(done, timeout), "the detector did not handle every event in time"
+
+    async def incidents(self, **params: Any) -> dict[str, Any]:
+        """GET /v1/incidents with filters."""
+        response = await self.client.get("/v1/incidents", params=params)
+        assert response.status_code == 200, response.text
+        body: dict[str, Any] = response.json()
+        return body
+
+    async def incident(self, incident_id: str) -> dict[str, Any]:
+        """GET /v1/incidents/{id}."""
+        response = await self.client.get(f"/v1/incidents/{incident_id}")
+        assert response.status_code == 200, response.text
+        body: dict[str, Any] = response.json()
+        return body
+
+    def symptoms(self, event_id: str) -> list[Symptom]:
+        """Every symptom row recorded for an event."""
+        with Session(self.runtime.engine) as session:
+            return list(session.exec(select(Symptom).where(Symptom.event_id == event_id)).all())
+
+    async def changes(self, job_id: str) -> list[IncidentChange]:
+        """Every IncidentChange stored on the INCIDENTS stream for a job, in order."""
+        sub = await self.agents.js.pull_subscribe(f"reprise.incident.{job_id}.>", stream="INCIDENTS")
+        found: list[IncidentChange] = []
+        try:
+            while True:
+                msgs = await sub.fetch(100, timeout=0.3)
+                for msg in msgs:
+                    event = parse_event(msg.data)
+                    assert isinstance(event, IncidentChange)
+                    found.append(event)
+                    await msg.ack()
+        except TimeoutError:
+            pass
+        finally:
+            await sub.unsubscribe()
+        return found
+
+
+StartDetector = Callable[..., Awaitable[Harness]]
+
+
+@pytest.fixture
+async def start_detector(nats_server: NatsServer) -> AsyncIterator[StartDetector]:
+    """Start detectors on the test's nats-server (each with its own lifespan); all are stopped at the end."""
+    async with AsyncExitStack() as stack:
+        agents = Bus(url=nats_server.url, service="test-agents")
+        await agents.connect(attempts=20)
+        stack.push_async_callback(agents.close)
+
+        async def start(database_url: str, **overrides: Any) -> Harness:
+            settings = DetectorSettings(nats_url=nats_server.url, database_url=database_url, **overrides)
+            app = create_app(settings)
+            own = AsyncExitStack()
+            stack.push_async_callback(own.aclose)
+            await own.enter_async_context(app.router.lifespan_context(app))
+            client = await own.enter_async_context(
+                httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://detector")
+            )
+            harness = Harness(app=app, client=client, agents=agents, stack=own)
+            await harness.runtime.wait_started(timeout=15)
+            return harness
+
+        yield start
+
+
+@pytest.fixture
+async def detector(start_detector: StartDetector, sqlite_url: str) -> Harness:
+    """A detector on SQLite."""
+    return await start_detector(sqlite_url)

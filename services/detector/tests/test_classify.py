@@ -1,0 +1,180 @@
+"""Classification rules, table-driven: every XID row of REFERENCE.md, rank exits, lost GPUs, dependencies."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from reprise_common.errors import ConfigError
+from reprise_common.events import Category, DependencyFailed, GpuLost, GpuXid, RankExited, RecommendedAction, Severity
+from reprise_detector.classify import Classification, load_rules, normalise_signal
+
+HW, NVL, APP = Category.GPU_HARDWARE, Category.INTERCONNECT, Category.APPLICATION
+CRIT, WARN, INFO = Severity.CRITICAL, Severity.WARNING, Severity.INFO
+NONE, RESTART, EVICT, RESET, HUMAN = (
+    RecommendedAction.NONE,
+    RecommendedAction.RESTART_JOB,
+    RecommendedAction.RESTART_EXCLUDE_NODE,
+    RecommendedAction.RESET_GPU,
+    RecommendedAction.ALERT_HUMAN,
+)
+
+# xid, category, severity, action, root-cause-grade -- one row per row of the XID table in REFERENCE.md
+XID_TABLE = [
+    (13, APP, CRIT, RESTART, True),
+    (31, APP, CRIT, RESTART, True),
+    (43, APP, INFO, NONE, False),
+    (45, APP, INFO, NONE, False),
+    (46, HW, CRIT, RESET, True),
+    (48, HW, CRIT, EVICT, True),
+    (61, HW, CRIT, EVICT, True),
+    (62, HW, CRIT, EVICT, True),
+    (63, HW, INFO, NONE, False),
+    (64, HW, CRIT, EVICT, True),
+    (74, NVL, CRIT, EVICT, True),
+    (79, HW, CRIT, EVICT, True),
+    (92, HW, WARN, NONE, False),
+    (94, HW, CRIT, RESTART, True),
+    (95, HW, CRIT, EVICT, True),
+    (109, HW, CRIT, EVICT, True),
+    (119, HW, CRIT, EVICT, True),
+    (120, HW, CRIT, EVICT, True),
+    (140, HW, CRIT, EVICT, True),
+    *[(xid, NVL, CRIT, EVICT, True) for xid in range(144, 151)],
+    (154, HW, WARN, HUMAN, False),
+]
+
+
+def _xid(xid: int, gpu: int = 2) -> GpuXid:
+    return GpuXid(source="node-1", node_id="node-1", gpu=gpu, xid=xid)
+
+
+def _exit(**fields: object) -> RankExited:
+    return RankExited(source="node-1", node_id="node-1", job_id="job-a", rank=5, **fields)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("xid", "category", "severity", "action", "fatal"), XID_TABLE, ids=str)
+def test_every_reference_xid(
+    xid: int, category: Category, severity: Severity, action: RecommendedAction, fatal: bool
+) -> None:
+    got = load_rules().classify(_xid(xid))
+    assert (got.category, got.severity, got.action, got.root_cause_grade) == (category, severity, action, fatal)
+    assert got.reason.startswith(f"XID {xid} on GPU 2: ")
+
+
+def test_the_rules_cover_exactly_the_reference_table() -> None:
+    assert set(load_rules().xids) == {row[0] for row in XID_TABLE}
+
+
+@pytest.mark.parametrize("xid", [0, 1, 44, 999])
+def test_an_unknown_xid_is_an_unknown_warning(xid: int) -> None:
+    got = load_rules().classify(_xid(xid))
+    assert (got.category, got.severity, got.root_cause_grade) == (Category.UNKNOWN, WARN, False)
+    assert str(xid) in got.reason
+
+
+@pytest.mark.parametrize(
+    ("fields", "category", "action", "fatal", "reason_has"),
+    [
+        ({"signal": "SIGKILL", "oom_killed": True, "exit_code": 137}, APP, RESTART, True, "OOM"),
+        ({"exit_code": 137, "oom_killed": True}, APP, RESTART, True, "OOM"),
+        ({"signal": "SIGSEGV"}, APP, RESTART, True, "segmentation fault"),
+        ({"signal": "11"}, APP, RESTART, True, "segmentation fault"),
+        ({"exit_code": 139}, APP, RESTART, True, "segmentation fault"),
+        ({"exit_code": -11}, APP, RESTART, True, "segmentation fault"),
+        ({"signal": "kill"}, Category.UNKNOWN, RESTART, True, "SIGKILL"),
+        ({"exit_code": 1}, APP, RESTART, True, "exit code 1"),
+        ({"signal": "SIGABRT"}, APP, RESTART, True, "signal SIGABRT"),
+        ({"exit_code": 0}, APP, NONE, False, "cleanly"),
+    ],
+)
+def test_rank_exits(
+    fields: dict[str, object], category: Category, action: RecommendedAction, fatal: bool, reason_has: str
+) -> None:
+    got = load_rules().classify(_exit(**fields))
+    assert (got.category, got.action, got.root_cause_grade) == (category, action, fatal)
+    assert "rank 5" in got.reason and reason_has in got.reason
+
+
+def test_a_lost_gpu_is_fatal_hardware() -> None:
+    got = load_rules().classify(GpuLost(source="n", node_id="n", gpu=3, reason="NVML_ERROR_GPU_IS_LOST"))
+    assert got == Classification(HW, CRIT, EVICT, True, "GPU 3 lost: NVML_ERROR_GPU_IS_LOST")
+
+
+def test_a_failed_dependency_is_a_dependency_root_cause() -> None:
+    got = load_rules().classify(DependencyFailed(source="n", node_id="n", dependency="storage", detail="nfs timeout"))
+    assert (got.category, got.action, got.root_cause_grade) == (Category.DEPENDENCY, HUMAN, True)
+    assert got.reason == "dependency storage failed: nfs timeout"
+
+
+def test_an_operator_file_overrides_and_extends(tmp_path: Path) -> None:
+    path = tmp_path / "rules.yaml"
+    path.write_text(
+        """
+xid:
+  - xids: [13]
+    meaning: on our fleet XID 13 means a bad GPU
+    category: gpu_hardware
+    severity: critical
+    action: restart_exclude_node
+    root_cause: true
+  - xids: [200]
+    meaning: a future XID
+    category: gpu_hardware
+    severity: warning
+    action: alert_human
+    root_cause: false
+rank_exited:
+  - when: {exit_code: 42}
+    category: dependency
+    severity: critical
+    action: alert_human
+    root_cause: true
+    reason: "rank {rank} could not reach the data loader"
+"""
+    )
+    rules = load_rules(path)
+    assert rules.classify(_xid(13)).category == HW
+    assert rules.classify(_xid(200)).action == HUMAN
+    assert rules.classify(_xid(79)).category == HW  # built-in rows are kept
+    assert rules.classify(_exit(exit_code=42)).reason == "rank 5 could not reach the data loader"
+    assert rules.classify(_exit(exit_code=1)).category == APP
+
+
+_RULE = "category: unknown, severity: info, action: none"
+BAD_FILES = [
+    (
+        "xid: [{xids: [13], meaning: x, category: cosmic_rays, severity: info, action: none, root_cause: false}]",
+        "xid.0",
+    ),
+    ("gpu_lost: {" + _RULE + ", root_cause: true, reason: '{0}'}", "gpu_lost"),
+    ("rank_exited: [{when: {exit_cod: 1}, " + _RULE + ", root_cause: false, reason: r}]", "exit_cod"),
+    ("xid: [unclosed", "not valid YAML"),
+    ("version: 2", "version"),
+]
+
+
+@pytest.mark.parametrize(("text", "message"), BAD_FILES)
+def test_a_bad_operator_file_is_refused_with_where(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "rules.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_rules(path)
+
+
+@pytest.mark.parametrize(
+    ("signal", "exit_code", "expected"),
+    [
+        ("SIGKILL", None, "SIGKILL"),
+        ("kill", None, "SIGKILL"),
+        ("9", None, "SIGKILL"),
+        (None, 137, "SIGKILL"),
+        (None, -15, "SIGTERM"),
+        (None, 1, None),
+        (None, None, None),
+        (None, 200, None),
+    ],
+)
+def test_signals_are_normalised(signal: str | None, exit_code: int | None, expected: str | None) -> None:
+    assert normalise_signal(signal, exit_code) == expected

@@ -1,0 +1,179 @@
+"""`reprise up` as a user runs it: real servers and services as processes, readiness, Ctrl-C, NATS outage.
+
+Also the walking skeleton: an injected XID 79 travels agent → detector → orchestrator → agents → registry.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from reprise_cli.client import PlatformClient, poll
+from reprise_cli.servers import free_port, port_is_free
+from reprise_cli.stack import Stack
+from reprise_cli.topology import DEFAULT_PORTS, StackConfig
+from reprise_common.events import FaultKind, InjectFault
+
+pytestmark = pytest.mark.stack
+
+
+def _free_ports() -> dict[str, int]:
+    ports = {key: free_port() for key in DEFAULT_PORTS}
+    # agents take consecutive ports from their base: find a free run of 8
+    while True:
+        base = free_port()
+        if all(port_is_free(base + i) for i in range(8)):
+            ports["agent"] = base
+            return ports
+
+
+@pytest.fixture
+def stack(tmp_path: Path) -> Iterator[Stack]:
+    config = StackConfig(nodes=2, spares=1, gpus_per_node=4, state_dir=tmp_path / "state", ports=_free_ports())
+    running = Stack(config)
+    running.start(timeout_s=60)
+    yield running
+    running.stop()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().split()[2] != "Z"
+
+
+def test_walking_skeleton_xid79_to_fenced_recovery(stack: Stack) -> None:
+    client = PlatformClient(
+        orchestrator=stack.url("orchestrator"),
+        detector=stack.url("detector"),
+        registry=stack.url("checkpoint-registry"),
+        nats_url=stack.config.nats_url,
+    )
+    try:
+        nodes = poll(client.nodes, lambda n: len(n) == 3, timeout_s=15)
+        assert {n["node_id"] for n in nodes} == {"node-1", "node-2", "spare-1"}
+        job = client.submit_job(name="skeleton", node_count=2, ranks_per_node=2)
+        assert job["state"] == "running"
+        assert {r["node_id"] for r in job["placement"]} == {"node-1", "node-2"}  # spares are not used for new jobs
+
+        reply = client.inject(InjectFault(kind=FaultKind.XID, gpu=1, xid=79), node_id="node-2")
+        assert reply.accepted and "killed rank 3" in reply.detail
+
+        incidents = poll(lambda: client.incidents(job["id"]), bool, timeout_s=15)
+        assert len(incidents) == 1
+        incident = incidents[0]
+        assert incident["category"] == "gpu_hardware"
+        assert (incident["culprit_node_id"], incident["culprit_gpu"], incident["culprit_rank"]) == ("node-2", 1, 3)
+
+        recoveries = poll(
+            lambda: client.recoveries(job["id"]), lambda r: bool(r) and r[0]["step"] == "running", timeout_s=60
+        )
+        assert len(recoveries) == 1, recoveries
+        recovery = recoveries[0]
+        assert recovery["incident_id"] == incident["id"]
+        assert recovery["fence"] > 1  # the submit took fence 1 under the same lock
+        steps = {s["step"]: s for s in recovery["steps"]}
+        assert list(steps) == ["detected", "locked", "stopping_ranks", "restoring", "launching", "running"]
+        stop_answers = {a["node"]: a["result"] for a in steps["stopping_ranks"]["data"]["answers"]}
+        assert stop_answers == {"node-1": "done", "node-2": "done"}
+        assert steps["restoring"]["data"]["checkpoint"] is None  # the registry answered: nothing validated yet
+        assert client.latest_checkpoint(job["id"]).status_code == 404
+        assert client.job(job["id"])["restart_epoch"] == 1
+
+        # the agents executed launch, stop, launch: three fenced commands each
+        for node in ("node-1", "node-2"):
+            status = httpx.get(stack.url(f"agent-{node}") + "/v1/status").json()
+            assert status["commands_executed"] == 3
+            assert len([r for r in status["ranks"] if r["alive"]]) == 2
+    finally:
+        client.close()
+
+
+def test_readyz_reports_nats_outage_and_services_reconnect(stack: Stack) -> None:
+    assert stack.nats is not None
+    names = [spec.name for spec in stack.specs if spec.role != "checkpoint-registry"]  # the registry needs no NATS
+    for name in names:
+        assert httpx.get(stack.url(name) + "/healthz").status_code == 200
+
+    stack.nats.stop()
+    killed_at = time.monotonic()
+
+    def all_report_down() -> bool:
+        return all(httpx.get(stack.url(n) + "/readyz", timeout=2).status_code == 503 for n in names)
+
+    assert poll(all_report_down, bool, timeout_s=10)
+    noticed = time.monotonic() - killed_at
+    bodies = [httpx.get(stack.url(n) + "/readyz", timeout=2).json() for n in names]
+    assert all(b["checks"]["nats"] == "down" for b in bodies)
+    print(f"every service reported NATS down {noticed:.2f}s after the kill")
+
+    stack.nats.start()
+
+    def all_ready() -> bool:
+        return all(httpx.get(stack.url(n) + "/readyz", timeout=2).status_code == 200 for n in names)
+
+    assert poll(all_ready, bool, timeout_s=30)
+
+
+def test_reprise_up_serves_and_ctrl_c_leaves_no_process(tmp_path: Path) -> None:
+    ports = _free_ports()
+    argv = [
+        str(Path(sys.executable).parent / "reprise"), "up", "--nodes", "2", "--spares", "1",
+        "--state-dir", str(tmp_path / "state"),
+        "--nats-port", str(ports["nats"]), "--nats-monitor-port", str(ports["nats-monitor"]),
+        "--redis-port", str(ports["redis"]), "--registry-port", str(ports["checkpoint-registry"]),
+        "--detector-port", str(ports["detector"]), "--orchestrator-port", str(ports["orchestrator"]),
+        "--agent-port", str(ports["agent"]),
+    ]  # fmt: skip
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("ready.") or len(lines) > 50:
+            break
+    assert lines[-1].startswith("ready."), "".join(lines)
+    urls = [line.split()[1] for line in lines if "/healthz" in line]
+    assert len(urls) == 6  # registry, detector, orchestrator, 3 agents
+    for url in urls:
+        assert httpx.get(url + "/healthz").status_code == 200
+
+    descendants = _descendants(proc.pid)
+    assert len(descendants) >= 8, descendants  # nats, redis, 6 services
+
+    proc.send_signal(signal.SIGINT)
+    rest, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, rest
+    assert "stopped." in rest
+    leftovers = [pid for pid in descendants if _alive(pid)]
+    assert leftovers == []
+
+
+def _descendants(root: int) -> list[int]:
+    """Every live process below root in the process tree (children keep their parent even in their own session)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, frontier = [], [root]
+    while frontier:
+        parent = frontier.pop()
+        children = [pid for pid, ppid in parents.items() if ppid == parent and _alive(pid)]
+        found += children
+        frontier += children
+    return found
