@@ -42,7 +42,7 @@ class Outcome(StrEnum):
 
     ACK = "ack"
     RETRY = "retry"  # nak with a delay; redelivered up to max_deliver times, then dead-lettered
-    REJECT = "reject"  # dead-letter now; retrying cannot help
+    REJECT = "reject"  # dead-letter now; retrying cannot help (raise MalformedEventError to give the reason)
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,7 @@ class Bus:
         self._consumers: list[Consumer] = []
         self.generation = 0  # bumped on every (re)connect so consumers know to rebuild subscriptions
         self.dead_letter_count = 0
+        self._closing = False
 
     # --- connection -------------------------------------------------------------------------------------------
     @property
@@ -135,7 +136,8 @@ class Bus:
 
     async def _on_disconnected(self) -> None:
         BUS_CONNECTED.labels(self.service).set(0)
-        log.warning("disconnected from NATS", extra={"url": self.url})
+        if not self._closing:
+            log.warning("disconnected from NATS", extra={"url": self.url})
 
     async def _on_reconnected(self) -> None:
         BUS_CONNECTED.labels(self.service).set(1)
@@ -163,6 +165,7 @@ class Bus:
 
     async def close(self) -> None:
         """Stop consumers (each finishes its in-flight message), then drain the connection."""
+        self._closing = True
         await asyncio.gather(*(c.stop() for c in self._consumers))
         self._consumers.clear()
         if self._nc is not None and not self._nc.is_closed:
@@ -321,7 +324,7 @@ class Consumer:
                             await sub.unsubscribe()
                     generation = self.bus.generation
                     sub = await self._subscribe()
-                msgs = await sub.fetch(self.batch, timeout=1.0, heartbeat=0.25)
+                msgs = await self._fetch_unless_stopped(sub)
             except TimeoutError:
                 continue
             except (nats.errors.Error, BusError) as exc:
@@ -338,6 +341,19 @@ class Consumer:
             with contextlib.suppress(nats.errors.Error, TimeoutError):
                 await sub.unsubscribe()
 
+    async def _fetch_unless_stopped(self, sub: JetStreamContext.PullSubscription) -> list[Msg]:
+        """Fetch a batch, giving up at once when stop() is called (unprocessed messages are redelivered)."""
+        fetch = asyncio.ensure_future(sub.fetch(self.batch, timeout=1.0, heartbeat=0.25))
+        stopped = asyncio.ensure_future(self._stopping.wait())
+        await asyncio.wait({fetch, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if not fetch.done():
+            fetch.cancel()
+            with contextlib.suppress(asyncio.CancelledError, TimeoutError, nats.errors.Error):
+                await fetch
+            return []
+        stopped.cancel()
+        return fetch.result()
+
     async def _dispatch(self, msg: Msg) -> None:
         meta = msg.metadata
         delivery = Delivery(subject=msg.subject, num_delivered=meta.num_delivered, stream_seq=meta.sequence.stream)
@@ -349,6 +365,10 @@ class Consumer:
             return
         try:
             outcome = await self.handler(event, delivery)
+        except MalformedEventError as exc:  # the handler found the event unusable and says why
+            EVENTS_CONSUMED.labels(self.bus.service, self.durable, Outcome.REJECT.value).inc()
+            await self._reject(msg, delivery, key, f"unusable: {exc.reason}")
+            return
         except Exception as exc:  # a handler bug must not kill the consumer; the message is retried
             log.exception("handler failed", extra={"consumer": self.durable, "subject": msg.subject})
             outcome = Outcome.RETRY

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from reprise_common.bus import Bus
-from reprise_common.errors import ConflictError, NotFoundError, RepriseError, StaleFenceError
+from reprise_common.errors import BusError, ConflictError, NotFoundError, RepriseError, StaleFenceError
 from reprise_common.logging import get_logger
 from reprise_common.settings import ServiceSettings
 
@@ -46,6 +46,7 @@ _STATUS_BY_ERROR: tuple[tuple[type[RepriseError], int], ...] = (
     (NotFoundError, 404),
     (StaleFenceError, 409),
     (ConflictError, 409),
+    (BusError, 503),  # the message bus is unreachable: the caller may repeat the request
 )
 
 

@@ -7,7 +7,8 @@ import asyncio
 from reprise_cli.servers import NatsServer
 from reprise_common import subjects
 from reprise_common.bus import Bus, Delivery, Outcome
-from reprise_common.events import Event, GpuXid, NodeReport
+from reprise_common.errors import MalformedEventError
+from reprise_common.events import DeadLetter, Event, GpuXid, NodeReport, parse_event
 
 
 async def _wait_for(predicate, timeout: float = 10.0) -> bool:  # type: ignore[no-untyped-def]
@@ -101,4 +102,22 @@ async def test_consumer_resumes_after_server_restart(nats_server: NatsServer) ->
     later = NodeReport(source="node-1", node_id="node-1", interval_s=1.0, gpu_backend="sim")
     await bus.publish(subjects.node_report("node-1"), later)
     assert await _wait_for(lambda: later.event_id in seen, timeout=15)
+    await bus.close()
+
+
+async def test_handler_can_reject_with_a_reason(nats_server: NatsServer) -> None:
+    bus = Bus(url=nats_server.url, service="test")
+    await bus.connect(attempts=5)
+
+    async def refuse(event: Event, delivery: Delivery) -> Outcome:
+        raise MalformedEventError("job id missing")
+
+    bus.consumer(stream="AGENT", durable="x", filter_subject=subjects.AGENT_EVENTS, handler=refuse).start()
+    await bus.publish(subjects.node_event("node-3", "gpu.xid"), GpuXid(source="n", node_id="node-3", gpu=0, xid=79))
+    assert await _wait_for(lambda: bus.dead_letter_count == 1)
+    sub = await bus.js.pull_subscribe(subjects.DEAD_LETTERS_ALL, durable="read", stream="DEADLETTER")
+    [msg] = await sub.fetch(1, timeout=5)
+    letter = parse_event(msg.data)
+    assert isinstance(letter, DeadLetter)
+    assert letter.reason == "unusable: job id missing" and letter.original_subject.endswith("node-3.event.gpu.xid")
     await bus.close()

@@ -12,7 +12,7 @@ from sqlmodel import Session
 from reprise_common.bus import Bus, Delivery, Outcome
 from reprise_common.clock import Clock
 from reprise_common.db import session_scope
-from reprise_common.errors import BusError
+from reprise_common.errors import BusError, MalformedEventError
 from reprise_common.events import Event
 from reprise_common.logging import get_logger
 from reprise_detector.classify import Classification, RuleBook
@@ -44,8 +44,7 @@ class Detector:
         try:
             observation = observe(event, delivery.subject)
         except IngestError as exc:
-            log.warning("unusable agent event", extra={"subject": delivery.subject, "error": str(exc)})
-            return Outcome.REJECT
+            raise MalformedEventError(str(exc)) from exc
         if observation is None:
             return Outcome.ACK
         classification = self.rules.classify(observation.event)

@@ -6,6 +6,7 @@ import asyncio
 from dataclasses import dataclass
 
 from reprise_common.bus import Delivery, Outcome
+from reprise_common.errors import MalformedEventError
 from reprise_common.events import Event, JobPlacement
 from reprise_common.logging import get_logger
 
@@ -70,8 +71,7 @@ class PlacementMap:
     async def handle(self, event: Event, delivery: Delivery) -> Outcome:
         """Consumer handler for the PLACEMENTS stream."""
         if not isinstance(event, JobPlacement):
-            log.warning("not a placement on the placements stream", extra={"subject": delivery.subject})
-            return Outcome.REJECT
+            raise MalformedEventError(f"a {event.model_dump().get('type')} event on the placements stream")
         if not self.apply(event):
             log.info("ignored a stale placement", extra={"job_id": event.job_id, "epoch": event.restart_epoch})
         self.last_seq = max(self.last_seq, delivery.stream_seq)
