@@ -137,27 +137,34 @@ def test_reprise_up_serves_and_ctrl_c_leaves_no_process(tmp_path: Path) -> None:
         "--agent-port", str(ports["agent"]),
     ]  # fmt: skip
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    assert proc.stdout is not None
-    lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        if line.startswith("ready.") or len(lines) > 50:
-            break
-    assert lines[-1].startswith("ready."), "".join(lines)
-    urls = [line.split()[1] for line in lines if "/healthz" in line]
-    assert len(urls) == 6  # registry, detector, orchestrator, 3 agents
-    for url in urls:
-        assert httpx.get(url + "/healthz").status_code == 200
+    descendants: list[int] = []
+    try:
+        assert proc.stdout is not None
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("ready.") or len(lines) > 50:
+                break
+        assert lines[-1].startswith("ready."), "".join(lines)
+        urls = [line.split()[1] for line in lines if "/healthz" in line]
+        assert len(urls) == 6  # registry, detector, orchestrator, 3 agents
+        for url in urls:
+            assert httpx.get(url + "/healthz").status_code == 200
+        descendants = _descendants(proc.pid)
+        assert len(descendants) >= 8, descendants  # nats, redis, 6 services
 
-    descendants = _descendants(proc.pid)
-    assert len(descendants) >= 8, descendants  # nats, redis, 6 services
-
-    proc.send_signal(signal.SIGINT)
-    rest, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 0, rest
-    assert "stopped." in rest
-    leftovers = [pid for pid in descendants if _alive(pid)]
-    assert leftovers == []
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, rest
+        assert "stopped." in rest
+        assert [pid for pid in descendants if _alive(pid)] == []
+    finally:  # never leave a stack behind, whatever failed above
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in descendants:
+            if _alive(pid):
+                os.killpg(pid, signal.SIGKILL)
 
 
 def _descendants(root: int) -> list[int]:

@@ -60,7 +60,9 @@ def _raise_stop(signum: int, _frame: FrameType | None) -> None:
 def cmd_up(args: argparse.Namespace) -> int:
     """Run the local stack until Ctrl-C."""
     stack = Stack(_stack_config(args))
+    # Explicit handlers: a launcher started from a script in the background inherits SIGINT as ignored.
     signal.signal(signal.SIGTERM, _raise_stop)
+    signal.signal(signal.SIGINT, _raise_stop)
     try:
         print(f"starting Reprise: {args.nodes} nodes + {args.spares} spares (logs in {stack.log_dir})", flush=True)
         stack.start(timeout_s=args.timeout)
