@@ -21,6 +21,7 @@ from reprise_cli.servers import free_port, port_is_free
 from reprise_cli.stack import Stack
 from reprise_cli.topology import DEFAULT_PORTS, StackConfig
 from reprise_common.events import FaultKind, InjectFault
+from reprise_common.procs import process_alive
 
 pytestmark = pytest.mark.stack
 
@@ -42,15 +43,6 @@ def stack(tmp_path: Path) -> Iterator[Stack]:
     running.start(timeout_s=60)
     yield running
     running.stop()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    stat = Path(f"/proc/{pid}/stat")
-    return stat.exists() and stat.read_text().split()[2] != "Z"
 
 
 def test_walking_skeleton_xid79_to_fenced_recovery(stack: Stack) -> None:
@@ -157,13 +149,13 @@ def test_reprise_up_serves_and_ctrl_c_leaves_no_process(tmp_path: Path) -> None:
         rest, _ = proc.communicate(timeout=60)
         assert proc.returncode == 0, rest
         assert "stopped." in rest
-        assert [pid for pid in descendants if _alive(pid)] == []
+        assert [pid for pid in descendants if process_alive(pid)] == []
     finally:  # never leave a stack behind, whatever failed above
         if proc.poll() is None:
             proc.kill()
             proc.wait()
         for pid in descendants:
-            if _alive(pid):
+            if process_alive(pid):
                 os.killpg(pid, signal.SIGKILL)
 
 
@@ -180,7 +172,7 @@ def _descendants(root: int) -> list[int]:
     found, frontier = [], [root]
     while frontier:
         parent = frontier.pop()
-        children = [pid for pid, ppid in parents.items() if ppid == parent and _alive(pid)]
+        children = [pid for pid, ppid in parents.items() if ppid == parent and process_alive(pid)]
         found += children
         frontier += children
     return found

@@ -5,14 +5,39 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import event, text
-from sqlalchemy.engine import Engine
+from sqlalchemy import DateTime, event, text
+from sqlalchemy.engine import Dialect, Engine
+from sqlalchemy.types import TypeDecorator
 from sqlmodel import Session, create_engine
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """A timezone-aware timestamp stored in UTC; SQLite keeps no zone, so values read back are marked UTC."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        """Refuse naive times; store UTC (without a zone on SQLite, which cannot keep one)."""
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("naive datetime: Reprise stores UTC-aware timestamps only")
+        value = value.astimezone(UTC)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> datetime | None:
+        """Every timestamp read back is UTC-aware."""
+        if value is None:
+            return None
+        stamp: datetime = value
+        return stamp.replace(tzinfo=UTC) if stamp.tzinfo is None else stamp.astimezone(UTC)
 
 
 def normalise_url(url: str) -> str:

@@ -6,6 +6,7 @@ import contextlib
 import ctypes
 import signal
 from collections.abc import Callable
+from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
 
@@ -28,3 +29,12 @@ def describe_exit(returncode: int) -> tuple[int | None, str | None]:
         except ValueError:
             return None, f"SIG{-returncode}"
     return returncode, None
+
+
+def process_alive(pid: int) -> bool:
+    """True while a process exists and is not a zombie (an exited child its parent has not reaped yet)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"

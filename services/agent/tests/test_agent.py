@@ -30,6 +30,7 @@ from reprise_common.events import (
     NodeReport,
     RankExited,
 )
+from reprise_common.procs import process_alive
 
 SLEEPER = [sys.executable, "-c", "import time, os; print('rank', os.environ['RANK'], flush=True); time.sleep(600)"]
 
@@ -97,16 +98,6 @@ async def harness(nats_server: NatsServer, tmp_path: Path) -> AsyncIterator[Harn
     await client.close()
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # a zombie still answers kill(0); check its state
-    stat = Path(f"/proc/{pid}/stat")
-    return stat.exists() and stat.read_text().split()[2] != "Z"
-
-
 async def test_repeated_command_id_runs_once(harness: Harness) -> None:
     first = await harness.launch(fence=1, command_id="rec-1:launch:n1")
     again = await harness.launch(fence=1, command_id="rec-1:launch:n1")
@@ -127,11 +118,11 @@ async def test_stale_fence_is_rejected(harness: Harness) -> None:
 async def test_stop_leaves_no_process_of_the_group(harness: Harness) -> None:
     reply = await harness.launch(fence=1, command_id="l")
     pids = reply.data["pids"]
-    assert all(_alive(pid) for pid in pids)
+    assert all(process_alive(pid) for pid in pids)
     stopped = await harness.command(CommandAction.STOP, fence=1, command_id="s", grace_s=2.0)
     assert stopped.result is CommandResult.DONE
     assert sorted(r["rank"] for r in stopped.data["stopped"]) == [0, 1]
-    assert not any(_alive(pid) for pid in pids)
+    assert not any(process_alive(pid) for pid in pids)
     # a commanded stop is not a fault: no rank.exited event
     await asyncio.sleep(0.3)
     assert harness.of_type(RankExited) == []

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import datetime
 from enum import StrEnum
 
-from pydantic import field_validator
 from sqlmodel import Field, SQLModel
 
 from reprise_common.clock import utcnow
+from reprise_common.db import UTCDateTime
 from reprise_common.settings import IdStr
 
 
@@ -41,8 +41,8 @@ class Checkpoint(CheckpointBase, table=True):
     state: CheckpointState = Field(default=CheckpointState.WRITING, index=True)
     manifest_digest: str | None = None
     size_bytes: int | None = None
-    created_at: datetime = Field(default_factory=utcnow)
-    validated_at: datetime | None = None
+    created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
+    validated_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
 
 
 class CheckpointPublic(CheckpointBase):
@@ -54,14 +54,6 @@ class CheckpointPublic(CheckpointBase):
     size_bytes: int | None
     created_at: datetime
     validated_at: datetime | None
-
-    @field_validator("created_at", "validated_at")
-    @classmethod
-    def _utc(cls, value: datetime | None) -> datetime | None:
-        # SQLite hands back naive datetimes; every stored time is UTC.
-        if value is not None and value.tzinfo is None:
-            return value.replace(tzinfo=UTC)
-        return value
 
 
 class CheckpointsPublic(SQLModel):

@@ -6,13 +6,13 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Any
 
-from pydantic import field_validator, model_validator
+from pydantic import model_validator
 from sqlalchemy import JSON, Column
 from sqlmodel import Field, SQLModel
 
 from reprise_common.clock import utcnow
+from reprise_common.db import UTCDateTime
 from reprise_common.settings import IdStr
-from reprise_orchestrator.timeutil import as_utc
 
 
 class JobState(StrEnum):
@@ -70,8 +70,8 @@ class Job(JobBase, table=True):
     restarts: int = 0
     master_port: int = 0
     max_fence: int = Field(default=0, description="highest fencing token that has written to this job")
-    created_at: datetime = Field(default_factory=utcnow)
-    updated_at: datetime = Field(default_factory=utcnow)
+    created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
+    updated_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
 
     def job_spec(self) -> JobCreate:
         """The spec the job was submitted with."""
@@ -88,11 +88,6 @@ class JobPublic(JobBase):
     placement: list[dict[str, Any]]
     created_at: datetime
     updated_at: datetime
-
-    @field_validator("created_at", "updated_at")
-    @classmethod
-    def _utc(cls, value: datetime) -> datetime:
-        return as_utc(value)
 
 
 class JobsPublic(SQLModel):

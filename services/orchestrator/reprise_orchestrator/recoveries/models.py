@@ -6,12 +6,11 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Any
 
-from pydantic import field_validator
 from sqlalchemy import JSON, Column
 from sqlmodel import Field, SQLModel
 
 from reprise_common.clock import utcnow
-from reprise_orchestrator.timeutil import as_utc
+from reprise_common.db import UTCDateTime
 
 
 class RecoveryStep(StrEnum):
@@ -41,8 +40,8 @@ class Recovery(SQLModel, table=True):
     step: RecoveryStep = Field(default=RecoveryStep.DETECTED, index=True)
     steps: list[dict[str, Any]] = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
     detail: str = ""
-    started_at: datetime = Field(default_factory=utcnow)
-    finished_at: datetime | None = None
+    started_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
+    finished_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
 
 
 class RecoveryPublic(SQLModel):
@@ -59,11 +58,6 @@ class RecoveryPublic(SQLModel):
     detail: str
     started_at: datetime
     finished_at: datetime | None
-
-    @field_validator("started_at", "finished_at")
-    @classmethod
-    def _utc(cls, value: datetime | None) -> datetime | None:
-        return None if value is None else as_utc(value)
 
 
 class RecoveriesPublic(SQLModel):
