@@ -33,6 +33,7 @@ ADAPTED_ENV = {
     "REPRISE_DATABASE_URL",
     "REPRISE_HTTP_HOST",
     "REPRISE_STATE_DIR",
+    "REPRISE_ADVERTISE_ADDR",
 }
 URL_ENV = ("REPRISE_NATS_URL", "REPRISE_REDIS_URL", "REPRISE_REGISTRY_URL", "REPRISE_DATABASE_URL")
 
@@ -190,6 +191,10 @@ def test_same_env_values_where_not_host_specific(services: dict[str, dict[str, A
         )
     if "REPRISE_STATE_DIR" in env:
         assert env["REPRISE_STATE_DIR"].startswith("/"), f"{spec.name}: REPRISE_STATE_DIR must be absolute"
+    if "REPRISE_ADVERTISE_ADDR" in env:
+        assert env["REPRISE_ADVERTISE_ADDR"] == spec.name, (
+            f"{spec.name}: REPRISE_ADVERTISE_ADDR must be the service's own name, the address other containers reach"
+        )
 
 
 @pytest.mark.parametrize("spec", LAUNCHER, ids=_by_name)

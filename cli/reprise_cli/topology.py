@@ -124,6 +124,7 @@ def build_services(config: StackConfig) -> list[ServiceSpec]:
             "REPRISE_GPU_BACKEND": "sim",
             "REPRISE_GPU_COUNT": str(config.gpus_per_node),
             "REPRISE_SPARE": "true" if spare else "false",
+            "REPRISE_ADVERTISE_ADDR": config.host,
         }
         services.append(ServiceSpec(f"agent-{node_id}", "agent", ROLE_COMMANDS["agent"], env, port))
     return services

@@ -108,6 +108,7 @@ class NodeReport(Event):
 
     type: Literal["node.report"] = "node.report"
     node_id: str
+    address: str = Field(default="", description="where other nodes reach this node; the rendezvous master of rank 0")
     interval_s: float = Field(gt=0)
     gpu_backend: str
     gpus: list[GpuStatus] = Field(default_factory=list)

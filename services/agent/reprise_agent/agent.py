@@ -94,6 +94,7 @@ class Agent:
         return NodeReport(
             source=self.node_id,
             node_id=self.node_id,
+            address=self.settings.advertise_addr,
             interval_s=self.settings.report_interval_s,
             gpu_backend=self.gpus.name,
             gpus=self.gpus.statuses(),

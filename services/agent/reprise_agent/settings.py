@@ -20,6 +20,9 @@ class AgentSettings(ServiceSettings):
     gpu_backend: Literal["sim"] = "sim"
     gpu_count: int = Field(default=8, ge=0, le=64, description="simulated GPUs (sim backend only)")
     spare: bool = False
+    advertise_addr: str = Field(
+        default="127.0.0.1", min_length=1, description="where other nodes reach this one (rendezvous master)"
+    )
     report_interval_s: float = Field(default=1.0, gt=0)
     gpu_poll_interval_s: float = Field(default=0.1, gt=0)
     stop_grace_s: float = Field(default=10.0, gt=0)

@@ -25,6 +25,5 @@ class OrchestratorSettings(ServiceSettings, DatabaseSettings):
     command_timeout_s: float = Field(default=15.0, gt=0)
     stop_grace_s: float = Field(default=5.0, gt=0)
     node_stale_s: float = Field(default=5.0, gt=0, description="a node without a report for this long is not placeable")
-    master_addr: str = "127.0.0.1"
     master_port_base: int = Field(default=29500, ge=1024, le=65000)
     http_timeout_s: float = Field(default=5.0, gt=0)

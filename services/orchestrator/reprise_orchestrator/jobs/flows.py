@@ -8,7 +8,7 @@ from reprise_common.errors import ConflictError
 from reprise_common.logging import get_logger
 from reprise_orchestrator.deps import Deps
 from reprise_orchestrator.jobs import service
-from reprise_orchestrator.jobs.launch import Rendezvous, launch, master_port_for
+from reprise_orchestrator.jobs.launch import launch, rendezvous_for
 from reprise_orchestrator.jobs.models import Job, JobCreate, JobState
 from reprise_orchestrator.jobs.placement import assign_ranks, choose_nodes
 
@@ -29,7 +29,7 @@ async def submit(deps: Deps, spec: JobCreate) -> Job:
         with Session(deps.engine) as session:
             if not service.claim_fence(session, job_id=job_id, fence=handle.fence):
                 raise ConflictError(f"job {job_id}: a newer fencing token already owns it")
-        rendezvous = Rendezvous(0, deps.settings.master_addr, master_port_for(deps.settings.master_port_base, 0))
+        rendezvous = rendezvous_for(ranks, epoch=0, inventory=deps.inventory, port_base=deps.settings.master_port_base)
         answers = await launch(
             deps.bus,
             operation_id=f"{job_id}:submit",

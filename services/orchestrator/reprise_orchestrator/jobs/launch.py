@@ -9,6 +9,7 @@ from reprise_common.bus import Bus
 from reprise_common.events import CommandAction, JobPlacement, RankAssignment
 from reprise_orchestrator.agents import NodeAnswer, command_nodes
 from reprise_orchestrator.jobs.models import JobCreate
+from reprise_orchestrator.nodes.inventory import Inventory
 from reprise_orchestrator.registry_client import RestorePoint
 
 
@@ -24,6 +25,12 @@ class Rendezvous:
 def master_port_for(base: int, epoch: int) -> int:
     """A new port every epoch, so a half-dead earlier group can never join the new one."""
     return base + epoch % 1000
+
+
+def rendezvous_for(ranks: list[RankAssignment], *, epoch: int, inventory: Inventory, port_base: int) -> Rendezvous:
+    """Rank 0's node hosts the rendezvous, on a port of this epoch."""
+    master = next(r for r in ranks if r.rank == 0)
+    return Rendezvous(epoch, inventory.address(master.node_id), master_port_for(port_base, epoch))
 
 
 async def launch(

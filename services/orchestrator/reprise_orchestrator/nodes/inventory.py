@@ -79,6 +79,11 @@ class Inventory:
             and all(g.health in (GpuHealth.OK, GpuHealth.DEGRADED) for g in info.report.gpus)
         )
 
+    def address(self, node_id: str) -> str:
+        """Where other nodes reach this one, as it reports it (its id when it reported none)."""
+        info = self._nodes.get(node_id)
+        return info.report.address if info is not None and info.report.address else node_id
+
     def gpu_count(self, node_id: str) -> int:
         """How many GPUs a node reported."""
         info = self._nodes.get(node_id)

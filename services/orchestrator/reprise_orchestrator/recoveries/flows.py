@@ -24,7 +24,7 @@ from reprise_common.logging import get_logger
 from reprise_orchestrator.agents import command_nodes
 from reprise_orchestrator.deps import Deps
 from reprise_orchestrator.jobs import service as jobs
-from reprise_orchestrator.jobs.launch import Rendezvous, launch, master_port_for
+from reprise_orchestrator.jobs.launch import launch, rendezvous_for
 from reprise_orchestrator.jobs.models import Job, JobState
 from reprise_orchestrator.locks import LockHandle
 from reprise_orchestrator.recoveries import service
@@ -203,10 +203,10 @@ class RecoveryFlow:
 
     async def _launching(self, run: _Run) -> dict[str, Any]:
         epoch = run.job.restart_epoch + 1
-        rendezvous = Rendezvous(
-            epoch, self.deps.settings.master_addr, master_port_for(self.deps.settings.master_port_base, epoch)
-        )
         ranks = [RankAssignment.model_validate(r) for r in run.job.placement]
+        rendezvous = rendezvous_for(
+            ranks, epoch=epoch, inventory=self.deps.inventory, port_base=self.deps.settings.master_port_base
+        )
         answers = await launch(
             self.deps.bus,
             operation_id=run.recovery_id,
