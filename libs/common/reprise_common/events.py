@@ -86,8 +86,15 @@ class GpuStatus(Wire):
     memory_total_mib: float | None = None
     ecc_sbe: int | None = None
     ecc_dbe: int | None = None
+    retired_pages_pending: bool | None = None
+    retired_pages: int | None = None
+    remapped_rows_pending: bool | None = None
+    remapped_rows_failed: bool | None = None
+    pcie_replay_count: int | None = None
+    nvlink_errors: int | None = Field(default=None, description="sum of NVLink CRC, replay and recovery counters")
     throttle_reasons: list[str] = Field(default_factory=list)
     last_xid: int | None = None
+    error: str = Field(default="", description="why a reading is missing (e.g. NVML unavailable)")
 
 
 class RankStatus(Wire):
@@ -99,7 +106,11 @@ class RankStatus(Wire):
     gpu: int | None = None
     step: int | None = None
     heartbeat_age_s: float | None = None
-    phase: str = "training"
+    phase: str = "startup"
+    phase_age_s: float | None = None
+    step_time_p50_s: float | None = None
+    step_time_p99_s: float | None = None
+    step_time_last_s: float | None = None
     alive: bool = True
 
 
@@ -147,6 +158,19 @@ class RankExited(Event):
     signal: str | None = None
     oom_killed: bool = False
     log_tail: list[str] = Field(default_factory=list)
+
+
+class CheckpointSaved(Event):
+    """A rank reported (through the SDK) that it finished writing its part of a checkpoint."""
+
+    type: Literal["checkpoint.saved"] = "checkpoint.saved"
+    node_id: str
+    job_id: str
+    rank: int = Field(ge=0)
+    step: int = Field(ge=0)
+    path: str
+    files: list[str] = Field(default_factory=list)
+    restart_epoch: int = Field(default=0, ge=0)
 
 
 class DependencyFailed(Event):
@@ -275,6 +299,7 @@ AnyEvent = Annotated[
     | GpuXid
     | GpuLost
     | RankExited
+    | CheckpointSaved
     | DependencyFailed
     | AgentLifecycle
     | IncidentChange
@@ -289,6 +314,7 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     GpuXid,
     GpuLost,
     RankExited,
+    CheckpointSaved,
     DependencyFailed,
     AgentLifecycle,
     IncidentChange,
