@@ -23,7 +23,8 @@ COMPOSE_FILE = ROOT / "docker-compose.yml"
 INFRASTRUCTURE = ("nats", "redis", "postgres")
 NATS_CLIENT_PORT = 4222  # nats-server's default; compose does not pass -p
 REDIS_PORT = 6379  # redis-server's default; compose does not pass --port
-NATS_CONF = ROOT / "deploy" / "nats" / "nats.conf"
+NATS_CONF = ROOT / "deploy" / "creds" / "nats.conf"  # written by `reprise creds` from deploy/nats/nats.conf
+CREDS_DIR = ROOT / "deploy" / "creds"
 REDIS_CONF = ROOT / "deploy" / "redis" / "redis.conf"
 # Launcher values that are host paths or host addresses; compose adapts them to containers (checked separately).
 ADAPTED_ENV = {
@@ -34,6 +35,7 @@ ADAPTED_ENV = {
     "REPRISE_HTTP_HOST",
     "REPRISE_STATE_DIR",
     "REPRISE_ADVERTISE_ADDR",
+    "REPRISE_NATS_NKEY_SEED_FILE",
 }
 URL_ENV = ("REPRISE_NATS_URL", "REPRISE_REDIS_URL", "REPRISE_REGISTRY_URL", "REPRISE_DATABASE_URL")
 
@@ -191,6 +193,14 @@ def test_same_env_values_where_not_host_specific(services: dict[str, dict[str, A
         )
     if "REPRISE_STATE_DIR" in env:
         assert env["REPRISE_STATE_DIR"].startswith("/"), f"{spec.name}: REPRISE_STATE_DIR must be absolute"
+    if "REPRISE_NATS_NKEY_SEED_FILE" in env:
+        identity = Path(spec.env["REPRISE_NATS_NKEY_SEED_FILE"]).name
+        mounts = _mounts(_service(services, spec.name))
+        seed = Path(env["REPRISE_NATS_NKEY_SEED_FILE"])
+        assert seed.name == identity, f"{spec.name}: uses NATS identity {seed.name}, the launcher {identity}"
+        assert mounts.get(str(seed.parent)) == str(CREDS_DIR), (
+            f"{spec.name}: {seed.parent} must be deploy/creds mounted into the container ({mounts})"
+        )
     if "REPRISE_ADVERTISE_ADDR" in env:
         assert env["REPRISE_ADVERTISE_ADDR"] == spec.name, (
             f"{spec.name}: REPRISE_ADVERTISE_ADDR must be the service's own name, the address other containers reach"
@@ -284,7 +294,7 @@ def test_nats_matches_the_launcher(services: dict[str, dict[str, Any]]) -> None:
     config = next((command[i + 1] for i, arg in enumerate(command[:-1]) if arg in {"-c", "--config"}), None)
     mounts = _mounts(nats)
     assert config is not None and mounts.get(config) == str(NATS_CONF), (
-        f"nats reads config {config!r}, but mounts {mounts}; it must mount deploy/nats/nats.conf there"
+        f"nats reads config {config!r}, but mounts {mounts}; it must mount deploy/creds/nats.conf there"
     )
     store = command[command.index("-sd") + 1] if "-sd" in command else None
     assert store in mounts, f"nats stores JetStream in {store!r}, which is not a mounted volume ({sorted(mounts)})"

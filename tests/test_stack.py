@@ -51,6 +51,7 @@ def test_walking_skeleton_xid79_to_fenced_recovery(stack: Stack) -> None:
         detector=stack.url("detector"),
         registry=stack.url("checkpoint-registry"),
         nats_url=stack.config.nats_url,
+        nkey_seed_file=stack.platform_seed,
     )
     try:
         nodes = poll(client.nodes, lambda n: len(n) == 3, timeout_s=15)

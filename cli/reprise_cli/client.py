@@ -6,6 +6,7 @@ import asyncio
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
@@ -20,12 +21,15 @@ T = TypeVar("T")
 class PlatformClient:
     """REST calls to the orchestrator, detector and registry; fault injection over NATS."""
 
-    def __init__(self, *, orchestrator: str, detector: str, registry: str, nats_url: str) -> None:
+    def __init__(
+        self, *, orchestrator: str, detector: str, registry: str, nats_url: str, nkey_seed_file: Path | None = None
+    ) -> None:
         self.http = httpx.Client(timeout=30.0)
         self.orchestrator = orchestrator
         self.detector = detector
         self.registry = registry
         self.nats_url = nats_url
+        self.nkey_seed_file = nkey_seed_file
 
     def close(self) -> None:
         """Close connections."""
@@ -75,7 +79,7 @@ class PlatformClient:
         """Inject a simulated GPU fault into a node over NATS."""
 
         async def send() -> InjectReply:
-            bus = Bus(url=self.nats_url, service="reprise-client")
+            bus = Bus(url=self.nats_url, service="reprise-client", nkey_seed_file=self.nkey_seed_file)
             await bus.connect(attempts=5)
             try:
                 return await bus.request(subjects.node_inject(node_id), fault, InjectReply, timeout=5.0)

@@ -37,6 +37,7 @@ def run_demo(config: StackConfig) -> int:
             detector=stack.url("detector"),
             registry=stack.url("checkpoint-registry"),
             nats_url=config.nats_url,
+            nkey_seed_file=stack.platform_seed,
         )
         try:
             return _scenario(client, config)

@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from types import FrameType
 
+from reprise_cli.creds import init_credentials
+from reprise_cli.servers import deploy_dir
 from reprise_cli.stack import Stack
 from reprise_cli.topology import DEFAULT_PORTS, StackConfig
 from reprise_common import subjects
@@ -87,7 +89,8 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 async def _inject(args: argparse.Namespace) -> InjectReply:
-    bus = Bus(url=args.nats_url, service="reprise-cli")
+    seed = Path(args.creds) if args.creds else None
+    bus = Bus(url=args.nats_url, service="reprise-cli", nkey_seed_file=seed if seed and seed.exists() else None)
     await bus.connect(attempts=3)
     try:
         fault = InjectFault(kind=FaultKind(args.kind), gpu=args.gpu, xid=args.xid)
@@ -105,6 +108,23 @@ def cmd_inject(args: argparse.Namespace) -> int:
         return 2
     print(("accepted: " if reply.accepted else "refused: ") + reply.detail)
     return 0 if reply.accepted else 1
+
+
+def cmd_creds(args: argparse.Namespace) -> int:
+    """Create (or reuse) the NATS identities and write the server configuration that admits them."""
+    nodes = [node.strip() for node in args.nodes.split(",") if node.strip()]
+    try:
+        platform, agents = init_credentials(
+            Path(args.dir), nodes=nodes, base_config=deploy_dir() / "nats" / "nats.conf"
+        )
+    except ValueError as exc:
+        print(f"reprise creds: {exc}", file=sys.stderr)
+        return 2
+    print(f"platform  {platform.public_key}  {platform.seed_file}")
+    for node, ident in agents.items():
+        print(f"{node:<9} {ident.public_key}  {ident.seed_file}")
+    print(f"server configuration: {Path(args.dir) / 'nats.conf'}")
+    return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -130,7 +150,13 @@ def build_parser() -> argparse.ArgumentParser:
     inject.add_argument("--kind", choices=[k.value for k in FaultKind], default=FaultKind.XID.value)
     inject.add_argument("--xid", type=int, default=None, help="XID number (for --kind xid)")
     inject.add_argument("--nats-url", default=f"nats://127.0.0.1:{DEFAULT_PORTS['nats']}")
+    inject.add_argument("--creds", default=".state/creds/platform.nk", help="NATS identity (used if the file exists)")
     inject.set_defaults(func=cmd_inject)
+
+    creds = sub.add_parser("creds", help="create NATS identities: one per node, one for the platform services")
+    creds.add_argument("--dir", default="deploy/creds", help="where seeds (0600) and the server config go")
+    creds.add_argument("--nodes", required=True, help="comma-separated node ids, e.g. node-1,node-2,spare-1")
+    creds.set_defaults(func=cmd_creds)
 
     demo = sub.add_parser("demo", help="start the platform, run a job, inject a fault, show the recovery")
     _add_stack_flags(demo, nodes=2, spares=0)

@@ -177,6 +177,7 @@ class NatsServer:
     store_dir: Path
     log_path: Path
     host: str = "127.0.0.1"
+    config: Path | None = None  # default: deploy/nats/nats.conf (no authorization)
     process: ManagedProcess | None = None
 
     @property
@@ -189,7 +190,7 @@ class NatsServer:
         self.store_dir.mkdir(parents=True, exist_ok=True)
         argv = [
             find_nats_server(),
-            "-c", str(deploy_dir() / "nats" / "nats.conf"),
+            "-c", str(self.config or deploy_dir() / "nats" / "nats.conf"),
             "-a", self.host,
             "-p", str(self.port),
             "-m", str(self.monitor_port),

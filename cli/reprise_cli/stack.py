@@ -10,9 +10,17 @@ from pathlib import Path
 
 import httpx
 
-from reprise_cli.servers import ManagedProcess, NatsServer, RedisServer, find_nats_server, find_redis_server
+from reprise_cli.creds import PLATFORM, init_credentials
+from reprise_cli.servers import (
+    ManagedProcess,
+    NatsServer,
+    RedisServer,
+    deploy_dir,
+    find_nats_server,
+    find_redis_server,
+)
 from reprise_cli.servers import require_free_port as _require_free_port
-from reprise_cli.topology import ServiceSpec, StackConfig, build_services
+from reprise_cli.topology import ServiceSpec, StackConfig, build_services, node_ids
 from reprise_common.errors import ConfigError
 
 _PORT_FLAGS = {
@@ -67,12 +75,18 @@ class Stack:
         self.preflight()
         state = self.config.state_dir
         state.mkdir(parents=True, exist_ok=True)
+        init_credentials(
+            self.config.creds_dir,
+            nodes=[node for node, _spare in node_ids(self.config)],
+            base_config=deploy_dir() / "nats" / "nats.conf",
+        )
         self.nats = NatsServer(
             port=self.config.ports["nats"],
             monitor_port=self.config.ports["nats-monitor"],
             store_dir=state / "nats",
             log_path=self.log_dir / "nats.log",
             host=self.config.host,
+            config=self.config.creds_dir / "nats.conf",
         )
         self.redis = RedisServer(
             port=self.config.ports["redis"], data_dir=state / "redis", log_path=self.log_dir / "redis.log"
@@ -86,6 +100,11 @@ class Stack:
             process.start()
             self.services[spec.name] = process
         self.wait_ready(timeout_s=timeout_s)
+
+    @property
+    def platform_seed(self) -> Path:
+        """The NATS identity operators and tools use against this stack."""
+        return self.config.creds_dir / f"{PLATFORM}.nk"
 
     def url(self, name: str) -> str:
         """Base URL of a service by name."""

@@ -39,6 +39,11 @@ class StackConfig:
     ports: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_PORTS))
 
     @property
+    def creds_dir(self) -> Path:
+        """Where the NATS identities of the stack live (`reprise creds`)."""
+        return self.state_dir / "creds"
+
+    @property
     def nats_url(self) -> str:
         """Where services reach NATS."""
         return f"nats://{self.host}:{self.ports['nats']}"
@@ -75,9 +80,12 @@ def build_services(config: StackConfig) -> list[ServiceSpec]:
     """Every service process, in start order (registry, detector, orchestrator, then the agents)."""
     state = config.state_dir.resolve()
 
-    def base(role: str, port: int) -> dict[str, str]:
+    creds = config.creds_dir.resolve()
+
+    def base(role: str, port: int, identity: str = "platform") -> dict[str, str]:
         return {
             "REPRISE_NATS_URL": config.nats_url,
+            "REPRISE_NATS_NKEY_SEED_FILE": str(creds / f"{identity}.nk"),
             "REPRISE_HTTP_HOST": config.host,
             "REPRISE_HTTP_PORT": str(port),
             "REPRISE_STATE_DIR": str(state / role),
@@ -118,7 +126,7 @@ def build_services(config: StackConfig) -> list[ServiceSpec]:
     for index, (node_id, spare) in enumerate(node_ids(config)):
         port = ports["agent"] + index
         env = {
-            **base("agent", port),
+            **base("agent", port, identity=node_id),
             "REPRISE_STATE_DIR": str(state / "agents" / node_id),
             "REPRISE_NODE_ID": node_id,
             "REPRISE_GPU_BACKEND": "sim",

@@ -8,6 +8,7 @@ import contextlib
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from pathlib import Path
 from typing import Any, TypeVar
 
 import nats
@@ -29,6 +30,7 @@ from reprise_common.metrics import (
     EVENTS_PUBLISHED,
     subject_kind,
 )
+from reprise_common.settings import ServiceSettings
 from reprise_common.subjects import STREAMS, StreamSpec, dead_letter
 
 log = get_logger("reprise.bus")
@@ -74,10 +76,27 @@ def stream_config(spec: StreamSpec) -> StreamConfig:
 class Bus:
     """One connection to NATS for one service; safe to use from many tasks."""
 
-    def __init__(self, *, url: str, service: str, streams: Sequence[StreamSpec] = STREAMS) -> None:
+    @classmethod
+    def for_service(cls, settings: ServiceSettings, service: str) -> Bus:
+        """The bus of a platform service, with its NATS identity from its settings."""
+        return cls(url=settings.nats_url, service=service, nkey_seed_file=settings.nats_nkey_seed_file)
+
+    def __init__(
+        self,
+        *,
+        url: str,
+        service: str,
+        streams: Sequence[StreamSpec] = STREAMS,
+        nkey_seed_file: Path | None = None,
+        inbox_prefix: str | None = None,
+        provision: bool = True,
+    ) -> None:
         self.url = url
         self.service = service
         self.streams = tuple(streams)
+        self.nkey_seed_file = nkey_seed_file
+        self.inbox_prefix = inbox_prefix
+        self.provision = provision  # agents publish only: their permissions do not allow managing streams
         self._nc: Client | None = None
         self._js: JetStreamContext | None = None
         self._consumers: list[Consumer] = []
@@ -123,6 +142,7 @@ class Bus:
                     disconnected_cb=self._on_disconnected,
                     reconnected_cb=self._on_reconnected,
                     error_cb=self._on_error,
+                    **self._identity(),
                 )
                 break
             except (OSError, nats.errors.NoServersError, TimeoutError) as exc:
@@ -131,8 +151,19 @@ class Bus:
                 await asyncio.sleep(retry_s)
         self._js = self._nc.jetstream(timeout=5)
         BUS_CONNECTED.labels(self.service).set(1)
-        await self.ensure_streams()
+        if self.provision:
+            await self.ensure_streams()
         self.generation += 1
+
+    def _identity(self) -> dict[str, Any]:
+        options: dict[str, Any] = {}
+        if self.nkey_seed_file is not None:
+            if not self.nkey_seed_file.is_file():
+                raise BusError(f"NATS identity file {self.nkey_seed_file} not found: create it with `reprise creds`")
+            options["nkeys_seed"] = str(self.nkey_seed_file)
+        if self.inbox_prefix is not None:
+            options["inbox_prefix"] = self.inbox_prefix
+        return options
 
     async def _on_disconnected(self) -> None:
         BUS_CONNECTED.labels(self.service).set(0)
@@ -143,6 +174,9 @@ class Bus:
         BUS_CONNECTED.labels(self.service).set(1)
         BUS_RECONNECTS.labels(self.service).inc()
         log.info("reconnected to NATS", extra={"url": self.url})
+        if not self.provision:
+            self.generation += 1
+            return
         try:
             await self.ensure_streams()
         except (BusError, nats.errors.Error, TimeoutError) as exc:

@@ -22,6 +22,9 @@ class ServiceSettings(BaseSettings):
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     log_format: Literal["json", "text"] = "json"
     state_dir: Path = Path(".state")
+    nats_nkey_seed_file: Path | None = Field(
+        default=None, description="NKey seed file of this service's NATS identity (`reprise creds`); none: no auth"
+    )
     shutdown_grace_s: float = Field(default=10.0, gt=0)
 
     @field_validator("nats_url")

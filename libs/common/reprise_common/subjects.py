@@ -49,6 +49,11 @@ def node_command(node_id: str) -> str:
     return f"{PREFIX}.cmd.{token(node_id)}"
 
 
+def node_inbox_prefix(node_id: str) -> str:
+    """The reply-inbox prefix of one node's agent, so its permissions can confine it to its own replies."""
+    return f"_INBOX_{token(node_id)}"
+
+
 def node_inject(node_id: str) -> str:
     """Fault injection into one node's simulated GPUs (tests, demo, drills)."""
     return f"{PREFIX}.inject.{token(node_id)}"

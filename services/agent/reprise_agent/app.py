@@ -10,13 +10,20 @@ from fastapi import FastAPI
 
 from reprise_agent.agent import Agent
 from reprise_agent.settings import AgentSettings
+from reprise_common import subjects
 from reprise_common.bus import Bus
 from reprise_common.service import Background, add_ops_routes, nats_check
 
 
 def create_app(settings: AgentSettings) -> FastAPI:
     """Build the agent's app; the agent itself starts once NATS is reachable."""
-    bus = Bus(url=settings.nats_url, service=f"agent-{settings.node_id}")
+    bus = Bus(
+        url=settings.nats_url,
+        service=f"agent-{settings.node_id}",
+        nkey_seed_file=settings.nats_nkey_seed_file,
+        inbox_prefix=subjects.node_inbox_prefix(settings.node_id),
+        provision=False,
+    )
     agent = Agent(settings, bus)
     background = Background(bus)
 

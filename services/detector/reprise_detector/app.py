@@ -26,7 +26,7 @@ SERVICE = "detector"
 def build_runtime(settings: DetectorSettings, clock: Clock) -> Runtime:
     """Wire the engine, bus, rules, placement map and pipeline; nothing connects yet."""
     engine = make_engine(settings.database_url)
-    bus = Bus(url=settings.nats_url, service=SERVICE)
+    bus = Bus.for_service(settings, SERVICE)
     placements = PlacementMap()
     detector = Detector(
         engine=engine,

@@ -38,7 +38,7 @@ def create_app(settings: OrchestratorSettings) -> FastAPI:
     clock = SystemClock()
     engine = make_engine(settings.database_url)
     redis = Redis.from_url(settings.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
-    bus = Bus(url=settings.nats_url, service="orchestrator")
+    bus = Bus.for_service(settings, "orchestrator")
     deps = Deps(
         settings=settings,
         engine=engine,

@@ -1,0 +1,118 @@
+"""Per-node NATS identity against a real nats-server: node A cannot publish as node B or read B's commands."""
+
+from __future__ import annotations
+
+import asyncio
+import stat
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import nats
+import pytest
+
+from reprise_cli.creds import Identity, init_credentials
+from reprise_cli.servers import NatsServer, deploy_dir, free_port
+from reprise_common import subjects
+from reprise_common.bus import Bus, Delivery, Outcome
+from reprise_common.events import Event, NodeReport
+
+
+@pytest.fixture
+def identities(tmp_path: Path) -> tuple[Identity, dict[str, Identity]]:
+    return init_credentials(
+        tmp_path / "creds", nodes=["node-a", "node-b"], base_config=deploy_dir() / "nats" / "nats.conf"
+    )
+
+
+@pytest.fixture
+def secured_nats(tmp_path: Path, identities: tuple[Identity, dict[str, Identity]]) -> Iterator[NatsServer]:
+    server = NatsServer(
+        port=free_port(),
+        monitor_port=free_port(),
+        store_dir=tmp_path / "store",
+        log_path=tmp_path / "nats.log",
+        config=tmp_path / "creds" / "nats.conf",
+    )
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+async def platform_bus(
+    secured_nats: NatsServer, identities: tuple[Identity, dict[str, Identity]]
+) -> AsyncIterator[Bus]:
+    bus = Bus(url=secured_nats.url, service="platform", nkey_seed_file=identities[0].seed_file)
+    await bus.connect(attempts=5)
+    yield bus
+    await bus.close()
+
+
+def _agent_bus(server: NatsServer, ident: Identity, node: str) -> Bus:
+    return Bus(
+        url=server.url,
+        service=f"agent-{node}",
+        nkey_seed_file=ident.seed_file,
+        inbox_prefix=subjects.node_inbox_prefix(node),
+        provision=False,
+    )
+
+
+def test_seeds_are_private_and_config_holds_only_public_keys(identities: tuple[Identity, dict[str, Identity]]) -> None:
+    platform, agents = identities
+    for ident in [platform, *agents.values()]:
+        assert stat.S_IMODE(ident.seed_file.stat().st_mode) == 0o600
+        assert ident.public_key.startswith("U")
+    config = (platform.seed_file.parent / "nats.conf").read_text()
+    assert agents["node-a"].public_key in config
+    assert "SU" not in config  # no seed (private key) ever lands in the server config
+
+
+async def test_node_a_cannot_publish_as_node_b(
+    secured_nats: NatsServer, platform_bus: Bus, identities: tuple[Identity, dict[str, Identity]]
+) -> None:
+    seen: list[str] = []
+
+    async def record(event: Event, delivery: Delivery) -> Outcome:
+        seen.append(delivery.subject)
+        return Outcome.ACK
+
+    platform_bus.consumer(
+        stream="AGENT", durable="watch", filter_subject=subjects.AGENT_REPORTS, handler=record
+    ).start()
+    node_a = _agent_bus(secured_nats, identities[1]["node-a"], "node-a")
+    await node_a.connect(attempts=5)
+    report = NodeReport(source="node-a", node_id="node-b", interval_s=1.0, gpu_backend="sim")
+    # Its own subject is stored; node B's subject is refused by the server (no JetStream ack comes back).
+    await node_a.publish(subjects.node_report("node-a"), report, timeout=2.0)
+    with pytest.raises(Exception, match=r"publish to reprise\.agent\.node-b\.report failed"):
+        await node_a.publish(subjects.node_report("node-b"), report.model_copy(update={"event_id": "x"}), timeout=1.0)
+    await asyncio.sleep(1.0)
+    assert seen == [subjects.node_report("node-a")]
+    await node_a.close()
+
+
+async def test_node_a_cannot_read_node_b_commands(
+    secured_nats: NatsServer, identities: tuple[Identity, dict[str, Identity]]
+) -> None:
+    errors: list[Exception] = []
+
+    async def on_error(exc: Exception) -> None:
+        errors.append(exc)
+
+    nc = await nats.connect(
+        secured_nats.url,
+        nkeys_seed=str(identities[1]["node-a"].seed_file),
+        inbox_prefix=subjects.node_inbox_prefix("node-a"),
+        error_cb=on_error,
+    )
+    await nc.subscribe(subjects.node_command("node-b"))
+    await nc.flush()
+    await asyncio.sleep(0.3)
+    assert any("permissions violation for subscription" in str(e).lower() for e in errors), errors
+    await nc.close()
+
+
+async def test_unknown_identity_is_refused(secured_nats: NatsServer) -> None:
+    with pytest.raises(Exception):  # noqa: B017 - nats-py raises its own error types for an auth failure
+        await nats.connect(secured_nats.url, allow_reconnect=False, connect_timeout=2)
