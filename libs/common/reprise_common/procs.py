@@ -31,6 +31,18 @@ def describe_exit(returncode: int) -> tuple[int | None, str | None]:
     return returncode, None
 
 
+def oom_kill_count(vmstat: Path = Path("/proc/vmstat")) -> int | None:
+    """How many processes the kernel's OOM killer has killed since boot (Linux 4.13+), or None if it does not say."""
+    try:
+        for line in vmstat.read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill":
+                return int(value)
+    except (OSError, ValueError):
+        return None
+    return None
+
+
 def process_alive(pid: int) -> bool:
     """True while a process exists and is not a zombie (an exited child its parent has not reaped yet)."""
     try:

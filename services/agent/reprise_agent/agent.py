@@ -142,6 +142,7 @@ class Agent:
             rank=rank.rank,
             exit_code=rank.exit_code,
             signal=rank.exit_signal,
+            oom_killed=rank.oom_killed,
             log_tail=list(rank.tail),
         )
         self.outbox.put(subjects.node_event(self.node_id, "rank.exited"), event)

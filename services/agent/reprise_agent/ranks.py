@@ -14,9 +14,17 @@ from typing import IO
 
 from reprise_common.events import RankAssignment, RankStatus
 from reprise_common.logging import get_logger
-from reprise_common.procs import describe_exit, die_with_parent
+from reprise_common.procs import describe_exit, die_with_parent, oom_kill_count
 
 log = get_logger("reprise.agent.ranks")
+
+
+def _killed_by_oom(rank: RankProcess) -> bool:
+    # The kernel says so only indirectly: a SIGKILL while its OOM-kill counter moved since the rank started.
+    if rank.exit_signal != "SIGKILL" or rank.oom_baseline is None:
+        return False
+    now = oom_kill_count()
+    return now is not None and now > rank.oom_baseline
 
 
 @dataclass(frozen=True)
@@ -47,8 +55,10 @@ class RankProcess:
     log_path: Path
     tail: deque[str]
     stopping: bool = False
+    oom_baseline: int | None = None
     exit_code: int | None = None
     exit_signal: str | None = None
+    oom_killed: bool = False
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -125,6 +135,7 @@ class RankSupervisor:
             preexec_fn=die_with_parent(signal.SIGKILL),  # a lost agent means a lost node: its ranks go too
         )
         rank = RankProcess(
+            oom_baseline=oom_kill_count(),
             job_id=spec.job_id,
             rank=assignment.rank,
             local_rank=assignment.local_rank,
@@ -145,6 +156,7 @@ class RankSupervisor:
             await self._pump(rank, rank.proc.stdout, sink)
         returncode = await rank.proc.wait()
         rank.exit_code, rank.exit_signal = describe_exit(returncode)
+        rank.oom_killed = _killed_by_oom(rank)
         rank.done.set()
         log.info(
             "rank exited",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -166,3 +166,50 @@ async def test_bad_injection_is_refused_with_a_reason(harness: Harness) -> None:
         subjects.node_inject("n1"), InjectFault(kind=FaultKind.XID, gpu=9, xid=79), InjectReply
     )
     assert not answer.accepted and "no GPU 9" in answer.detail
+
+
+@pytest.fixture
+def memory_cgroup() -> Iterator[Path]:
+    """A cgroup (v1 or v2) with a 64 MiB memory limit, where this machine lets us make one."""
+    name = f"reprise-oom-{os.getpid()}"
+    v1, v2 = Path("/sys/fs/cgroup/memory"), Path("/sys/fs/cgroup")
+    try:
+        if (v1 / "memory.limit_in_bytes").exists():
+            group = v1 / name
+            group.mkdir()
+            (group / "memory.limit_in_bytes").write_text(str(64 * 2**20))
+        else:
+            group = v2 / name
+            group.mkdir()
+            (group / "memory.max").write_text(str(64 * 2**20))
+            (group / "memory.swap.max").write_text("0")
+    except OSError as exc:
+        pytest.skip(f"cannot create a memory-limited cgroup here: {exc}")
+    yield group
+    group.rmdir()
+
+
+async def test_oom_kill_is_reported_as_such(harness: Harness, memory_cgroup: Path) -> None:
+    hog = (
+        f"echo $$ > {memory_cgroup}/cgroup.procs && exec {sys.executable} -c "
+        "'import time; b = bytearray(512 * 2**20); time.sleep(30)'"
+    )
+    cmd = AgentCommand(
+        command_id="oom", job_id="job-oom", fence=1, action=CommandAction.LAUNCH,
+        args={"restart_epoch": 0, "world_size": 1, "master_addr": "127.0.0.1", "master_port": 29500,
+              "command": ["sh", "-c", hog], "ranks": [{"rank": 0, "node_id": "n1", "gpu": 0, "local_rank": 0}]},
+    )  # fmt: skip
+    reply = await harness.client.request(subjects.node_command("n1"), cmd, CommandReply, timeout=15)
+    assert reply.result is CommandResult.DONE
+    assert await wait_for(lambda: len(harness.of_type(RankExited)) == 1, timeout_s=20)
+    exited = harness.of_type(RankExited)[0]
+    assert isinstance(exited, RankExited)
+    assert exited.signal == "SIGKILL" and exited.oom_killed
+
+
+async def test_killed_rank_without_oom_is_not_called_oom(harness: Harness) -> None:
+    reply = await harness.launch(fence=1, command_id="l")
+    os.kill(reply.data["pids"][0], 9)
+    assert await wait_for(lambda: len(harness.of_type(RankExited)) == 1)
+    exited = harness.of_type(RankExited)[0]
+    assert isinstance(exited, RankExited) and not exited.oom_killed
