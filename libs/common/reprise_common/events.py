@@ -122,6 +122,7 @@ class NodeReport(Event):
     address: str = Field(default="", description="where other nodes reach this node; the rendezvous master of rank 0")
     interval_s: float = Field(gt=0)
     gpu_backend: str
+    gpu_error: str = Field(default="", description="why no GPU can be read on this node (e.g. NVML unavailable)")
     gpus: list[GpuStatus] = Field(default_factory=list)
     ranks: list[RankStatus] = Field(default_factory=list)
     spare: bool = False

@@ -9,13 +9,16 @@ from typing import Any
 from pydantic import ValidationError
 
 from reprise_agent.commands import CommandBook
-from reprise_agent.gpu.base import SignalKind
+from reprise_agent.depchecks import CheckResult, DependencyChecker
+from reprise_agent.gpu.base import GpuBackend, SignalKind
+from reprise_agent.gpu.factory import open_backend
 from reprise_agent.gpu.sim import SimulatedGpus
 from reprise_agent.outbox import Outbox
 from reprise_agent.ranks import LaunchSpec, RankProcess, RankSupervisor
 from reprise_agent.settings import AgentSettings
 from reprise_common import subjects
 from reprise_common.bus import Bus
+from reprise_common.clock import SystemClock
 from reprise_common.errors import BusError
 from reprise_common.events import (
     AgentCommand,
@@ -23,6 +26,7 @@ from reprise_common.events import (
     CommandAction,
     CommandReply,
     CommandResult,
+    DependencyFailed,
     GpuLost,
     GpuXid,
     InjectFault,
@@ -44,7 +48,7 @@ class Agent:
         self.settings = settings
         self.node_id = settings.node_id
         self.bus = bus
-        self.gpus = SimulatedGpus(settings.gpu_count, node_id=self.node_id)
+        self.gpus: GpuBackend = open_backend(settings.gpu_backend, count=settings.gpu_count, node_id=self.node_id)
         self.supervisor = RankSupervisor(
             node_id=self.node_id,
             state_dir=settings.state_dir,
@@ -53,6 +57,12 @@ class Agent:
         )
         self.book = CommandBook(node_id=self.node_id, state_file=settings.state_dir / "fences.json")
         self.outbox = Outbox(bus, capacity=settings.outbox_capacity)
+        self.depchecks = DependencyChecker(
+            settings.dependency_checks,
+            clock=SystemClock(),
+            repeat_s=settings.dependency_repeat_s,
+            rendezvous_grace_s=settings.rendezvous_grace_s,
+        )
         self.reports_skipped = 0
         self._tasks: list[asyncio.Task[None]] = []
         self._subscriptions: list[Any] = []
@@ -66,6 +76,7 @@ class Agent:
             asyncio.create_task(self.outbox.run(), name="outbox"),
             asyncio.create_task(self._report_loop(), name="reports"),
             asyncio.create_task(self._gpu_loop(), name="gpu-signals"),
+            asyncio.create_task(self._dependency_loop(), name="dependency-checks"),
         ]
         self._emit_lifecycle("starting")
 
@@ -89,15 +100,17 @@ class Agent:
         self.outbox.put(subjects.node_event(self.node_id, "agent.lifecycle"), event)
 
     # --- reporting --------------------------------------------------------------------------------------------
-    def report(self) -> NodeReport:
-        """The node's compact report: every GPU and every rank."""
+    async def report(self) -> NodeReport:
+        """The node's compact report: every GPU and every rank (GPU reads are driver calls: off the loop)."""
+        gpus = await asyncio.to_thread(self.gpus.statuses) if self.gpus.name == "nvml" else self.gpus.statuses()
         return NodeReport(
             source=self.node_id,
             node_id=self.node_id,
             address=self.settings.advertise_addr,
             interval_s=self.settings.report_interval_s,
             gpu_backend=self.gpus.name,
-            gpus=self.gpus.statuses(),
+            gpu_error=self.gpus.error,
+            gpus=gpus,
             ranks=[rank.status() for rank in self.supervisor.ranks()],
             spare=self.settings.spare,
         )
@@ -106,7 +119,7 @@ class Agent:
         while True:
             if self.bus.connected:
                 try:
-                    await self.bus.publish(subjects.node_report(self.node_id), self.report(), timeout=1.0)
+                    await self.bus.publish(subjects.node_report(self.node_id), await self.report(), timeout=1.0)
                 except BusError:
                     self.reports_skipped += 1
             else:
@@ -133,6 +146,23 @@ class Agent:
             elif signal.kind is SignalKind.LOST:
                 lost = GpuLost(source=self.node_id, node_id=self.node_id, gpu=signal.gpu, reason=signal.message)
                 self.outbox.put(subjects.node_event(self.node_id, "gpu.lost"), lost)
+
+    async def _dependency_loop(self) -> None:
+        while True:
+            static, rendezvous = await asyncio.gather(self.depchecks.poll(), self.depchecks.poll_rendezvous())
+            for result in [*static, *rendezvous]:
+                self._on_dependency(result)
+            await asyncio.sleep(self.settings.dependency_interval_s)
+
+    def _on_dependency(self, result: CheckResult) -> None:
+        if result.ok:
+            log.info("dependency recovered", extra={"dependency": result.name, "detail": result.detail})
+            return
+        log.warning("dependency failed", extra={"dependency": result.name, "detail": result.detail})
+        event = DependencyFailed(
+            source=self.node_id, node_id=self.node_id, dependency=result.name, detail=result.detail
+        )
+        self.outbox.put(subjects.node_event(self.node_id, "dependency.failed"), event)
 
     async def _on_rank_exit(self, rank: RankProcess) -> None:
         event = RankExited(
@@ -166,6 +196,7 @@ class Agent:
             data = {"pids": await self.supervisor.launch(spec)}
         else:  # STOP
             grace = float(command.args.get("grace_s", self.settings.stop_grace_s))
+            self.depchecks.clear_rendezvous(command.job_id)
             stopped = await self.supervisor.stop(command.job_id, grace_s=grace)
             data = {"stopped": [{"rank": r.rank, "exit_code": r.exit_code, "signal": r.exit_signal} for r in stopped]}
         return CommandReply(command_id=command.command_id, node_id=self.node_id, result=CommandResult.DONE, data=data)
@@ -175,6 +206,10 @@ class Agent:
             fault = InjectFault.model_validate_json(data)
         except ValidationError as exc:
             return InjectReply(accepted=False, detail=f"bad fault: {exc.errors()[0]['msg']}")
+        if not isinstance(self.gpus, SimulatedGpus):
+            return InjectReply(
+                accepted=False, detail=f"fault injection needs the sim backend (this node: {self.gpus.name})"
+            )
         result = self.gpus.inject(fault)
         self.flush_gpu_signals()  # the driver reports the error before the process dies of it
         detail = result.detail

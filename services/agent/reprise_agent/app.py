@@ -41,9 +41,11 @@ def create_app(settings: AgentSettings) -> FastAPI:
 
     @app.get("/v1/status", tags=["agent"], summary="This node's GPUs, ranks and command state")
     async def status() -> dict[str, Any]:
-        report = agent.report()
+        report = await agent.report()
         return {
             "node_id": agent.node_id,
+            "gpu_backend": report.gpu_backend,
+            "gpu_error": report.gpu_error,
             "spare": settings.spare,
             "gpus": [g.model_dump(mode="json") for g in report.gpus],
             "ranks": [r.model_dump(mode="json") for r in report.ranks],

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
+from reprise_agent.depchecks import DependencyChecks
 from reprise_common.settings import IdStr, ServiceSettings
 
 
@@ -17,7 +18,7 @@ class AgentSettings(ServiceSettings):
 
     node_id: IdStr
     http_port: int = 8800
-    gpu_backend: Literal["sim"] = "sim"
+    gpu_backend: Literal["sim", "nvml"] = "sim"
     gpu_count: int = Field(default=8, ge=0, le=64, description="simulated GPUs (sim backend only)")
     spare: bool = False
     advertise_addr: str = Field(
@@ -28,3 +29,13 @@ class AgentSettings(ServiceSettings):
     stop_grace_s: float = Field(default=10.0, gt=0)
     log_tail_lines: int = Field(default=50, ge=1, le=1000)
     outbox_capacity: int = Field(default=10_000, ge=10)
+    dependency_checks: DependencyChecks = Field(
+        default_factory=list,
+        description='JSON list, e.g. [{"kind": "storage", "path": "/ckpt"}, {"kind": "disk", "path": "/", '
+        '"min_free_fraction": 0.05}]',
+    )
+    dependency_interval_s: float = Field(default=5.0, gt=0)
+    dependency_repeat_s: float = Field(default=60.0, gt=0, description="re-report a lasting failure this often")
+    rendezvous_grace_s: float = Field(
+        default=30.0, ge=0, description="how long a new rendezvous master may take to listen"
+    )

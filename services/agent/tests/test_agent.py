@@ -213,3 +213,25 @@ async def test_killed_rank_without_oom_is_not_called_oom(harness: Harness) -> No
     assert await wait_for(lambda: len(harness.of_type(RankExited)) == 1)
     exited = harness.of_type(RankExited)[0]
     assert isinstance(exited, RankExited) and not exited.oom_killed
+
+
+async def test_agent_without_nvml_reports_why_and_keeps_running(nats_server: NatsServer, tmp_path: Path) -> None:
+    pynvml = pytest.importorskip("pynvml")
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        pass
+    else:
+        pynvml.nvmlShutdown()
+        pytest.skip("NVML works on this machine: the degrade path is not reachable")
+    settings = AgentSettings(node_id="n2", nats_url=nats_server.url, state_dir=tmp_path, gpu_backend="nvml")
+    bus = Bus(url=nats_server.url, service="agent-n2")
+    await bus.connect(attempts=10)
+    agent = Agent(settings, bus)
+    await agent.start()
+    report = await agent.report()
+    assert report.gpus == [] and report.gpu_error.startswith("NVML unavailable")
+    answer = await bus.request(subjects.node_inject("n2"), InjectFault(kind=FaultKind.XID, gpu=0, xid=79), InjectReply)
+    assert not answer.accepted and "needs the sim backend" in answer.detail
+    await agent.stop()
+    await bus.close()

@@ -8,6 +8,9 @@ from typing import Protocol
 
 from reprise_common.events import GpuStatus
 
+# XIDs after which the job on that GPU cannot continue (REFERENCE.md: the immediate action is a reset or a reboot).
+FATAL_XIDS = frozenset({46, 48, 61, 62, 64, 74, 79, 95, 109, 119, 120, 140, *range(144, 151)})
+
 
 class SignalKind(StrEnum):
     """Discrete GPU happenings that are published at once, not in the next report."""
@@ -30,6 +33,7 @@ class GpuBackend(Protocol):
     """Reads GPU health; never raises for an unreadable GPU (it reports it as unknown or lost instead)."""
 
     name: str
+    error: str  # why the GPUs cannot be read at all ("" when they can)
 
     def statuses(self) -> list[GpuStatus]:
         """One status per GPU, in index order."""

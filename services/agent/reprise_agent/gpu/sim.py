@@ -5,11 +5,9 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-from reprise_agent.gpu.base import GpuSignal, SignalKind
+from reprise_agent.gpu.base import FATAL_XIDS, GpuSignal, SignalKind
 from reprise_common.events import FaultKind, GpuHealth, GpuStatus, InjectFault
 
-# XIDs after which the job on that GPU cannot continue (REFERENCE.md, "immediate action" is a reset or reboot).
-FATAL_XIDS = frozenset({46, 48, 61, 62, 64, 74, 79, 95, 109, 119, 120, 140, *range(144, 151)})
 _XID_BY_FAULT = {FaultKind.ECC_DBE: 48, FaultKind.OFF_BUS: 79, FaultKind.NVLINK: 74}
 
 
@@ -37,6 +35,7 @@ class SimulatedGpus:
     """A node's GPUs in memory; faults change their state and emit the signals the real driver would."""
 
     name = "sim"
+    error = ""
 
     def __init__(self, count: int, *, node_id: str = "node") -> None:
         self._gpus = [_SimGpu(index=i) for i in range(count)]
