@@ -4,10 +4,11 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-PACKAGES := libs/common services/agent services/detector services/orchestrator services/checkpoint-registry cli
+PACKAGES := libs/common sdk services/agent services/detector services/orchestrator services/checkpoint-registry cli
 STAMP := $(VENV)/.installed-stamp
 MYPY_TARGETS := libs/common/reprise_common services/agent/reprise_agent services/detector/reprise_detector \
-	services/orchestrator/reprise_orchestrator services/checkpoint-registry/reprise_registry cli/reprise_cli
+	services/orchestrator/reprise_orchestrator services/checkpoint-registry/reprise_registry cli/reprise_cli \
+	sdk/reprise_sdk
 NODES ?= 4
 SPARES ?= 1
 

@@ -65,7 +65,8 @@ def test_seeds_are_private_and_config_holds_only_public_keys(identities: tuple[I
         assert ident.public_key.startswith("U")
     config = (platform.seed_file.parent / "nats.conf").read_text()
     assert agents["node-a"].public_key in config
-    assert "SU" not in config  # no seed (private key) ever lands in the server config
+    for ident in [platform, *agents.values()]:  # no seed (private key) ever lands in the server config
+        assert ident.seed_file.read_text().strip() not in config
 
 
 async def test_node_a_cannot_publish_as_node_b(

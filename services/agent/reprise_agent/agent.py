@@ -14,6 +14,7 @@ from reprise_agent.gpu.base import GpuBackend, SignalKind
 from reprise_agent.gpu.factory import open_backend
 from reprise_agent.gpu.sim import SimulatedGpus
 from reprise_agent.outbox import Outbox
+from reprise_agent.progress import ProgressBook, SdkServer, default_socket_path
 from reprise_agent.ranks import LaunchSpec, RankProcess, RankSupervisor
 from reprise_agent.settings import AgentSettings
 from reprise_common import subjects
@@ -23,6 +24,7 @@ from reprise_common.errors import BusError
 from reprise_common.events import (
     AgentCommand,
     AgentLifecycle,
+    CheckpointSaved,
     CommandAction,
     CommandReply,
     CommandResult,
@@ -34,6 +36,7 @@ from reprise_common.events import (
     NodeReport,
     RankAssignment,
     RankExited,
+    RankStatus,
     Wire,
 )
 from reprise_common.logging import get_logger
@@ -49,7 +52,13 @@ class Agent:
         self.node_id = settings.node_id
         self.bus = bus
         self.gpus: GpuBackend = open_backend(settings.gpu_backend, count=settings.gpu_count, node_id=self.node_id)
+        self.progress = ProgressBook(SystemClock())
+        self.progress.on_checkpoint_saved(self._on_checkpoint_saved)
+        self.progress.on_first_heartbeat(self._on_job_training)
+        sdk_path = settings.sdk_socket.absolute() if settings.sdk_socket else default_socket_path(settings.state_dir)
+        self.sdk = SdkServer(sdk_path, self.progress)
         self.supervisor = RankSupervisor(
+            sdk_socket=self.sdk.path,
             node_id=self.node_id,
             state_dir=settings.state_dir,
             on_exit=self._on_rank_exit,
@@ -70,6 +79,7 @@ class Agent:
     # --- lifecycle --------------------------------------------------------------------------------------------
     async def start(self) -> None:
         """Serve commands and injections, start the loops, announce ourselves."""
+        await self.sdk.start()  # before any command can launch a rank that reports to it
         self._subscriptions.append(await self.bus.serve(subjects.node_command(self.node_id), self._on_command))
         self._subscriptions.append(await self.bus.serve(subjects.node_inject(self.node_id), self._on_inject))
         self._tasks = [
@@ -86,6 +96,7 @@ class Agent:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
         await self.supervisor.stop_all(grace_s=self.settings.stop_grace_s)
+        self.sdk.close()
         self._emit_lifecycle("stopping")
         await self.outbox.flush(timeout_s=2.0)
         for task in self._tasks:
@@ -111,9 +122,32 @@ class Agent:
             gpu_backend=self.gpus.name,
             gpu_error=self.gpus.error,
             gpus=gpus,
-            ranks=[rank.status() for rank in self.supervisor.ranks()],
+            ranks=[self._rank_status(rank) for rank in self.supervisor.ranks()],
             spare=self.settings.spare,
         )
+
+    def _rank_status(self, rank: RankProcess) -> RankStatus:
+        """A rank as the report shows it: the process as supervised, its progress as its SDK reported it."""
+        return rank.status().model_copy(update=self.progress.status_fields(rank.job_id, rank.rank))
+
+    def _on_checkpoint_saved(self, job_id: str, rank: int, step: int, path: str, files: list[str]) -> None:
+        event = CheckpointSaved(
+            source=self.node_id,
+            node_id=self.node_id,
+            job_id=job_id,
+            rank=rank,
+            step=step,
+            path=path,
+            files=files,
+            restart_epoch=self.progress.restart_epoch(job_id, rank) or 0,
+        )
+        self.outbox.put(subjects.node_event(self.node_id, "checkpoint.saved"), event)
+
+    def _on_job_training(self, job_id: str) -> None:
+        # The first heartbeat proves the job is past its rendezvous; from now on its master must stay reachable.
+        spec = self.supervisor.launches.get(job_id)
+        if spec is not None:
+            self.depchecks.set_rendezvous(job_id, spec.master_addr, spec.master_port)
 
     async def _report_loop(self) -> None:
         while True:
@@ -194,10 +228,13 @@ class Agent:
         elif command.action is CommandAction.LAUNCH:
             spec = _launch_spec(command)
             data = {"pids": await self.supervisor.launch(spec)}
+            for assignment in spec.ranks:  # startup begins now; a no-op for a rank that already reported
+                self.progress.begin(spec.job_id, assignment.rank, restart_epoch=spec.restart_epoch)
         else:  # STOP
             grace = float(command.args.get("grace_s", self.settings.stop_grace_s))
             self.depchecks.clear_rendezvous(command.job_id)
             stopped = await self.supervisor.stop(command.job_id, grace_s=grace)
+            self.progress.forget(command.job_id)
             data = {"stopped": [{"rank": r.rank, "exit_code": r.exit_code, "signal": r.exit_signal} for r in stopped]}
         return CommandReply(command_id=command.command_id, node_id=self.node_id, result=CommandResult.DONE, data=data)
 

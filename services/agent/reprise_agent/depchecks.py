@@ -353,6 +353,10 @@ class DependencyChecker:
         assert_never(spec)
 
     # --- rendezvous masters -----------------------------------------------------------------------------------
+    def watched_rendezvous(self) -> list[str]:
+        """The jobs whose rendezvous master is being watched."""
+        return sorted(self._rendezvous)
+
     def set_rendezvous(self, job_id: str, host: str, port: int) -> None:
         """Watch the rendezvous master of a job running here (a relaunch replaces it and restarts the grace)."""
         self._forget(rendezvous_name(job_id))

@@ -77,8 +77,18 @@ ExitCallback = Callable[[RankProcess], Awaitable[None]]
 class RankSupervisor:
     """Starts, watches and stops ranks; calls on_exit for every exit it did not cause itself."""
 
-    def __init__(self, *, node_id: str, state_dir: Path, on_exit: ExitCallback, tail_lines: int = 50) -> None:
+    def __init__(
+        self,
+        *,
+        node_id: str,
+        state_dir: Path,
+        on_exit: ExitCallback,
+        tail_lines: int = 50,
+        sdk_socket: Path | None = None,
+    ) -> None:
         self.node_id = node_id
+        self.sdk_socket = sdk_socket
+        self.launches: dict[str, LaunchSpec] = {}
         self.log_dir = state_dir / "ranks"
         self.on_exit = on_exit
         self.tail_lines = tail_lines
@@ -98,6 +108,7 @@ class RankSupervisor:
         if any(r.alive for r in self._ranks.values() if r.job_id == spec.job_id):
             raise RuntimeError(f"job {spec.job_id} already has live ranks on {self.node_id}: stop it first")
         self._forget(spec.job_id)
+        self.launches[spec.job_id] = spec
         pids = []
         for assignment in spec.ranks:
             rank = await self._start(spec, assignment)
@@ -122,6 +133,8 @@ class RankSupervisor:
         }
         if assignment.gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = str(assignment.gpu)
+        if self.sdk_socket is not None:
+            env["REPRISE_SDK_SOCKET"] = str(self.sdk_socket)
         log_path = self.log_dir / spec.job_id / f"epoch-{spec.restart_epoch}-rank-{assignment.rank}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         proc = await asyncio.create_subprocess_exec(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field
@@ -29,6 +30,11 @@ class AgentSettings(ServiceSettings):
     stop_grace_s: float = Field(default=10.0, gt=0)
     log_tail_lines: int = Field(default=50, ge=1, le=1000)
     outbox_capacity: int = Field(default=10_000, ge=10)
+    sdk_socket: Path | None = Field(
+        default=None,
+        description="the training SDK's Unix datagram socket, given to ranks as REPRISE_SDK_SOCKET "
+        "(default <state_dir>/sdk.sock, or a short path in the temp dir when that exceeds 107 bytes)",
+    )
     dependency_checks: DependencyChecks = Field(
         default_factory=list,
         description='JSON list, e.g. [{"kind": "storage", "path": "/ckpt"}, {"kind": "disk", "path": "/", '

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import sys
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -17,6 +18,7 @@ from reprise_common import subjects
 from reprise_common.bus import Bus, Delivery, Outcome
 from reprise_common.events import (
     AgentCommand,
+    CheckpointSaved,
     CommandAction,
     CommandReply,
     CommandResult,
@@ -235,3 +237,66 @@ async def test_agent_without_nvml_reports_why_and_keeps_running(nats_server: Nat
     assert not answer.accepted and "needs the sim backend" in answer.detail
     await agent.stop()
     await bus.close()
+
+
+TRAINER = [
+    sys.executable,
+    "-c",
+    "import time, reprise_sdk\n"
+    "for step in range(1, 100000):\n"
+    "    time.sleep(0.01)\n"
+    "    reprise_sdk.heartbeat(step, loss=1.0 / step)\n"
+    "    if step == 30:\n"
+    "        with reprise_sdk.phase('checkpointing'):\n"
+    "            reprise_sdk.checkpoint_saved('/ckpt/30', 30, ['/ckpt/30/r.pt'])\n",
+]
+
+
+async def test_sdk_progress_reaches_the_report_and_checkpoints_become_events(harness: Harness) -> None:
+    ranks = [{"rank": i, "node_id": "n1", "gpu": i, "local_rank": i} for i in range(2)]
+    reply = await harness.command(
+        CommandAction.LAUNCH, fence=1, command_id="sdk", restart_epoch=3, world_size=2,
+        master_addr="127.0.0.1", master_port=29500, command=TRAINER, ranks=ranks,
+    )  # fmt: skip
+    assert reply.result is CommandResult.DONE, reply.detail
+    assert harness.agent.depchecks.watched_rendezvous() == []  # not before the job proves it is past rendezvous
+
+    def progressed() -> bool:
+        reports = [e for e in harness.of_type(NodeReport) if isinstance(e, NodeReport)]
+        return bool(reports) and len(reports[-1].ranks) == 2 and all((r.step or 0) > 40 for r in reports[-1].ranks)
+
+    assert await wait_for(progressed, timeout_s=20)
+    report = [e for e in harness.of_type(NodeReport) if isinstance(e, NodeReport)][-1]
+    for status in report.ranks:
+        assert status.phase == "training" and status.step_time_p50_s is not None
+        assert (status.heartbeat_age_s or 99) < 2
+    assert harness.agent.depchecks.watched_rendezvous() == ["job-1"]
+    assert await wait_for(lambda: len(harness.of_type(CheckpointSaved)) == 2)
+    saved = sorted(
+        (e for e in harness.of_type(CheckpointSaved) if isinstance(e, CheckpointSaved)), key=lambda e: e.rank
+    )
+    assert [(e.rank, e.step, e.path, e.restart_epoch, e.files) for e in saved] == [
+        (0, 30, "/ckpt/30", 3, ["/ckpt/30/r.pt"]),
+        (1, 30, "/ckpt/30", 3, ["/ckpt/30/r.pt"]),
+    ]
+
+
+async def test_stopped_rank_shows_a_growing_heartbeat_age(harness: Harness) -> None:
+    ranks = [{"rank": 0, "node_id": "n1", "gpu": 0, "local_rank": 0}]
+    reply = await harness.command(
+        CommandAction.LAUNCH, fence=1, command_id="hang", restart_epoch=0, world_size=1,
+        master_addr="127.0.0.1", master_port=29500, command=TRAINER, ranks=ranks,
+    )  # fmt: skip
+    statuses = lambda: [r for e in harness.of_type(NodeReport) if isinstance(e, NodeReport) for r in e.ranks]  # noqa: E731
+    assert await wait_for(lambda: any((r.step or 0) > 5 for r in statuses()), timeout_s=20)
+    os.kill(reply.data["pids"][0], signal.SIGSTOP)
+    try:
+        seen = len(statuses())
+        assert await wait_for(lambda: len(statuses()) > seen + 5, timeout_s=10)
+        after = statuses()[seen:]
+        ages = [r.heartbeat_age_s or 0.0 for r in after]
+        assert ages[-1] > ages[0] + 0.3 and ages[-1] > 0.5
+        assert len({r.step for r in after[1:]}) == 1  # the step stands still while the age grows
+        assert after[-1].alive
+    finally:
+        os.kill(reply.data["pids"][0], signal.SIGCONT)

@@ -1,0 +1,75 @@
+"""What every benchmark shares: a description of the machine, latency summaries, and saving results as JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def machine_info() -> dict[str, Any]:
+    """The machine a figure was measured on: without it a number means little."""
+    return {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "cores": os.cpu_count(),
+        "cpu_model": _cpu_model(),
+        "kernel": platform.release(),
+        "arch": platform.machine(),
+        "python": f"{platform.python_implementation()} {platform.python_version()}",
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return platform.processor() or "unknown"
+    for line in lines:
+        key, _, value = line.partition(":")
+        if key.strip() in ("model name", "Model", "cpu model"):
+            return value.strip()
+    return platform.processor() or "unknown"
+
+
+def latency_summary(samples_ns: Sequence[int]) -> dict[str, float]:
+    """Median, p99, max and mean of per-call durations, in microseconds."""
+    ordered = sorted(samples_ns)
+    count = len(ordered)
+    if not count:
+        return {"calls": 0}
+    return {
+        "calls": count,
+        "median_us": round(ordered[count // 2] / 1000, 3),
+        "p99_us": round(ordered[min(count - 1, int(count * 0.99))] / 1000, 3),
+        "max_us": round(ordered[-1] / 1000, 3),
+        "mean_us": round(sum(ordered) / count / 1000, 3),
+    }
+
+
+def process_cpu_s() -> float:
+    """CPU time this process has used, in seconds, from the scheduler's exact accounting where Linux has it.
+
+    getrusage() is sampled at the timer tick on many kernels and overcharges a process that wakes on ticks.
+    """
+    try:
+        return int(Path("/proc/self/schedstat").read_text(encoding="ascii").split()[0]) / 1e9
+    except (OSError, ValueError, IndexError):
+        times = os.times()
+        return times.user + times.system
+
+
+def write_result(name: str, figures: dict[str, Any]) -> Path:
+    """Save a benchmark's figures with the machine description as bench/results/<name>.json (atomically)."""
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    target = RESULTS_DIR / f"{name}.json"
+    partial = target.with_suffix(".json.tmp")
+    document = {"benchmark": name, "machine": machine_info(), "figures": figures}
+    partial.write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
+    os.replace(partial, target)
+    return target

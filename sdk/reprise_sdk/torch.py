@@ -1,0 +1,114 @@
+"""PyTorch checkpoint helpers that report what they wrote to Reprise (``pip install reprise-sdk[torch]``).
+
+Two layouts:
+
+* per-rank files (``save_checkpoint`` / ``load_checkpoint``): each rank writes ``rank-00003.pt`` into the checkpoint
+  directory with ``torch.save``, atomically (a temporary file, fsync, rename, fsync of the directory), so a file
+  that exists is complete;
+* PyTorch Distributed Checkpoint (``save_distributed`` / ``load_distributed``): ``torch.distributed.checkpoint``
+  writes sharded files and a ``.metadata`` file last; works with or without an initialised process group.
+
+Every save runs in the "checkpointing" phase (a long save is not taken for a hang) and ends with
+``checkpoint_saved(directory, step, files)`` listing the absolute paths of the files this rank wrote.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ._client import checkpoint_saved, phase
+from ._resume import resume
+
+StrPath = str | os.PathLike[str]
+
+
+def rank_file(directory: StrPath, rank: int) -> Path:
+    """Where `rank`'s per-rank checkpoint file lives in a checkpoint directory."""
+    return Path(directory).absolute() / f"rank-{rank:05d}.pt"
+
+
+def save_checkpoint(directory: StrPath, step: int, state: dict[str, Any], *, rank: int | None = None) -> list[str]:
+    """Write this rank's `state` into `directory` atomically, report it, and return the files written."""
+    target = rank_file(directory, resume().rank if rank is None else rank)
+    with phase("checkpointing"):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
+        try:
+            with partial.open("wb") as sink:
+                torch.save(state, sink)
+                sink.flush()
+                os.fsync(sink.fileno())
+            os.replace(partial, target)
+        finally:
+            partial.unlink(missing_ok=True)
+        _fsync_directory(target.parent)
+    files = [str(target)]
+    checkpoint_saved(str(target.parent), step, files)
+    return files
+
+
+def load_checkpoint(
+    directory: StrPath, *, rank: int | None = None, map_location: Any = "cpu", weights_only: bool = True
+) -> dict[str, Any]:
+    """Read this rank's state written by save_checkpoint (tensors land on `map_location`)."""
+    source = rank_file(directory, resume().rank if rank is None else rank)
+    state: dict[str, Any] = torch.load(source, map_location=map_location, weights_only=weights_only)
+    return state
+
+
+def save_distributed(directory: StrPath, step: int, state: dict[str, Any]) -> list[str]:
+    """Save `state` with torch.distributed.checkpoint (a collective under a process group); report this rank's files."""
+    import torch.distributed.checkpoint as dcp  # noqa: PLC0415 - heavy, and only this pair of helpers needs it
+
+    root = Path(directory).absolute()
+    grouped = _process_group_up()
+    with phase("checkpointing"), _single_process_is_meant(not grouped):
+        metadata = dcp.save(state, checkpoint_id=root, no_dist=not grouped)
+    rank = dist.get_rank() if grouped else 0
+    prefix = f"__{rank}_"  # FileSystemWriter names a rank's files __<rank>_<n>.distcp
+    names = {info.relative_path for info in metadata.storage_data.values() if info.relative_path.startswith(prefix)}
+    if rank == 0:
+        names.add(".metadata")  # the coordinator writes the metadata, last
+    files = [str(root / name) for name in sorted(names)]
+    checkpoint_saved(str(root), step, files)
+    return files
+
+
+def load_distributed(directory: StrPath, state: dict[str, Any]) -> dict[str, Any]:
+    """Load a torch.distributed.checkpoint into `state` in place (its tensors give shapes and placement)."""
+    import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+
+    grouped = _process_group_up()
+    with _single_process_is_meant(not grouped):
+        dcp.load(state, checkpoint_id=Path(directory).absolute(), no_dist=not grouped)
+    return state
+
+
+def _process_group_up() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+@contextlib.contextmanager
+def _single_process_is_meant(single: bool) -> Iterator[None]:
+    """Without a process group DCP warns that it assumes a single process: here that is what the caller meant."""
+    with warnings.catch_warnings():
+        if single:
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        yield
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Make a rename durable: the directory entry is only on disk once the directory is synced."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

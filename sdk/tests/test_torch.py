@@ -1,0 +1,139 @@
+"""The PyTorch checkpoint helpers with real PyTorch: files on disk, reports at a real socket, a real gloo group."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed: the reprise_sdk.torch helpers are not tested")
+
+REPORTING_ENV = ["RANK", "REPRISE_JOB_ID", "REPRISE_RESTART_EPOCH", "REPRISE_SDK_SOCKET", "REPRISE_SDK_INTERVAL_S"]
+
+
+class Reports:
+    """The agent's socket, reduced to collecting what the helpers report."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(str(path))
+        self.sock.settimeout(5)
+
+    def receive(self, count: int) -> list[dict[str, Any]]:
+        return [json.loads(self.sock.recv(256 * 1024)) for _ in range(count)]
+
+
+@pytest.fixture
+def reports(monkeypatch: pytest.MonkeyPatch) -> Iterator[Reports]:
+    directory = Path(tempfile.mkdtemp(prefix="rp-torch-", dir="/tmp"))
+    receiver = Reports(directory / "sdk.sock")
+    for name in REPORTING_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("REPRISE_SDK_SOCKET", str(receiver.path))
+    monkeypatch.setenv("REPRISE_JOB_ID", "job-t")
+    monkeypatch.setenv("RANK", "2")
+    yield receiver
+    receiver.sock.close()
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture
+def helpers(reports: Reports) -> Iterator[ModuleType]:
+    from reprise_sdk import _client
+    from reprise_sdk import torch as helpers
+
+    _client._reset()
+    yield helpers
+    _client._reset()
+
+
+def test_per_rank_checkpoint_round_trip_is_reported(helpers: ModuleType, reports: Reports, tmp_path: Path) -> None:
+    state = {"model": {"w": torch.arange(6.0).reshape(2, 3)}, "step": 40, "lr": 0.1}
+    files = helpers.save_checkpoint(tmp_path / "step-40", 40, state)
+
+    target = (tmp_path / "step-40" / "rank-00002.pt").absolute()
+    assert files == [str(target)]
+    assert sorted(p.name for p in target.parent.iterdir()) == ["rank-00002.pt"]  # no partial file left behind
+    loaded = helpers.load_checkpoint(tmp_path / "step-40")
+    assert torch.equal(loaded["model"]["w"], state["model"]["w"]) and loaded["step"] == 40
+    enter, leave, saved = reports.receive(3)
+    assert (enter["k"], enter["phase"], leave["k"], leave["phase"]) == ("phase", "checkpointing", "phase", "")
+    assert (saved["k"], saved["rank"], saved["step"]) == ("ckpt", 2, 40)
+    assert saved["path"] == str(target.parent) and saved["files"] == files
+
+
+def test_a_save_that_fails_leaves_the_previous_file_intact(helpers: ModuleType, tmp_path: Path) -> None:
+    helpers.save_checkpoint(tmp_path, 1, {"w": torch.ones(2)}, rank=0)
+    with pytest.raises(Exception, match="pickle"):
+        helpers.save_checkpoint(tmp_path, 2, {"w": torch.zeros(2), "bad": lambda: None}, rank=0)
+    assert torch.equal(helpers.load_checkpoint(tmp_path, rank=0)["w"], torch.ones(2))
+    assert [p.name for p in tmp_path.iterdir()] == ["rank-00000.pt"]
+
+
+def test_distributed_checkpoint_round_trip_without_a_process_group(
+    helpers: ModuleType, reports: Reports, tmp_path: Path
+) -> None:
+    state = {"w": torch.arange(4.0), "nested": {"b": torch.full((2,), 7.0)}}
+    files = helpers.save_distributed(tmp_path / "dcp", 9, state)
+
+    assert [Path(f).name for f in files] == [".metadata", "__0_0.distcp"]
+    assert all(Path(f).is_file() for f in files)
+    target = {"w": torch.zeros(4), "nested": {"b": torch.zeros(2)}}
+    helpers.load_distributed(tmp_path / "dcp", target)
+    assert torch.equal(target["w"], state["w"]) and torch.equal(target["nested"]["b"], state["nested"]["b"])
+    saved = reports.receive(3)[2]
+    assert (saved["k"], saved["step"], saved["files"]) == ("ckpt", 9, files)
+
+
+GLOO_RANK = """
+import json, sys, torch, torch.distributed as dist
+from reprise_sdk.torch import save_distributed, load_distributed
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+own = f"rank{rank}"  # a key only this rank holds: each rank writes a file of its own
+files = save_distributed(sys.argv[1], 5, {own: torch.full((3,), float(rank)), "shared": torch.ones(2)})
+state = {own: torch.zeros(3), "shared": torch.zeros(2)}
+load_distributed(sys.argv[1], state)
+print(json.dumps({"rank": rank, "files": files, "own": state[own].tolist(), "shared": state["shared"].tolist()}))
+sys.stdout.flush()
+dist.barrier()  # rank 0 hosts the store: nobody may tear down while a peer still talks to it
+dist.destroy_process_group()
+"""
+
+
+def test_distributed_checkpoint_reports_each_ranks_own_files(tmp_path: Path) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in REPORTING_ENV}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", GLOO_RANK, str(tmp_path / "dcp")],
+            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    outputs = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=90)
+        assert proc.returncode == 0, err
+        outputs.append(json.loads(out.strip().splitlines()[-1]))
+    by_rank = {o["rank"]: o for o in outputs}
+    assert [Path(f).name for f in by_rank[0]["files"]] == [".metadata", "__0_0.distcp"]
+    assert [Path(f).name for f in by_rank[1]["files"]] == ["__1_0.distcp"]
+    assert by_rank[1]["own"] == [1.0, 1.0, 1.0] and by_rank[1]["shared"] == [1.0, 1.0]
