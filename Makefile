@@ -12,7 +12,7 @@ MYPY_TARGETS := libs/common/reprise_common services/agent/reprise_agent services
 NODES ?= 4
 SPARES ?= 1
 
-.PHONY: venv test lint typecheck pytest up demo clean
+.PHONY: venv test lint typecheck pytest up demo clean bench-agent bench-sdk
 
 venv: $(STAMP)
 
@@ -42,6 +42,12 @@ up: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/reprise demo
+
+bench-agent: $(STAMP)
+	$(BIN)/python -m bench.bench_agent
+
+bench-sdk: $(STAMP)
+	$(BIN)/python -m bench.bench_sdk
 
 clean:
 	rm -rf $(VENV) .state .mypy_cache .ruff_cache .pytest_cache
