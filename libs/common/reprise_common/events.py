@@ -161,6 +161,15 @@ class RankExited(Event):
     log_tail: list[str] = Field(default_factory=list)
 
 
+class FileDigest(Wire):
+    """One checkpoint file's size and digest, computed by the writer while or right after writing it."""
+
+    path: str = Field(min_length=1, max_length=4096)
+    size_bytes: int = Field(ge=0)
+    digest: str = Field(pattern=r"^[0-9a-f]{16,128}$")
+    algorithm: Literal["blake3", "sha256"] = "blake3"
+
+
 class CheckpointSaved(Event):
     """A rank reported (through the SDK) that it finished writing its part of a checkpoint."""
 
@@ -172,6 +181,10 @@ class CheckpointSaved(Event):
     path: str
     files: list[str] = Field(default_factory=list)
     restart_epoch: int = Field(default=0, ge=0)
+    world_size: int | None = Field(default=None, ge=1, description="ranks that write this checkpoint, if known")
+    file_digests: list[FileDigest] = Field(
+        default_factory=list, description="size and digest of each file, computed where the bytes are"
+    )
 
 
 class DependencyFailed(Event):
@@ -284,6 +297,42 @@ class RecoveryChange(Event):
     detail: str = ""
 
 
+# --- node reputation ----------------------------------------------------------------------------------------
+class QuarantineReason(StrEnum):
+    """Why the detector recommends taking a node out of service."""
+
+    REPEATED_XID = "repeated_xid"  # the same fatal XID (e.g. 48) more than once within the window
+    FAULTS_ACROSS_JOBS = "faults_across_jobs"  # hardware faults in several different jobs within the window
+
+
+class NodeQuarantineRecommended(Event):
+    """The detector recommends quarantining a node whose fault history says it is a lemon."""
+
+    type: Literal["node.quarantine_recommended"] = "node.quarantine_recommended"
+    node_id: str
+    reason: QuarantineReason
+    detail: str = ""
+    fault_count: int = Field(default=0, ge=0)
+    job_ids: list[str] = Field(default_factory=list)
+    window_s: float = Field(default=86400.0, gt=0)
+    first_fault_at: AwareDatetime | None = None
+    last_fault_at: AwareDatetime | None = None
+
+
+# --- checkpoint registry ------------------------------------------------------------------------------------
+class CheckpointChange(Event):
+    """A checkpoint was validated, found corrupt, or deleted by retention."""
+
+    type: Literal["checkpoint.change"] = "checkpoint.change"
+    change: Literal["validated", "corrupt", "deleted"]
+    checkpoint_id: int = Field(ge=0)
+    job_id: str
+    step: int = Field(ge=0)
+    path: str
+    manifest_digest: str | None = None
+    reason: str = ""
+
+
 # --- dead letters -------------------------------------------------------------------------------------------
 class DeadLetter(Event):
     """A message a consumer could not use, kept with the reason; nothing is dropped silently."""
@@ -306,7 +355,9 @@ AnyEvent = Annotated[
     | IncidentChange
     | JobPlacement
     | RecoveryChange
-    | DeadLetter,
+    | DeadLetter
+    | NodeQuarantineRecommended
+    | CheckpointChange,
     Field(discriminator="type"),
 ]
 _ANY_EVENT: TypeAdapter[Any] = TypeAdapter(AnyEvent)
@@ -322,6 +373,8 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     JobPlacement,
     RecoveryChange,
     DeadLetter,
+    NodeQuarantineRecommended,
+    CheckpointChange,
 )
 
 

@@ -86,6 +86,24 @@ def recovery(job_id: str, change: str) -> str:
 RECOVERIES_ALL = f"{PREFIX}.recovery.>"
 
 
+# --- detector -> orchestrator (JetStream, stream NODES) -------------------------------------------------------
+def node_quarantine(node_id: str) -> str:
+    """A recommendation to quarantine a node (its fault history across jobs says it is a lemon)."""
+    return f"{PREFIX}.node.{token(node_id)}.quarantine"
+
+
+NODE_QUARANTINE_ALL = f"{PREFIX}.node.*.quarantine"
+
+
+# --- checkpoint registry -> platform (JetStream, stream CHECKPOINTS) --------------------------------------------
+def checkpoint(job_id: str, change: str) -> str:
+    """A checkpoint change for a job: validated, corrupt or deleted."""
+    return f"{PREFIX}.checkpoint.{token(job_id)}.{token(change)}"
+
+
+CHECKPOINTS_ALL = f"{PREFIX}.checkpoint.>"
+
+
 # --- dead letters ---------------------------------------------------------------------------------------------
 def dead_letter(service: str) -> str:
     """Where a service puts messages it could not parse, with the reason."""
@@ -135,9 +153,21 @@ STREAMS: tuple[StreamSpec, ...] = (
         description="Recovery started / step / succeeded / failed, from the orchestrator.",
     ),
     StreamSpec(
+        name="CHECKPOINTS",
+        subjects=(CHECKPOINTS_ALL,),
+        max_age_s=7 * 86400.0,
+        description="Checkpoint validated / corrupt / deleted, from the checkpoint registry.",
+    ),
+    StreamSpec(
         name="DEADLETTER",
         subjects=(DEAD_LETTERS_ALL,),
         max_age_s=14 * 86400.0,
         description="Messages a consumer could not parse, with the reason and the raw payload.",
+    ),
+    StreamSpec(
+        name="NODES",
+        subjects=(NODE_QUARANTINE_ALL,),
+        max_age_s=30 * 86400.0,
+        description="Node quarantine recommendations from the detector's node reputation.",
     ),
 )

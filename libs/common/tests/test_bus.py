@@ -3,21 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from reprise_cli.servers import NatsServer
 from reprise_common import subjects
+from reprise_common.aio import poll_until
 from reprise_common.bus import Bus, Delivery, Outcome
 from reprise_common.errors import MalformedEventError
 from reprise_common.events import DeadLetter, Event, GpuXid, NodeReport, parse_event
 
 
-async def _wait_for(predicate, timeout: float = 10.0) -> bool:  # type: ignore[no-untyped-def]
-    deadline = asyncio.get_running_loop().time() + timeout
-    while asyncio.get_running_loop().time() < deadline:
-        if predicate():
-            return True
-        await asyncio.sleep(0.02)
-    return bool(predicate())
+async def _wait_for(predicate: Callable[[], object], timeout: float = 10.0) -> bool:
+    return await poll_until(predicate, timeout_s=timeout)
 
 
 async def test_streams_are_provisioned_idempotently(nats_server: NatsServer) -> None:

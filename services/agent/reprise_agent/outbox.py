@@ -7,6 +7,7 @@ from collections import deque
 
 from prometheus_client import Counter, Gauge
 
+from reprise_common.aio import poll_until
 from reprise_common.bus import Bus
 from reprise_common.errors import BusError
 from reprise_common.events import Event
@@ -56,7 +57,4 @@ class Outbox:
 
     async def flush(self, timeout_s: float) -> bool:
         """Wait until everything queued is published (or the timeout passes); True when empty."""
-        deadline = asyncio.get_running_loop().time() + timeout_s
-        while self._queue and asyncio.get_running_loop().time() < deadline:
-            await asyncio.sleep(0.02)
-        return not self._queue
+        return await poll_until(lambda: not self._queue, timeout_s=timeout_s)

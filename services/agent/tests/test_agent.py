@@ -15,6 +15,7 @@ from reprise_agent.agent import Agent
 from reprise_agent.settings import AgentSettings
 from reprise_cli.servers import NatsServer
 from reprise_common import subjects
+from reprise_common.aio import poll_until
 from reprise_common.bus import Bus, Delivery, Outcome
 from reprise_common.events import (
     AgentCommand,
@@ -37,13 +38,8 @@ from reprise_common.procs import process_alive
 SLEEPER = [sys.executable, "-c", "import time, os; print('rank', os.environ['RANK'], flush=True); time.sleep(600)"]
 
 
-async def wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while asyncio.get_running_loop().time() < deadline:
-        if predicate():
-            return True
-        await asyncio.sleep(0.02)
-    return predicate()
+async def wait_for(predicate: Callable[[], object], timeout_s: float = 10.0) -> bool:
+    return await poll_until(predicate, timeout_s=timeout_s)
 
 
 class Harness:

@@ -28,6 +28,7 @@ from reprise_agent.progress import (
     default_socket_path,
     parse_message,
 )
+from reprise_common.aio import poll_until
 from reprise_common.clock import ManualClock
 from reprise_common.events import RankStatus
 
@@ -320,13 +321,8 @@ def training(server: SdkServer) -> Iterator[Callable[..., subprocess.Popen[bytes
         proc.wait()
 
 
-async def wait_for(predicate: Callable[[], bool], timeout_s: float = 15.0) -> bool:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while asyncio.get_running_loop().time() < deadline:
-        if predicate():
-            return True
-        await asyncio.sleep(0.02)
-    return predicate()
+async def wait_for(predicate: Callable[[], object], timeout_s: float = 15.0) -> bool:
+    return await poll_until(predicate, timeout_s=timeout_s)
 
 
 async def test_real_ranks_report_steps_phases_and_step_times(
