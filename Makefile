@@ -12,7 +12,7 @@ MYPY_TARGETS := libs/common/reprise_common services/agent/reprise_agent services
 NODES ?= 4
 SPARES ?= 1
 
-.PHONY: venv test lint typecheck pytest up demo clean bench-agent bench-sdk
+.PHONY: venv test lint typecheck pytest up demo clean bench-agent bench-sdk bench-registry bench-detector
 
 venv: $(STAMP)
 
@@ -48,6 +48,12 @@ bench-agent: $(STAMP)
 
 bench-sdk: $(STAMP)
 	$(BIN)/python -m bench.bench_sdk
+
+bench-registry: $(STAMP)
+	$(BIN)/python -m bench.bench_registry
+
+bench-detector: $(STAMP)
+	$(BIN)/python -m bench.bench_detector
 
 clean:
 	rm -rf $(VENV) .state .mypy_cache .ruff_cache .pytest_cache

@@ -33,6 +33,7 @@ def node_event(node_id: str, event_type: str) -> str:
 
 AGENT_REPORTS = f"{PREFIX}.agent.*.report"
 AGENT_EVENTS = f"{PREFIX}.agent.*.event.>"
+AGENT_CHECKPOINTS_SAVED = f"{PREFIX}.agent.*.event.checkpoint.saved"
 
 
 def node_from_agent_subject(subject: str) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from reprise_common.settings import DatabaseSettings, ServiceSettings
@@ -14,3 +15,18 @@ class RegistrySettings(ServiceSettings, DatabaseSettings):
 
     http_port: int = 8710
     database_url: str = "sqlite:///.state/registry.db"
+    consume_agent_events: bool = Field(default=True, description="register checkpoints from agents' events (NATS)")
+    validate_sample_fraction: float = Field(
+        default=1.0, ge=0.0, le=1.0, description="share of files whose digests are re-verified (1: all)"
+    )
+    hash_workers: int | None = Field(default=None, ge=1, le=64, description="threads hashing files; none: per core")
+    validate_interval_s: float = Field(default=5.0, gt=0, description="how often committed checkpoints are swept")
+    announce_interval_s: float = Field(default=2.0, gt=0)
+    retention_keep_last: int = Field(default=3, ge=1)
+    retention_keep_every: int = Field(default=0, ge=0, description="also keep every Nth validated; 0: none")
+    retention_delete_files: bool = Field(default=False, description="delete an expired checkpoint's files too")
+    retention_interval_s: float = Field(default=300.0, gt=0)
+    failures_per_node_day: float = Field(
+        default=0.005, gt=0, description="advisor's node failure rate when a job has no observed one (5 per 1,000)"
+    )
+    restart_overhead_s: float = Field(default=300.0, ge=0, description="advisor's detection + recovery + reload")

@@ -1,0 +1,1 @@
+"""Checkpoint-interval advice (Young/Daly) and expected ETTR."""

@@ -1,0 +1,1 @@
+"""Checkpoints and their files: registration, commit, lookup."""

@@ -1,0 +1,115 @@
+"""REST routes for checkpoints: begin, report a rank's files, commit, validate, look up, report a load failure."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Annotated
+
+from fastapi import APIRouter, Query
+
+from reprise_common.errors import ConflictError
+from reprise_registry.checkpoints import service
+from reprise_registry.checkpoints.models import (
+    CheckpointCreate,
+    CheckpointFilePublic,
+    CheckpointFilesPublic,
+    CheckpointPublic,
+    CheckpointsPublic,
+    CheckpointState,
+    CommitResult,
+    LoadFailure,
+    RankReport,
+)
+from reprise_registry.deps import DepsDep, ReadSession, WriteSession
+from reprise_registry.validation.service import validate_checkpoint
+
+router = APIRouter(prefix="/v1", tags=["checkpoints"])
+
+
+def _public(row: object) -> CheckpointPublic:
+    return CheckpointPublic.model_validate(row, from_attributes=True)
+
+
+@router.post("/checkpoints", status_code=201, response_model=CheckpointPublic)
+def begin_checkpoint(body: CheckpointCreate, session: WriteSession) -> CheckpointPublic:
+    """Begin recording a checkpoint (idempotent per job and step); it is restorable only once validated."""
+    return _public(service.begin(session, data=body))
+
+
+@router.get("/checkpoints/{checkpoint_id}", response_model=CheckpointPublic)
+def get_checkpoint(checkpoint_id: int, session: ReadSession) -> CheckpointPublic:
+    """One checkpoint."""
+    return _public(service.get(session, checkpoint_id=checkpoint_id))
+
+
+@router.get("/checkpoints/{checkpoint_id}/files", response_model=CheckpointFilesPublic)
+def list_files(checkpoint_id: int, session: ReadSession) -> CheckpointFilesPublic:
+    """A checkpoint's manifest: every file with its rank, size and digest."""
+    service.get(session, checkpoint_id=checkpoint_id)
+    rows = service.files_of(session, checkpoint_id=checkpoint_id)
+    data = [CheckpointFilePublic.model_validate(row, from_attributes=True) for row in rows]
+    return CheckpointFilesPublic(data=data, count=len(data))
+
+
+@router.put("/checkpoints/{checkpoint_id}/ranks/{rank}", response_model=CheckpointPublic)
+def report_rank(checkpoint_id: int, rank: int, body: RankReport, session: WriteSession) -> CheckpointPublic:
+    """Record the files one rank wrote, with their sizes and digests (repeating a report is harmless)."""
+    if rank < 0:
+        raise ConflictError("rank must be ≥ 0")
+    return _public(service.report_rank(session, checkpoint_id=checkpoint_id, rank=rank, files=body.files))
+
+
+@router.post("/checkpoints/{checkpoint_id}/commit", response_model=CommitResult)
+def commit_checkpoint(checkpoint_id: int, session: WriteSession, deps: DepsDep) -> CommitResult:
+    """Commit once every rank reported and the marker exists (409 says what is missing); validation follows."""
+    result = service.try_commit(session, checkpoint_id=checkpoint_id)
+    if not result.committed:
+        raise ConflictError(f"checkpoint {checkpoint_id} cannot be committed yet: {result.detail}")
+    deps.wake(deps.validator_wake)
+    return result
+
+
+@router.post("/checkpoints/{checkpoint_id}/validate", response_model=CheckpointPublic)
+async def validate_now(
+    checkpoint_id: int, deps: DepsDep, sample_fraction: Annotated[float | None, Query(ge=0, le=1)] = None
+) -> CheckpointPublic:
+    """Validate a committed checkpoint now, or re-verify a validated one; answers with the outcome."""
+    fraction = deps.settings.validate_sample_fraction if sample_fraction is None else sample_fraction
+    checkpoint = await asyncio.to_thread(
+        validate_checkpoint,
+        deps.engines,
+        checkpoint_id=checkpoint_id,
+        sample_fraction=fraction,
+        workers=deps.settings.hash_workers,
+    )
+    if checkpoint.state not in (CheckpointState.VALIDATED, CheckpointState.CORRUPT):
+        raise ConflictError(f"checkpoint {checkpoint_id} is {checkpoint.state}: only a committed one is validated")
+    deps.announcer_wake.set()
+    return _public(checkpoint)
+
+
+@router.post("/checkpoints/{checkpoint_id}/load-failed", response_model=CheckpointPublic)
+def load_failed(checkpoint_id: int, body: LoadFailure, session: WriteSession) -> CheckpointPublic:
+    """Report that restoring this checkpoint failed: latest-validated falls back to the previous one."""
+    return _public(service.mark_load_failed(session, checkpoint_id=checkpoint_id, reason=body.reason))
+
+
+@router.get("/jobs/{job_id}/checkpoints", response_model=CheckpointsPublic)
+def list_checkpoints(
+    job_id: str,
+    session: ReadSession,
+    state: CheckpointState | None = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+) -> CheckpointsPublic:
+    """A job's checkpoints, newest first, optionally in one state."""
+    rows = service.get_all_by_job(session, job_id=job_id, state=state, limit=limit)
+    data = [_public(row) for row in rows]
+    return CheckpointsPublic(data=data, count=len(data))
+
+
+@router.get("/jobs/{job_id}/checkpoints/latest", response_model=CheckpointPublic)
+def latest_checkpoint(
+    job_id: str, session: ReadSession, before_step: Annotated[int | None, Query(ge=0)] = None
+) -> CheckpointPublic:
+    """The newest validated checkpoint that has not failed to load (404 when none); before_step asks for older."""
+    return _public(service.latest_validated(session, job_id=job_id, before_step=before_step))

@@ -1,0 +1,1 @@
+"""Proving a committed checkpoint intact: completeness, sizes, digests, DCP metadata."""
