@@ -140,6 +140,7 @@ class Agent:
             path=path,
             files=files,
             restart_epoch=self.progress.restart_epoch(job_id, rank) or 0,
+            world_size=spec.world_size if (spec := self.supervisor.launches.get(job_id)) else None,
         )
         self.outbox.put(subjects.node_event(self.node_id, "checkpoint.saved"), event)
 

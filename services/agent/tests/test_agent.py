@@ -271,9 +271,9 @@ async def test_sdk_progress_reaches_the_report_and_checkpoints_become_events(har
     saved = sorted(
         (e for e in harness.of_type(CheckpointSaved) if isinstance(e, CheckpointSaved)), key=lambda e: e.rank
     )
-    assert [(e.rank, e.step, e.path, e.restart_epoch, e.files) for e in saved] == [
-        (0, 30, "/ckpt/30", 3, ["/ckpt/30/r.pt"]),
-        (1, 30, "/ckpt/30", 3, ["/ckpt/30/r.pt"]),
+    assert [(e.rank, e.step, e.path, e.restart_epoch, e.files, e.world_size) for e in saved] == [
+        (0, 30, "/ckpt/30", 3, ["/ckpt/30/r.pt"], 2),
+        (1, 30, "/ckpt/30", 3, ["/ckpt/30/r.pt"], 2),
     ]
 
 
