@@ -377,7 +377,7 @@ class Consumer:
 
     async def _fetch_unless_stopped(self, sub: JetStreamContext.PullSubscription) -> list[Msg]:
         """Fetch a batch, giving up at once when stop() is called (unprocessed messages are redelivered)."""
-        fetch = asyncio.ensure_future(sub.fetch(self.batch, timeout=1.0, heartbeat=0.25))
+        fetch = asyncio.ensure_future(self._fetch_batch(sub))
         stopped = asyncio.ensure_future(self._stopping.wait())
         await asyncio.wait({fetch, stopped}, return_when=asyncio.FIRST_COMPLETED)
         if not fetch.done():
@@ -387,6 +387,18 @@ class Consumer:
             return []
         stopped.cancel()
         return fetch.result()
+
+    async def _fetch_batch(self, sub: JetStreamContext.PullSubscription) -> list[Msg]:
+        """Long-poll for one message, then take what else is already waiting without a wait.
+
+        A long-polling fetch of a whole batch that returns with fewer messages leaves its pull request open on the
+        server, and nats-py can lose what that request later receives until the ack wait redelivers it (30 s).
+        """
+        msgs = await sub.fetch(1, timeout=1.0, heartbeat=0.25)
+        if self.batch > 1 and msgs and msgs[-1].metadata.num_pending:
+            with contextlib.suppress(TimeoutError):
+                msgs += await sub.fetch(min(self.batch - 1, msgs[-1].metadata.num_pending), timeout=0.05)
+        return msgs
 
     async def _dispatch(self, msg: Msg) -> None:
         meta = msg.metadata

@@ -33,6 +33,7 @@ def test_no_torn_or_flipped_checkpoint_is_ever_validated_or_latest(registry: str
     print(stats)
     assert stats.violations == []
     assert stats.runs == RUNS and stats.killed >= RUNS // 2, stats  # most writers really died mid-way
-    # The campaign must have produced each outcome, or it proved nothing.
-    assert stats.states.get("writing", 0) > 0 and stats.states.get("corrupt", 0) > stats.flipped > 0, stats
+    # The campaign must have produced each outcome, or it proved nothing; every flipped checkpoint must be corrupt
+    # (torn writes that reached a commit add to that count on most seeds, but the timing of kills decides it).
+    assert stats.states.get("writing", 0) > 0 and stats.states.get("corrupt", 0) >= stats.flipped > 0, stats
     assert stats.states.get("validated", 0) > 0, stats

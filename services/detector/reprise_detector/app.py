@@ -14,20 +14,27 @@ from reprise_common.db import db_check, make_engine
 from reprise_common.service import Background, add_error_handlers, add_ops_routes, nats_check
 from reprise_detector.classify import load_rules
 from reprise_detector.incidents import views as incident_views
-from reprise_detector.incidents.models import create_tables
+from reprise_detector.nodes import views as node_views
+from reprise_detector.nodes.liveness import Liveness
+from reprise_detector.nodes.reputation import ReputationRules
+from reprise_detector.partition import Partition
 from reprise_detector.pipeline import Detector
 from reprise_detector.placements import PlacementMap
+from reprise_detector.progress import HangLimits, HangWatch, ProgressBook, StragglerWatch
 from reprise_detector.runtime import Runtime
+from reprise_detector.schema import create_tables
 from reprise_detector.settings import DetectorSettings
+from reprise_detector.watch import Watcher
 
 SERVICE = "detector"
 
 
 def build_runtime(settings: DetectorSettings, clock: Clock) -> Runtime:
-    """Wire the engine, bus, rules, placement map and pipeline; nothing connects yet."""
+    """Wire the engine, bus, rules, placement map, pipeline and watch stages; nothing connects yet."""
     engine = make_engine(settings.database_url)
     bus = Bus.for_service(settings, SERVICE)
     placements = PlacementMap()
+    partition = Partition(settings.partition_index, settings.partition_count)
     detector = Detector(
         engine=engine,
         bus=bus,
@@ -35,8 +42,35 @@ def build_runtime(settings: DetectorSettings, clock: Clock) -> Runtime:
         rules=load_rules(settings.rules_path),
         window_s=settings.incident_window_s,
         clock=clock,
+        partition=partition,
+        reputation_rules=ReputationRules(
+            xid=settings.reputation_xid,
+            xid_count=settings.reputation_xid_count,
+            jobs=settings.reputation_jobs,
+            window_s=settings.reputation_window_s,
+        ),
     )
-    return Runtime(settings, engine, bus, clock, placements, detector, Background(bus))
+    book = ProgressBook(clock)
+    limits = HangLimits(
+        floor_s=settings.hang_floor_s,
+        k=settings.hang_k,
+        startup_s=settings.hang_startup_s,
+        checkpointing_s=settings.hang_checkpointing_s,
+    )
+    watcher = Watcher(
+        detector=detector,
+        placements=placements,
+        partition=partition,
+        liveness=Liveness(clock=clock, lost_after_s=settings.node_lost_after_s),
+        book=book,
+        hangs=HangWatch(clock=clock, book=book, defaults=limits),
+        stragglers=StragglerWatch(
+            clock=clock, book=book, factor=settings.straggler_factor, reports=settings.straggler_reports
+        ),
+        engine=engine,
+        clock=clock,
+    )
+    return Runtime(settings, engine, bus, clock, placements, detector, Background(bus), partition, watcher)
 
 
 def create_app(settings: DetectorSettings, *, clock: Clock | None = None) -> FastAPI:
@@ -50,6 +84,7 @@ def create_app(settings: DetectorSettings, *, clock: Clock | None = None) -> Fas
         try:
             yield
         finally:
+            await runtime.stop()
             await runtime.background.stop()
             runtime.engine.dispose()
 
@@ -63,4 +98,6 @@ def create_app(settings: DetectorSettings, *, clock: Clock | None = None) -> Fas
     add_error_handlers(app)
     add_ops_routes(app, checks={"nats": nats_check(runtime.bus), "database": db_check(runtime.engine)})
     app.include_router(incident_views.router)
+    app.include_router(node_views.router)
+    app.include_router(node_views.jobs_router)
     return app

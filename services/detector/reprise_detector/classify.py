@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import re
 import signal
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -14,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from reprise_common.errors import ConfigError
 from reprise_common.events import Category, DependencyFailed, GpuLost, GpuXid, RankExited, RecommendedAction, Severity
+from reprise_detector.derived import JobHung, NodeLost, RankStraggling
 from reprise_detector.observe import SymptomEvent
 
 BUILTIN_RULES = "rules.yaml"
@@ -75,18 +78,30 @@ class ExitMatch(BaseModel):
     oom_killed: bool | None = None
     signal: str | None = None
     exit_code: int | None = None
+    log: str | None = Field(default=None, description="a regular expression searched in each line of the log tail")
+
+    @field_validator("log")
+    @classmethod
+    def _compiles(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                re.compile(value)
+            except re.error as exc:
+                raise ValueError(f"log pattern {value!r} is not a valid regular expression: {exc}") from exc
+        return value
 
     @field_validator("signal")
     @classmethod
     def _normalise(cls, value: str | None) -> str | None:
         return normalise_signal(value, None)
 
-    def matches(self, *, oom_killed: bool, signal: str | None, exit_code: int | None) -> bool:
-        """True when every given field equals the exit's."""
+    def matches(self, *, oom_killed: bool, signal: str | None, exit_code: int | None, log_tail: list[str]) -> bool:
+        """True when every given field equals the exit's (and the log pattern, if any, is found in the tail)."""
         return (
             (self.oom_killed is None or self.oom_killed == oom_killed)
             and (self.signal is None or self.signal == signal)
             and (self.exit_code is None or self.exit_code == exit_code)
+            and (self.log is None or any(_pattern(self.log).search(line) for line in log_tail))
         )
 
 
@@ -107,6 +122,9 @@ class RulesFile(BaseModel):
     gpu_lost: TemplateRule | None = None
     dependency_failed: TemplateRule | None = None
     rank_exited: list[ExitRule] = Field(default_factory=list)
+    node_lost: TemplateRule | None = None
+    job_hung: TemplateRule | None = None
+    rank_straggling: TemplateRule | None = None
 
 
 @dataclass(frozen=True)
@@ -118,6 +136,9 @@ class RuleBook:
     gpu_lost: TemplateRule
     dependency_failed: TemplateRule
     rank_exited: tuple[ExitRule, ...]
+    node_lost: TemplateRule
+    job_hung: TemplateRule
+    rank_straggling: TemplateRule
 
     def classify(self, event: SymptomEvent) -> Classification:
         """Classify one symptom event."""
@@ -130,6 +151,19 @@ class RuleBook:
                 return self.dependency_failed.apply(event.model_dump())
             case RankExited():
                 return self._rank_exited(event)
+            case NodeLost() | JobHung() | RankStraggling():
+                return self._derived(event)
+
+    def _derived(self, event: NodeLost | JobHung | RankStraggling) -> Classification:
+        match event:
+            case NodeLost():
+                return self.node_lost.apply({**event.model_dump(), "silent_s": f"{event.silent_s:.1f}"})
+            case JobHung():
+                facts = {**event.model_dump(), "stalled_s": f"{event.stalled_s:.1f}", "limit_s": f"{event.limit_s:.1f}"}
+                return self.job_hung.apply(facts)
+            case RankStraggling():
+                ratio = f"{event.step_time_s / event.median_s:.1f}" if event.median_s > 0 else "?"
+                return self.rank_straggling.apply({**event.model_dump(), "ratio": ratio})
 
     def _xid(self, event: GpuXid) -> Classification:
         rule = self.xids.get(event.xid)
@@ -143,7 +177,9 @@ class RuleBook:
         how = f"signal {sig}" if sig else f"exit code {event.exit_code}"
         facts = {**event.model_dump(), "signal": sig, "how": how}
         for rule in self.rank_exited:
-            if rule.when.matches(oom_killed=event.oom_killed, signal=sig, exit_code=event.exit_code):
+            if rule.when.matches(
+                oom_killed=event.oom_killed, signal=sig, exit_code=event.exit_code, log_tail=event.log_tail
+            ):
                 return rule.apply(facts)
         return Classification(Category.UNKNOWN, Severity.WARNING, RecommendedAction.NONE, False, f"rank exit: {how}")
 
@@ -162,6 +198,11 @@ def normalise_signal(value: str | None, exit_code: int | None) -> str | None:
     return None
 
 
+@functools.cache
+def _pattern(text: str) -> re.Pattern[str]:
+    return re.compile(text)
+
+
 def _signal_name(number: int) -> str | None:
     try:
         return signal.Signals(number).name
@@ -177,9 +218,14 @@ def load_rules(path: Path | None = None) -> RuleBook:
     unknown = operator.unknown_xid or builtin.unknown_xid
     lost = operator.gpu_lost or builtin.gpu_lost
     dependency = operator.dependency_failed or builtin.dependency_failed
-    if unknown is None or lost is None or dependency is None:
+    node_lost = operator.node_lost or builtin.node_lost
+    hung = operator.job_hung or builtin.job_hung
+    straggling = operator.rank_straggling or builtin.rank_straggling
+    if None in (unknown, lost, dependency, node_lost, hung, straggling):
         raise ConfigError(f"built-in {BUILTIN_RULES} lacks a required section")
-    return RuleBook(xids, unknown, lost, dependency, (*operator.rank_exited, *builtin.rank_exited))
+    assert unknown and lost and dependency and node_lost and hung and straggling  # for the type checker
+    exits = (*operator.rank_exited, *builtin.rank_exited)
+    return RuleBook(xids, unknown, lost, dependency, exits, node_lost, hung, straggling)
 
 
 def _read(text: str, where: str) -> RulesFile:

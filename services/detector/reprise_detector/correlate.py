@@ -4,23 +4,25 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import datetime
 from enum import StrEnum
 
-from reprise_common.events import Category, Culprit
+from reprise_common.events import Category, Culprit, Severity
 from reprise_detector.classify import Classification
 from reprise_detector.incidents.models import Incident
 from reprise_detector.observe import Observation
 from reprise_detector.placements import PlacementMap
 
-# How fundamental a cause is: a deeper cause arriving later becomes the incident's root cause (an application crash
-# is often the visible effect of a GPU or dependency fault; the reverse is not true).
+# How fundamental a cause is (a deeper cause arriving later becomes the incident's root cause): hardware faults outrank
+# node loss, which outranks dependency failures, which outrank rank crashes and hangs. Within one tier the earliest
+# symptom is the root cause. Secondary symptoms (root_cause_grade false) never lead: they are evidence.
 CAUSE_DEPTH: Mapping[str, int] = {
-    Category.UNKNOWN: 0,
+    Category.UNKNOWN: 1,
     Category.APPLICATION: 1,
     Category.DEPENDENCY: 2,
     Category.NODE: 3,
-    Category.INTERCONNECT: 3,
-    Category.GPU_HARDWARE: 3,
+    Category.INTERCONNECT: 4,
+    Category.GPU_HARDWARE: 4,
 }
 
 
@@ -28,9 +30,10 @@ class Decision(StrEnum):
     """What a symptom does to one job's incidents."""
 
     OPEN = "open"  # root-cause-grade and no active incident in the window: open one
-    ATTACH = "attach"  # joins the active incident as one more symptom
-    UPGRADE = "upgrade"  # joins the active incident and becomes its root cause (a deeper cause)
-    RECORD = "record"  # not root-cause-grade and nothing to join: kept on its own for later correlation
+    ATTACH = "attach"  # root-cause-grade, joins the active incident without leading it (same tier, later)
+    UPGRADE = "upgrade"  # joins the active incident and becomes its root cause (deeper tier, or earlier in the tier)
+    SUPPRESS = "suppress"  # a secondary symptom: joins the active incident as evidence only
+    RECORD = "record"  # not root-cause-grade and nothing to join: kept on its own, adopted if an incident opens
 
 
 @dataclass(frozen=True)
@@ -60,9 +63,17 @@ def targets(observation: Observation, placements: PlacementMap) -> list[Target]:
     ]
 
 
-def decide(classification: Classification, incident: Incident | None) -> Decision:
-    """Open, attach, upgrade or just record, given the job's active incident in the window (if any)."""
+def decide(classification: Classification, at: datetime, incident: Incident | None) -> Decision:
+    """Open, attach, upgrade, suppress or just record, given the job's active incident in the window (if any)."""
+    if not classification.root_cause_grade:
+        return Decision.RECORD if incident is None else Decision.SUPPRESS
     if incident is None:
-        return Decision.OPEN if classification.root_cause_grade else Decision.RECORD
-    deeper = CAUSE_DEPTH.get(classification.category, 0) > CAUSE_DEPTH.get(incident.category, 0)
-    return Decision.UPGRADE if classification.root_cause_grade and deeper else Decision.ATTACH
+        return Decision.OPEN
+    mine, theirs = CAUSE_DEPTH.get(classification.category, 0), CAUSE_DEPTH.get(incident.category, 0)
+    earlier = mine == theirs and incident.root_cause_at is not None and at < incident.root_cause_at
+    return Decision.UPGRADE if mine > theirs or earlier else Decision.ATTACH
+
+
+def is_warning(classification: Classification) -> bool:
+    """Warning causes (stragglers) keep incidents of their own apart from fatal ones; evidence joins fatal ones."""
+    return classification.root_cause_grade and classification.severity is not Severity.CRITICAL

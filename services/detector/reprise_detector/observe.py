@@ -8,10 +8,12 @@ from datetime import datetime
 from reprise_common import subjects
 from reprise_common.events import DependencyFailed, Event, GpuLost, GpuXid, RankExited
 from reprise_common.logging import get_logger
+from reprise_detector.derived import DerivedSymptom, JobHung, NodeLost, RankStraggling
 
 log = get_logger("reprise.detector.observe")
 
-SymptomEvent = GpuXid | GpuLost | RankExited | DependencyFailed
+AgentSymptom = GpuXid | GpuLost | RankExited | DependencyFailed
+SymptomEvent = AgentSymptom | DerivedSymptom
 _LOG_TAIL_LINES = 5
 
 
@@ -63,6 +65,45 @@ def observe(event: Event, subject: str) -> Observation | None:
     return Observation(
         event=event, node_id=node_id, kind=event.type, time=event.time, detail=detail, gpu=gpu, job_id=job_id, rank=rank
     )
+
+
+def derived(symptom: DerivedSymptom) -> Observation:
+    """The observation for a symptom the detector derived itself (the node id is already trusted)."""
+    match symptom:
+        case NodeLost():
+            return Observation(
+                event=symptom,
+                node_id=symptom.node_id,
+                kind=symptom.type,
+                time=symptom.time,
+                detail=f"no report for {symptom.silent_s:.1f} s (limit {symptom.limit_s:g} s)",
+            )
+        case JobHung():
+            detail = (
+                f"no step progress for {symptom.stalled_s:.1f} s "
+                f"(limit {symptom.limit_s:.1f} s, {symptom.limit_reason}); "
+                f"stopped first: ranks {symptom.stalled_ranks}; lagging: ranks {symptom.lagging_ranks}"
+            )
+            return Observation(
+                event=symptom,
+                node_id=symptom.node_id,
+                kind=symptom.type,
+                time=symptom.time,
+                detail=detail,
+                job_id=symptom.job_id,
+                rank=symptom.rank,
+            )
+        case RankStraggling():
+            detail = f"step time {symptom.step_time_s:.3f} s vs job median {symptom.median_s:.3f} s"
+            return Observation(
+                event=symptom,
+                node_id=symptom.node_id,
+                kind=symptom.type,
+                time=symptom.time,
+                detail=detail,
+                job_id=symptom.job_id,
+                rank=symptom.rank,
+            )
 
 
 def _job_token(job_id: str) -> str:

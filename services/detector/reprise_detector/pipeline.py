@@ -1,9 +1,16 @@
-"""The detector pipeline: ingest -> classify -> correlate -> persist -> publish, one agent event at a time."""
+"""The detector pipeline: ingest -> classify -> correlate -> root cause / suppress -> dedup -> persist -> publish.
+
+A whole batch of symptoms is decided in one transaction and announced after the commit, one change per incident per
+batch (a storm of 16,384 peers failing after one crash is one incident and a handful of messages, not 16,384).
+"""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError, OperationalError
@@ -16,21 +23,73 @@ from reprise_common.errors import BusError, MalformedEventError
 from reprise_common.events import Event
 from reprise_common.logging import get_logger
 from reprise_detector.classify import Classification, RuleBook
-from reprise_detector.correlate import Decision, Target, decide, targets
+from reprise_detector.correlate import Decision, Target, decide, is_warning, targets
+from reprise_detector.derived import DerivedSymptom
 from reprise_detector.incidents import service
 from reprise_detector.incidents.flows import PendingChange, pending_change, publish_changes
-from reprise_detector.incidents.models import IncidentChangeKind, Symptom
-from reprise_detector.observe import IngestError, Observation, observe
+from reprise_detector.incidents.models import Incident, IncidentChangeKind, Symptom
+from reprise_detector.ingest import ACK, Item, Verdict
+from reprise_detector.nodes import reputation
+from reprise_detector.observe import IngestError, Observation, derived, observe
+from reprise_detector.partition import Partition
 from reprise_detector.placements import PlacementMap
 
 log = get_logger("reprise.detector.pipeline")
 
 
+@dataclass(frozen=True)
+class Work:
+    """One symptom ready to persist: what was seen, what it means, and the jobs (owned by this replica) it hits."""
+
+    observation: Observation
+    classification: Classification
+    targets: list[Target]
+    owned: bool = True  # False: another replica owns it; nothing is recorded here
+
+
+@dataclass
+class Changes:
+    """The changes of one batch, coalesced per incident: opened (at its count then) and the last update."""
+
+    incidents: dict[str, Incident] = field(default_factory=dict)
+    opened: dict[str, int] = field(default_factory=dict)
+    updated: dict[str, int] = field(default_factory=dict)
+    active: dict[tuple[str, bool], Incident] = field(default_factory=dict)  # (job, warning) -> incident, this batch
+    rows: list[dict[str, Any]] = field(default_factory=list)  # symptoms to insert at once
+
+    def note(self, incident: Incident, kind: IncidentChangeKind, seq: int) -> None:
+        """Remember a change an incident went through."""
+        self.incidents[incident.id] = incident
+        target = self.opened if kind is IncidentChangeKind.OPENED else self.updated
+        target[incident.id] = max(seq, target.get(incident.id, 0))
+
+    def pending(self, now: datetime) -> list[PendingChange]:
+        """The messages to publish, opened before updated for each incident."""
+        out: list[PendingChange] = []
+        for incident_id, incident in self.incidents.items():
+            opened = self.opened.get(incident_id)
+            if opened is not None:
+                out.append(pending_change(incident, IncidentChangeKind.OPENED, seq=opened, now=now))
+            updated = self.updated.get(incident_id)
+            if updated is not None and (opened is None or updated > opened):
+                out.append(pending_change(incident, IncidentChangeKind.UPDATED, seq=updated, now=now))
+        return out
+
+
 class Detector:
-    """Turns agent symptoms into incidents; every stage is idempotent per event id."""
+    """Turns symptoms into incidents; every stage is idempotent per event id."""
 
     def __init__(
-        self, *, engine: Engine, bus: Bus, placements: PlacementMap, rules: RuleBook, window_s: float, clock: Clock
+        self,
+        *,
+        engine: Engine,
+        bus: Bus,
+        placements: PlacementMap,
+        rules: RuleBook,
+        window_s: float,
+        clock: Clock,
+        partition: Partition | None = None,
+        reputation_rules: reputation.ReputationRules | None = None,
     ) -> None:
         self.engine = engine
         self.bus = bus
@@ -38,66 +97,141 @@ class Detector:
         self.rules = rules
         self.window_s = window_s
         self.clock = clock
+        self.partition = partition or Partition()
+        self.reputation_rules = reputation_rules or reputation.ReputationRules()
+        self._lock = asyncio.Lock()  # the event consumer and the watch loop take turns on the database
+        self._quarantines_pending = True  # check once after a start: a recommendation may be unannounced
 
+    # --- ingest -----------------------------------------------------------------------------------------------
     async def handle(self, event: Event, delivery: Delivery) -> Outcome:
-        """Consumer handler for agent events; acknowledges only after the database commit and the publish."""
-        try:
-            observation = observe(event, delivery.subject)
-        except IngestError as exc:
-            raise MalformedEventError(str(exc)) from exc
-        if observation is None:
-            return Outcome.ACK
+        """Single-event handler (the shared Bus.consumer contract)."""
+        [verdict] = await self.handle_batch([Item(event, delivery, b"")])
+        if verdict.outcome is Outcome.REJECT:
+            raise MalformedEventError(verdict.reason)
+        return verdict.outcome
+
+    async def handle_batch(self, items: list[Item]) -> list[Verdict]:
+        """Batch handler for agent events; every item is acknowledged only after the commit and the publish."""
+        verdicts: list[Verdict] = [ACK] * len(items)
+        work: list[Work] = []
+        for index, item in enumerate(items):
+            try:
+                observation = observe(item.event, item.delivery.subject) if item.event is not None else None
+            except IngestError as exc:
+                verdicts[index] = Verdict(Outcome.REJECT, f"unusable: {exc}")
+                continue
+            if observation is not None:
+                work.append(self.prepare(observation))
+        outcome = await self.process(work)
+        return [v if v.outcome is Outcome.REJECT else Verdict(outcome) for v in verdicts]
+
+    def prepare(self, observation: Observation) -> Work:
+        """Classify a symptom and find the jobs it hits that this replica owns."""
         classification = self.rules.classify(observation.event)
-        affected = targets(observation, self.placements)
-        try:
-            changes = await asyncio.to_thread(self.persist, observation, classification, affected)
-        except OperationalError as exc:
-            log.warning("database unavailable; will retry", extra={"error": str(exc).splitlines()[0]})
-            return Outcome.RETRY
-        try:
-            await publish_changes(self.bus, changes)
-        except BusError as exc:
-            log.warning("could not publish incident changes; will retry", extra={"error": str(exc)})
-            return Outcome.RETRY
+        hit = targets(observation, self.placements)
+        if not hit:
+            return Work(observation, classification, [], owned=self.partition.owns_node(observation.node_id))
+        mine = [t for t in hit if self.partition.owns_job(t.job_id)]
+        return Work(observation, classification, mine, owned=bool(mine))
+
+    async def process_derived(self, symptoms: Sequence[DerivedSymptom]) -> Outcome:
+        """Persist symptoms the detector derived itself (node loss, hangs, stragglers)."""
+        return await self.process([self.prepare(derived(s)) for s in symptoms])
+
+    async def process(self, work: list[Work]) -> Outcome:
+        """Persist a batch, then publish its changes; RETRY when the database or the bus is unavailable."""
+        work = [w for w in work if w.owned]
+        if not work:
+            return Outcome.ACK
+        async with self._lock:
+            try:
+                changes = await asyncio.to_thread(self.persist, work)
+            except OperationalError as exc:
+                log.warning("database unavailable; will retry", extra={"error": str(exc).splitlines()[0]})
+                return Outcome.RETRY
+            try:
+                await publish_changes(self.bus, changes)
+                if self._quarantines_pending:
+                    await reputation.publish_pending(self.engine, self.bus, window_s=self.reputation_rules.window_s)
+                    self._quarantines_pending = False
+            except BusError as exc:
+                log.warning("could not publish; will retry", extra={"error": str(exc)})
+                return Outcome.RETRY
         return Outcome.ACK
 
-    def persist(
-        self, observation: Observation, classification: Classification, affected: list[Target]
-    ) -> list[PendingChange]:
-        """Record the symptom and its incident changes in one transaction; a repeated event replays its changes."""
+    # --- persist ----------------------------------------------------------------------------------------------
+    def persist(self, work: list[Work]) -> list[PendingChange]:
+        """Record a batch of symptoms and their incident changes in one transaction; repeats replay their changes."""
         try:
-            with session_scope(self.engine) as session:
-                existing = service.get_symptoms_by_event(session, event_id=observation.event_id)
-                if existing:
-                    return self._replay(session, existing)
-                return self._correlate(session, observation, classification, affected)
+            return self._persist_once(work)
         except IntegrityError:
-            # The same event was committed concurrently (another delivery); replay what that one recorded.
-            with session_scope(self.engine) as session:
-                existing = service.get_symptoms_by_event(session, event_id=observation.event_id)
-                if not existing:
-                    raise
-                return self._replay(session, existing)
+            # A symptom of this batch was committed concurrently (another delivery): the retry replays it.
+            return self._persist_once(work)
 
-    def _correlate(
-        self, session: Session, observation: Observation, classification: Classification, affected: list[Target]
-    ) -> list[PendingChange]:
+    def _persist_once(self, work: list[Work]) -> list[PendingChange]:
         now = self.clock.now()
-        if not affected:
-            service.add_symptom(
-                session, observation=observation, classification=classification, job_id=None, incident=None, now=now
-            )
-            return []
-        changes = [self._apply(session, observation, classification, target, now) for target in affected]
-        return [change for change in changes if change is not None]
+        changes = Changes()
+        with session_scope(self.engine) as session:
+            existing = service.get_symptoms_by_events(session, event_ids=[w.observation.event_id for w in work])
+            done: set[str] = set()
+            nodes: set[str] = set()
+            for item in work:
+                event_id = item.observation.event_id
+                if event_id in done:
+                    continue  # the same event twice in one batch
+                done.add(event_id)
+                todo = self._not_yet_recorded(session, item, existing.get(event_id, []), changes)
+                if todo is None:
+                    continue
+                self._correlate(session, todo, changes, now)
+                if reputation.counts_toward_reputation(item.classification):
+                    job_ids = [t.job_id for t in todo.targets]
+                    reputation.record(
+                        session, observation=item.observation, classification=item.classification, job_ids=job_ids
+                    )
+                    nodes.add(item.observation.node_id)
+            service.insert_symptoms(session, changes.rows)
+            for node_id in sorted(nodes):
+                if reputation.recommend(session, node_id=node_id, rules=self.reputation_rules, now=now):
+                    self._quarantines_pending = True
+            return changes.pending(now)
 
-    def _apply(
-        self, session: Session, observation: Observation, classification: Classification, target: Target, now: datetime
-    ) -> PendingChange | None:
-        incident = service.get_active_for_job(
-            session, job_id=target.job_id, around=observation.time, window_s=self.window_s
-        )
-        decision = decide(classification, incident)
+    def _not_yet_recorded(self, session: Session, item: Work, recorded: list[Symptom], changes: Changes) -> Work | None:
+        """The part of the work not recorded yet (None: all of it was); what was recorded replays its changes.
+
+        Another replica records the same event for the jobs it owns, so "recorded" is per (event, job).
+        """
+        mine = {t.job_id for t in item.targets}
+        already = [s for s in recorded if (s.job_id in mine if item.targets else s.job_id is None)]
+        if already:
+            self._replay(session, already, changes)
+        if not item.targets:
+            return None if already else item
+        done = {s.job_id for s in already}
+        todo = [t for t in item.targets if t.job_id not in done]
+        return replace(item, targets=todo) if todo else None
+
+    def _correlate(self, session: Session, item: Work, changes: Changes, now: datetime) -> None:
+        observation, classification = item.observation, item.classification
+        if not item.targets:
+            changes.rows.append(
+                service.symptom_row(
+                    observation=observation, classification=classification, job_id=None, incident=None, now=now
+                )
+            )
+            return
+        for target in item.targets:
+            self._apply(session, item, target, changes, now)
+
+    def _apply(self, session: Session, item: Work, target: Target, changes: Changes, now: datetime) -> None:
+        observation, classification = item.observation, item.classification
+        key = (target.job_id, is_warning(classification))
+        incident = changes.active.get(key)
+        if incident is None or abs((observation.time - incident.first_symptom_at).total_seconds()) > self.window_s:
+            incident = service.get_active_for_job(
+                session, job_id=target.job_id, around=observation.time, window_s=self.window_s, warning=key[1]
+            )
+        decision = decide(classification, observation.time, incident)
         if decision is Decision.OPEN:
             incident = service.create(
                 session,
@@ -107,35 +241,41 @@ class Detector:
                 first_symptom_at=observation.time,
                 now=now,
             )
+            service.insert_symptoms(session, changes.rows)  # the symptoms kept so far in this batch can be adopted
+            orphans = service.get_recorded_for_job(
+                session, job_id=target.job_id, around=observation.time, window_s=self.window_s
+            )
+            service.adopt(incident, orphans, now=now)
         elif decision is Decision.UPGRADE and incident is not None:
-            service.upgrade(incident, classification=classification, culprit=target.culprit, now=now)
+            service.upgrade(
+                incident, classification=classification, culprit=target.culprit, at=observation.time, now=now
+            )
         joined = incident if decision is not Decision.RECORD else None
-        symptom = service.add_symptom(
-            session,
+        if joined is not None:
+            changes.active[key] = joined
+        row = service.symptom_row(
             observation=observation,
             classification=classification,
             job_id=target.job_id,
             incident=joined,
             now=now,
+            decision=decision.value,
         )
-        log.info(
+        changes.rows.append(row)
+        log.debug(
             "symptom correlated",
             extra={"event_id": observation.event_id, "job_id": target.job_id, "decision": decision.value},
         )
         if joined is None:
-            return None
+            return
         kind = IncidentChangeKind.OPENED if decision is Decision.OPEN else IncidentChangeKind.UPDATED
-        symptom.change, symptom.change_seq = kind, joined.symptom_count
-        return pending_change(joined, kind, seq=joined.symptom_count, now=now)
+        row["change"], row["change_seq"] = kind.value, joined.symptom_count
+        changes.note(joined, kind, joined.symptom_count)
 
-    def _replay(self, session: Session, existing: list[Symptom]) -> list[PendingChange]:
-        now = self.clock.now()
-        changes: list[PendingChange] = []
+    def _replay(self, session: Session, existing: list[Symptom], changes: Changes) -> None:
         for symptom in existing:
             if symptom.incident_id is None or symptom.change is None or symptom.change_seq is None:
                 continue
             incident = service.get(session, incident_id=symptom.incident_id)
-            kind = IncidentChangeKind(symptom.change)
-            changes.append(pending_change(incident, kind, seq=symptom.change_seq, now=now))
-        log.info("event already recorded; replaying its changes", extra={"changes": len(changes)})
-        return changes
+            changes.note(incident, IncidentChangeKind(symptom.change), symptom.change_seq)
+        log.info("event already recorded; replaying its changes", extra={"symptoms": len(existing)})

@@ -53,6 +53,10 @@ class PlacementMap:
         """The ranks placed on a node, every job."""
         return list(self._by_node.get(node_id, ()))
 
+    def active_jobs(self) -> set[str]:
+        """Every job with at least one placed rank."""
+        return {placed.job_id for ranks in self._by_node.values() for placed in ranks}
+
     def jobs_on(self, node_id: str) -> list[str]:
         """The distinct jobs with a rank on a node, in placement order."""
         return list(dict.fromkeys(placed.job_id for placed in self._by_node.get(node_id, ())))

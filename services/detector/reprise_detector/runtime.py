@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated
 
 import nats.js.errors
@@ -20,9 +20,12 @@ from reprise_common.clock import Clock
 from reprise_common.db import session_scope
 from reprise_common.logging import get_logger
 from reprise_common.service import Background
+from reprise_detector.ingest import BatchConsumer
+from reprise_detector.partition import Partition
 from reprise_detector.pipeline import Detector
 from reprise_detector.placements import PlacementMap
 from reprise_detector.settings import DetectorSettings
+from reprise_detector.watch import Watcher
 
 log = get_logger("reprise.detector.runtime")
 
@@ -30,6 +33,7 @@ PLACEMENTS_STREAM = "PLACEMENTS"
 AGENT_STREAM = "AGENT"
 PLACEMENTS_DURABLE = "detector-placements"
 EVENTS_DURABLE = "detector-events"
+REPORTS_DURABLE = "detector-reports"
 PLACEMENTS_CATCH_UP_S = 10.0
 
 
@@ -44,17 +48,27 @@ class Runtime:
     placements: PlacementMap
     detector: Detector
     background: Background
+    partition: Partition
+    watcher: Watcher
+    consumers: list[BatchConsumer] = field(default_factory=list)
+    stopping: asyncio.Event = field(default_factory=asyncio.Event)
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    def durable(self, base: str) -> str:
+        """This replica's durable consumer name for a purpose."""
+        return self.partition.durable(base)
 
     async def start_consumers(self) -> None:
-        """Load every job's last placement, then consume agent events (so early symptoms find their jobs)."""
+        """Load every job's last placement, then consume agent events and reports, then start the watch loop."""
         # The placement map lives in memory: replay the last placement of every job on each start, which a durable
         # consumer only does when it is created, so drop the one a previous run left behind.
+        placements_durable = self.durable(PLACEMENTS_DURABLE)
         with contextlib.suppress(nats.js.errors.NotFoundError):
-            await self.bus.js.delete_consumer(PLACEMENTS_STREAM, PLACEMENTS_DURABLE)
+            await self.bus.js.delete_consumer(PLACEMENTS_STREAM, placements_durable)
         info = await self.bus.js.stream_info(PLACEMENTS_STREAM)
         self.bus.consumer(
             stream=PLACEMENTS_STREAM,
-            durable=PLACEMENTS_DURABLE,
+            durable=placements_durable,
             filter_subject=subjects.PLACEMENTS_ALL,
             handler=self.placements.handle,
             deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
@@ -63,12 +77,39 @@ class Runtime:
             info.state.last_seq, timeout=PLACEMENTS_CATCH_UP_S
         ):
             log.warning("placements not fully loaded before consuming events", extra={"seq": self.placements.last_seq})
-        self.bus.consumer(
-            stream=AGENT_STREAM,
-            durable=EVENTS_DURABLE,
-            filter_subject=subjects.AGENT_EVENTS,
-            handler=self.detector.handle,
-        ).start()
+        self.consumers = [
+            BatchConsumer(
+                bus=self.bus,
+                stream=AGENT_STREAM,
+                durable=self.durable(EVENTS_DURABLE),
+                filter_subject=subjects.AGENT_EVENTS,
+                handler=self.detector.handle_batch,
+                batch=self.settings.event_batch,
+            ),
+            BatchConsumer(
+                bus=self.bus,
+                stream=AGENT_STREAM,
+                durable=self.durable(REPORTS_DURABLE),
+                filter_subject=subjects.AGENT_REPORTS,
+                handler=self.watcher.handle_reports,
+                batch=self.settings.report_batch,
+                parse=False,  # the watcher parses only the reports of nodes that run its jobs
+                deliver_policy=DeliverPolicy.NEW,  # an hour of old reports says nothing about liveness now
+            ),
+        ]
+        for consumer in self.consumers:
+            await consumer.start()
+        self.tasks.append(
+            asyncio.create_task(self.watcher.run(self.settings.watch_interval_s, self.stopping), name="watch")
+        )
+
+    async def stop(self) -> None:
+        """Stop the watch loop and the batch consumers (each finishes what it holds)."""
+        self.stopping.set()
+        await asyncio.gather(*(c.stop() for c in self.consumers))
+        for task in self.tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
     async def wait_started(self, timeout: float) -> None:
         """Wait until NATS is connected and the consumers run; TimeoutError otherwise."""

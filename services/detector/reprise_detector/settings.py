@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from reprise_common.settings import DatabaseSettings, ServiceSettings
@@ -24,6 +24,35 @@ class DetectorSettings(ServiceSettings, DatabaseSettings):
     rules_path: Path | None = Field(
         default=None, description="an operator's rules file (YAML) that extends or overrides the built-in rules"
     )
+
+    node_lost_after_s: float = Field(
+        default=5.0, gt=0, description="a node that has reported is lost after this many seconds without a report"
+    )
+    watch_interval_s: float = Field(
+        default=0.5, gt=0, description="how often node loss, hangs and stragglers are checked"
+    )
+    hang_floor_s: float = Field(default=60.0, gt=0, description="a training job never counts as hung sooner than this")
+    hang_k: float = Field(
+        default=10.0, gt=0, description="hung after k x the job's rolling p99 step time (or the floor)"
+    )
+    hang_startup_s: float = Field(default=900.0, gt=0, description="the limit for ranks still in the startup phase")
+    hang_checkpointing_s: float = Field(default=1800.0, gt=0, description="the limit while a rank is checkpointing")
+    straggler_factor: float = Field(default=1.5, gt=1, description="a rank this many times the job median is slow")
+    straggler_reports: int = Field(default=5, ge=1, description="consecutive slow reports before a straggler warning")
+    reputation_xid: int = Field(default=48, ge=0, description="the XID whose repeats on one node recommend quarantine")
+    reputation_xid_count: int = Field(default=2, ge=1, description="that many of reputation_xid within the window")
+    reputation_jobs: int = Field(default=3, ge=1, description="hardware faults in this many different jobs")
+    reputation_window_s: float = Field(default=86400.0, gt=0, description="the window both reputation rules count in")
+    partition_count: int = Field(default=1, ge=1, le=64, description="detector replicas sharing the load")
+    partition_index: int = Field(default=0, ge=0, description="this replica's partition, 0..partition_count-1")
+    event_batch: int = Field(default=256, ge=1, le=4096, description="agent events handled in one transaction")
+    report_batch: int = Field(default=512, ge=1, le=8192, description="node reports fetched at once")
+
+    @model_validator(mode="after")
+    def _partition_in_range(self) -> DetectorSettings:
+        if self.partition_index >= self.partition_count:
+            raise ValueError(f"partition_index {self.partition_index} must be below partition_count")
+        return self
 
     @field_validator("rules_path")
     @classmethod

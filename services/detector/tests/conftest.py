@@ -16,10 +16,19 @@ from sqlmodel import Session, select
 from reprise_cli.servers import NatsServer
 from reprise_common import subjects
 from reprise_common.bus import Bus
-from reprise_common.events import Event, IncidentChange, JobPlacement, RankAssignment, parse_event
+from reprise_common.clock import Clock
+from reprise_common.events import (
+    Event,
+    IncidentChange,
+    JobPlacement,
+    NodeReport,
+    RankAssignment,
+    RankStatus,
+    parse_event,
+)
 from reprise_detector.app import create_app
 from reprise_detector.incidents.models import Symptom
-from reprise_detector.runtime import EVENTS_DURABLE, Runtime
+from reprise_detector.runtime import EVENTS_DURABLE, REPORTS_DURABLE, Runtime
 from reprise_detector.settings import DetectorSettings
 
 
@@ -66,15 +75,34 @@ class Harness:
         """Publish an agent event on the node's subject, as its agent would."""
         return await self.agents.publish(subjects.node_event(node_id, event.type), event)
 
-    async def settled(self, timeout: float = 10.0) -> None:
-        """Wait until the detector has handled and acknowledged every agent event published so far."""
-        last = (await self.agents.js.stream_info("AGENT")).state.last_seq
+    async def settled(self, timeout: float = 10.0, durables: tuple[str, ...] = ()) -> None:
+        """Wait until the detector has handled and acknowledged every agent event (and report) published so far."""
+        names = durables or (
+            self.runtime.durable(EVENTS_DURABLE),
+            self.runtime.durable(REPORTS_DURABLE),
+        )
 
         async def done() -> bool:
-            info = await self.agents.js.consumer_info("AGENT", EVENTS_DURABLE)
-            return info.delivered.stream_seq >= last and info.num_ack_pending == 0 and info.num_pending == 0
+            for name in names:
+                info = await self.agents.js.consumer_info("AGENT", name)
+                if info.num_ack_pending or info.num_pending:
+                    return False
+            return True
 
         assert await wait_until(done, timeout), "the detector did not handle every event in time"
+
+    async def report(self, node_id: str, ranks: list[RankStatus] | None = None, **fields: Any) -> None:
+        """Publish a node report as the node's agent would."""
+        report = NodeReport(
+            source=node_id, node_id=node_id, interval_s=1.0, gpu_backend="sim", ranks=ranks or [], **fields
+        )
+        await self.agents.publish(subjects.node_report(node_id), report)
+
+    async def open_incidents(self, job_id: str | None = None) -> list[dict[str, Any]]:
+        """Every incident (of a job), newest first."""
+        params = {"job_id": job_id} if job_id else {}
+        data: list[dict[str, Any]] = (await self.incidents(**params, limit=1000))["data"]
+        return data
 
     async def incidents(self, **params: Any) -> dict[str, Any]:
         """GET /v1/incidents with filters."""
@@ -125,9 +153,9 @@ async def start_detector(nats_server: NatsServer) -> AsyncIterator[StartDetector
         await agents.connect(attempts=20)
         stack.push_async_callback(agents.close)
 
-        async def start(database_url: str, **overrides: Any) -> Harness:
+        async def start(database_url: str, clock: Clock | None = None, **overrides: Any) -> Harness:
             settings = DetectorSettings(nats_url=nats_server.url, database_url=database_url, **overrides)
-            app = create_app(settings)
+            app = create_app(settings, clock=clock)
             own = AsyncExitStack()
             stack.push_async_callback(own.aclose)
             await own.enter_async_context(app.router.lifespan_context(app))

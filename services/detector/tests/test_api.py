@@ -61,6 +61,9 @@ BAD_FILTERS: list[dict[str, Any]] = [
     {"limit": 0},
     {"limit": 5000},
     {"offset": -1},
+    {"since": "yesterday"},
+    {"since": "2026-01-01T00:00:00"},  # no zone
+    {"until": "2026-01-01T00:00:00Z", "since": "2026-01-02T00:00:00Z"},
 ]
 
 
@@ -118,3 +121,31 @@ async def test_openapi_documents_the_incident_routes(detector: Harness) -> None:
     assert {"/v1/incidents", "/v1/incidents/{incident_id}", "/v1/incidents/{incident_id}/resolve"} <= set(spec["paths"])
     assert spec["paths"]["/v1/incidents"]["get"]["tags"] == ["incidents"]
     assert "IncidentsPublic" in spec["components"]["schemas"]
+
+
+async def test_time_range_filters(seeded: Harness) -> None:
+    opened = sorted(i["opened_at"] for i in (await seeded.incidents())["data"])
+    assert len(await _all(seeded, since=opened[0])) == 3
+    assert await _all(seeded, until=opened[0]) == []
+    latest = opened[-1]
+    assert len(await _all(seeded, since=latest, until="2999-01-01T00:00:00Z")) == opened.count(latest)
+    assert len(await _all(seeded, until=latest)) == 3 - opened.count(latest)
+
+
+async def _all(h: Harness, **params: str) -> list[dict[str, Any]]:
+    data: list[dict[str, Any]] = (await h.incidents(**params))["data"]
+    return data
+
+
+async def test_acknowledge_is_idempotent_and_resolve_wins(seeded: Harness) -> None:
+    h = seeded
+    [incident] = (await h.incidents(job_id="job-a"))["data"]
+    first = (await h.client.post(f"/v1/incidents/{incident['id']}/acknowledge")).json()
+    again = (await h.client.post(f"/v1/incidents/{incident['id']}/acknowledge")).json()
+    assert first["state"] == again["state"] == "acknowledged"
+    assert first["acknowledged_at"] == again["acknowledged_at"] is not None
+    assert _jobs(await h.incidents(state="acknowledged")) == ["job-a"]
+    await h.client.post(f"/v1/incidents/{incident['id']}/resolve")
+    after = (await h.client.post(f"/v1/incidents/{incident['id']}/acknowledge")).json()
+    assert after["state"] == "resolved"
+    assert (await h.client.post("/v1/incidents/nope/acknowledge")).status_code == 404

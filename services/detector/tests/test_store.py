@@ -16,10 +16,11 @@ from reprise_common.events import Culprit, GpuXid
 from reprise_detector.classify import load_rules
 from reprise_detector.correlate import Target
 from reprise_detector.incidents import service
-from reprise_detector.incidents.models import Incident, IncidentState, create_tables
+from reprise_detector.incidents.models import Incident, IncidentState
 from reprise_detector.observe import observe
-from reprise_detector.pipeline import Detector
+from reprise_detector.pipeline import Detector, Work
 from reprise_detector.placements import PlacementMap
+from reprise_detector.schema import create_tables
 
 
 def _observation(xid: int = 79, time: datetime | None = None):  # type: ignore[no-untyped-def]
@@ -40,7 +41,7 @@ async def test_times_come_back_utc_aware(database_url: str) -> None:
     tokyo = timezone(timedelta(hours=9))
     observation = _observation(time=datetime(2026, 3, 1, 21, 0, 5, tzinfo=tokyo))
     target = Target("job-a", Culprit(node_id="node-1", gpu=0, rank=0))
-    detector.persist(observation, load_rules().classify(observation.event), [target])
+    detector.persist([Work(observation, load_rules().classify(observation.event), [target])])
 
     with Session(detector.engine) as session:
         [incident], _ = service.get_all(session)
@@ -74,9 +75,9 @@ async def test_a_replay_announces_the_same_changes_with_the_same_ids(database_ur
     observation = _observation()
     classification = load_rules().classify(observation.event)
     targets = [Target("job-a", Culprit(node_id="node-1", gpu=0, rank=0)), Target("job-b", Culprit(node_id="node-1"))]
-    first = detector.persist(observation, classification, targets)
+    first = detector.persist([Work(observation, classification, targets)])
     clock.advance(5)
-    again = detector.persist(observation, classification, targets)
+    again = detector.persist([Work(observation, classification, targets)])
     assert [c.msg_id for c in first] == [c.msg_id for c in again]
     assert [c.subject for c in first] == ["reprise.incident.job-a.opened", "reprise.incident.job-b.opened"]
     with Session(detector.engine) as session:
@@ -102,7 +103,9 @@ async def test_resolve_sets_the_state_once(sqlite_url: str) -> None:
     clock = ManualClock()
     detector = _detector(sqlite_url, clock)
     observation = _observation()
-    [change] = detector.persist(observation, load_rules().classify(observation.event), [Target("job-a", Culprit())])
+    [change] = detector.persist(
+        [Work(observation, load_rules().classify(observation.event), [Target("job-a", Culprit())])]
+    )
     incident_id = change.event.incident_id
     for _ in range(2):
         with session_scope(detector.engine) as session:

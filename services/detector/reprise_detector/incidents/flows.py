@@ -67,3 +67,13 @@ async def resolve(*, engine: Engine, bus: Bus, clock: Clock, incident_id: str) -
     public, change = await asyncio.to_thread(commit)
     await publish_changes(bus, [change])
     return public
+
+
+async def acknowledge(*, engine: Engine, clock: Clock, incident_id: str) -> IncidentPublic:
+    """Acknowledge an incident (someone is on it); idempotent, and not announced: the incident itself is unchanged."""
+
+    def commit() -> IncidentPublic:
+        with session_scope(engine) as session:
+            return IncidentPublic.model_validate(service.acknowledge(session, incident_id=incident_id, now=clock.now()))
+
+    return await asyncio.to_thread(commit)

@@ -50,6 +50,8 @@ class IncidentBase(SQLModel):
     opened_at: datetime = Field(sa_type=UTCDateTime)
     updated_at: datetime = Field(sa_type=UTCDateTime)
     resolved_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+    root_cause_at: datetime | None = Field(default=None, sa_type=UTCDateTime, description="time of the root symptom")
+    acknowledged_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
 
 
 class Incident(IncidentBase, table=True):
@@ -90,6 +92,9 @@ class SymptomBase(SQLModel):
     recommended_action: RecommendedAction = Field(sa_type=String(32))
     root_cause_grade: bool
     reason: str = Field(sa_type=Text)
+    decision: str | None = Field(
+        default=None, max_length=16, description="open / attach / upgrade / suppress (evidence only) / record"
+    )
 
 
 class Symptom(SymptomBase, table=True):

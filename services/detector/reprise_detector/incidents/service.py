@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import datetime, timedelta
+from typing import Any
 
-from sqlalchemy import func, or_
+from sqlalchemy import func, insert, or_
 from sqlmodel import Session, col, select
 
 from reprise_common.errors import NotFoundError
-from reprise_common.events import Category, Culprit
+from reprise_common.events import Category, Culprit, Severity, new_id
 from reprise_detector.classify import Classification
 from reprise_detector.incidents.models import ACTIVE_STATES, Incident, IncidentState, Symptom
 from reprise_detector.observe import Observation
@@ -29,6 +30,8 @@ def get_all(
     node_id: str | None = None,
     state: IncidentState | None = None,
     category: Category | None = None,
+    since: datetime | None = None,
+    until: datetime | None = None,
     offset: int = 0,
     limit: int = 100,
 ) -> tuple[list[Incident], int]:
@@ -43,16 +46,27 @@ def get_all(
         query = query.where(Incident.state == state.value)
     if category is not None:
         query = query.where(Incident.category == category.value)
+    if since is not None:
+        query = query.where(col(Incident.opened_at) >= since)
+    if until is not None:
+        query = query.where(col(Incident.opened_at) < until)
     count = session.exec(select(func.count()).select_from(query.subquery())).one()
     page = query.order_by(col(Incident.opened_at).desc(), col(Incident.id)).offset(offset).limit(limit)
     return list(session.exec(page).all()), int(count)
 
 
-def get_active_for_job(session: Session, *, job_id: str, around: datetime, window_s: float) -> Incident | None:
-    """The job's newest open or acknowledged incident whose first symptom is within window_s of `around`, locked."""
+def get_active_for_job(
+    session: Session, *, job_id: str, around: datetime, window_s: float, warning: bool = False
+) -> Incident | None:
+    """The job's newest open or acknowledged incident whose first symptom is within window_s of `around`, locked.
+
+    Fatal (critical) and warning incidents are kept apart: a straggler warning never absorbs a crash.
+    """
+    fatal = col(Incident.severity) == Severity.CRITICAL.value
     query = (
         select(Incident)
         .where(Incident.job_id == job_id, col(Incident.state).in_([s.value for s in ACTIVE_STATES]))
+        .where(~fatal if warning else fatal)
         .order_by(col(Incident.first_symptom_at).desc())
         .with_for_update()
     )
@@ -60,6 +74,28 @@ def get_active_for_job(session: Session, *, job_id: str, around: datetime, windo
         if abs((around - incident.first_symptom_at).total_seconds()) <= window_s:
             return incident
     return None
+
+
+def get_recorded_for_job(session: Session, *, job_id: str, around: datetime, window_s: float) -> list[Symptom]:
+    """The job's secondary symptoms kept without an incident within window_s of `around` (to adopt as evidence)."""
+    low, high = around - timedelta(seconds=window_s), around + timedelta(seconds=window_s)
+    query = select(Symptom).where(
+        Symptom.job_id == job_id,
+        col(Symptom.incident_id).is_(None),
+        col(Symptom.time) >= low,
+        col(Symptom.time) <= high,
+    )
+    return list(session.exec(query).all())
+
+
+def get_symptoms_by_events(session: Session, *, event_ids: list[str]) -> dict[str, list[Symptom]]:
+    """The symptoms already recorded for each of these events (absent: the event is new)."""
+    found: dict[str, list[Symptom]] = {}
+    for start in range(0, len(event_ids), 500):
+        chunk = event_ids[start : start + 500]
+        for symptom in session.exec(select(Symptom).where(col(Symptom.event_id).in_(chunk))).all():
+            found.setdefault(symptom.event_id, []).append(symptom)
+    return found
 
 
 def get_symptoms(session: Session, *, incident_id: str) -> list[Symptom]:
@@ -90,6 +126,7 @@ def create(
         root_cause=classification.reason,
         recommended_action=classification.action,
         first_symptom_at=first_symptom_at,
+        root_cause_at=first_symptom_at,
         opened_at=now,
         updated_at=now,
     )
@@ -98,8 +135,12 @@ def create(
     return incident
 
 
-def upgrade(incident: Incident, *, classification: Classification, culprit: Culprit, now: datetime) -> None:
-    """Make a more fundamental cause the incident's root cause."""
+def upgrade(
+    incident: Incident, *, classification: Classification, culprit: Culprit, at: datetime, now: datetime
+) -> None:
+    """Make a more fundamental (or an earlier) cause the incident's root cause."""
+    incident.root_cause_at = at
+    incident.first_symptom_at = min(incident.first_symptom_at, at)
     incident.category = classification.category
     incident.severity = classification.severity
     incident.root_cause = classification.reason
@@ -123,6 +164,7 @@ def add_symptom(
     job_id: str | None,
     incident: Incident | None,
     now: datetime,
+    decision: str | None = None,
 ) -> Symptom:
     """Record a symptom for one affected job (or none), attached to an incident if given."""
     symptom = Symptom(
@@ -141,12 +183,78 @@ def add_symptom(
         recommended_action=classification.action,
         root_cause_grade=classification.root_cause_grade,
         reason=classification.reason,
+        decision=decision,
     )
     if incident is not None:
         incident.symptom_count += 1
         incident.updated_at = now
     session.add(symptom)
     return symptom
+
+
+def symptom_row(
+    *,
+    observation: Observation,
+    classification: Classification,
+    job_id: str | None,
+    incident: Incident | None,
+    now: datetime,
+    decision: str | None = None,
+) -> dict[str, Any]:
+    """A symptom as a plain row for a bulk insert (building ORM objects costs more than the insert in a storm)."""
+    if incident is not None:
+        incident.symptom_count += 1
+        incident.updated_at = now
+    return {
+        "id": new_id(),
+        "event_id": observation.event_id,
+        "incident_id": incident.id if incident is not None else None,
+        "node_id": observation.node_id,
+        "job_id": job_id,
+        "kind": observation.kind,
+        "gpu": observation.gpu,
+        "rank": observation.rank,
+        "detail": observation.detail,
+        "time": observation.time,
+        "received_at": now,
+        "category": classification.category.value,
+        "severity": classification.severity.value,
+        "recommended_action": classification.action.value,
+        "root_cause_grade": classification.root_cause_grade,
+        "reason": classification.reason,
+        "decision": decision,
+        "change": None,
+        "change_seq": None,
+    }
+
+
+def insert_symptoms(session: Session, rows: list[dict[str, Any]]) -> None:
+    """Insert symptom rows in one statement (IntegrityError when an event was recorded for a job before)."""
+    if rows:
+        session.execute(insert(Symptom), rows)
+        rows.clear()
+
+
+def adopt(incident: Incident, symptoms: list[Symptom], *, now: datetime) -> None:
+    """Attach symptoms kept on their own to an incident that has just opened (they arrived before their cause)."""
+    for symptom in symptoms:
+        symptom.incident_id = incident.id
+        symptom.decision = "suppress"
+        incident.first_symptom_at = min(incident.first_symptom_at, symptom.time)
+    incident.symptom_count += len(symptoms)
+    incident.updated_at = now
+
+
+def acknowledge(session: Session, *, incident_id: str, now: datetime) -> Incident:
+    """Acknowledge an open incident; acknowledging again, or a resolved incident, changes nothing."""
+    incident = session.exec(select(Incident).where(Incident.id == incident_id).with_for_update()).first()
+    if incident is None:
+        raise NotFoundError(f"no incident {incident_id}")
+    if incident.state == IncidentState.OPEN:
+        incident.state = IncidentState.ACKNOWLEDGED
+        incident.acknowledged_at = now
+        incident.updated_at = now
+    return incident
 
 
 def resolve(session: Session, *, incident_id: str, now: datetime) -> Incident:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Query
+from fastapi.exceptions import RequestValidationError
+from pydantic import AwareDatetime
 
 from reprise_common.errors import BusError
 from reprise_common.events import Category
@@ -29,12 +31,26 @@ def list_incidents(
     node_id: Annotated[str | None, Query(description="culprit node, or any node with a symptom")] = None,
     state: IncidentState | None = None,
     category: Category | None = None,
+    since: Annotated[AwareDatetime | None, Query(description="opened at or after (ISO 8601 with a zone)")] = None,
+    until: Annotated[AwareDatetime | None, Query(description="opened before (ISO 8601 with a zone)")] = None,
     offset: Annotated[int, Query(ge=0)] = 0,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
 ) -> IncidentsPublic:
     """Incidents matching every given filter."""
+    if since is not None and until is not None and since >= until:
+        raise RequestValidationError(
+            [{"loc": ("query", "until"), "msg": "until must be after since", "type": "value_error"}]
+        )
     incidents, count = service.get_all(
-        session, job_id=job_id, node_id=node_id, state=state, category=category, offset=offset, limit=limit
+        session,
+        job_id=job_id,
+        node_id=node_id,
+        state=state,
+        category=category,
+        since=since,
+        until=until,
+        offset=offset,
+        limit=limit,
     )
     return IncidentsPublic(data=[IncidentPublic.model_validate(i) for i in incidents], count=count)
 
@@ -45,6 +61,12 @@ def read_incident(session: SessionDep, incident_id: str) -> IncidentDetail:
     incident = service.get(session, incident_id=incident_id)
     symptoms = [SymptomPublic.model_validate(s) for s in service.get_symptoms(session, incident_id=incident_id)]
     return IncidentDetail.model_validate(incident, update={"symptoms": symptoms})
+
+
+@router.post("/{incident_id}/acknowledge", summary="Acknowledge an incident (idempotent)")
+async def acknowledge_incident(runtime: RuntimeDep, incident_id: str) -> IncidentPublic:
+    """Mark an open incident acknowledged; a resolved one stays resolved; 404 if unknown."""
+    return await flows.acknowledge(engine=runtime.engine, clock=runtime.clock, incident_id=incident_id)
 
 
 @router.post("/{incident_id}/resolve", summary="Resolve an incident (idempotent)")

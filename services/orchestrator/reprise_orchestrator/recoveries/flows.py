@@ -19,7 +19,16 @@ from sqlmodel import Session
 from reprise_common import subjects
 from reprise_common.bus import Delivery, Outcome
 from reprise_common.errors import BusError, RepriseError
-from reprise_common.events import CommandAction, Event, IncidentChange, RankAssignment, RecoveryChange, new_id
+from reprise_common.events import (
+    CommandAction,
+    Event,
+    IncidentChange,
+    RankAssignment,
+    RecommendedAction,
+    RecoveryChange,
+    Severity,
+    new_id,
+)
 from reprise_common.logging import get_logger
 from reprise_orchestrator.agents import command_nodes
 from reprise_orchestrator.deps import Deps
@@ -65,6 +74,9 @@ class RecoveryFlow:
     async def on_incident(self, event: Event, delivery: Delivery) -> Outcome:
         """Start a recovery for an opened incident, or attach it to the one already running."""
         if not isinstance(event, IncidentChange) or event.change != "opened":
+            return Outcome.ACK
+        if event.severity is Severity.WARNING or event.recommended_action is RecommendedAction.NONE:
+            log.info("warning incident: no recovery", extra={"incident_id": event.incident_id, "job_id": event.job_id})
             return Outcome.ACK
         with Session(self.deps.engine) as session:
             job = session.get(Job, event.job_id)

@@ -1,0 +1,58 @@
+"""Symptoms the detector derives itself from node reports (silence, stalled progress, slow ranks).
+
+They are not wire events: they never leave the detector except as incidents. Each has a deterministic id built from
+what it observed, so a replica that re-derives the same finding (after a restart, or a second tick) records it once.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
+
+
+class Derived(BaseModel):
+    """What every derived symptom carries: an idempotency id, when it was observed, and the node it points at."""
+
+    model_config = ConfigDict(frozen=True)
+
+    event_id: str = Field(min_length=1, max_length=128)
+    time: AwareDatetime
+    node_id: str
+
+
+class NodeLost(Derived):
+    """A node that used to report has been silent for longer than the limit."""
+
+    type: Literal["node.lost"] = "node.lost"
+    silent_s: float
+    limit_s: float
+
+
+class JobHung(Derived):
+    """A job's step progress stopped for longer than its limit; node_id and rank name the rank that stopped first."""
+
+    type: Literal["job.hung"] = "job.hung"
+    job_id: str
+    rank: int
+    stalled_ranks: list[int]
+    lagging_ranks: list[int]
+    step: int | None
+    phase: str
+    stalled_s: float
+    limit_s: float
+    limit_reason: str
+
+
+class RankStraggling(Derived):
+    """A rank whose step time stayed above a factor of its job's median for several reports in a row."""
+
+    type: Literal["rank.straggling"] = "rank.straggling"
+    job_id: str
+    rank: int
+    step_time_s: float
+    median_s: float
+    reports: int
+
+
+DerivedSymptom = NodeLost | JobHung | RankStraggling

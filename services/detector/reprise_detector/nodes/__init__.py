@@ -1,0 +1,1 @@
+"""Nodes: liveness from reports, fault history across jobs (reputation), quarantine recommendations."""

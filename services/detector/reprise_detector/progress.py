@@ -1,0 +1,244 @@
+"""Rank progress from node reports, and the two stages that read it: hang detection and stragglers.
+
+Times are the detector's injected clock. A rank's progress "stopped" when its step last advanced; the agent's
+heartbeat age back-dates the first sight of a step, so a detector that starts late does not think a stalled rank
+has just moved.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from enum import StrEnum
+
+from reprise_common.clock import Clock
+from reprise_common.events import RankStatus
+from reprise_detector.derived import JobHung, RankStraggling
+
+STARTUP, CHECKPOINTING = "startup", "checkpointing"
+
+
+@dataclass
+class RankTrack:
+    """What the detector knows of one rank's progress."""
+
+    node_id: str
+    step: int | None
+    advanced_at: float  # monotonic time the step last changed (or the phase began, before any step)
+    phase: str
+    phase_since: float
+    p99_s: float | None
+    step_time_s: float | None
+    alive: bool
+    slow_streak: int = 0
+    straggling: bool = False
+
+
+@dataclass
+class JobTrack:
+    """Every rank of one job, and whether a hang is already reported for the current stall."""
+
+    ranks: dict[int, RankTrack] = field(default_factory=dict)
+    hung: bool = False
+    updates: int = 0  # rank statuses folded in so far
+    median_s: float | None = None  # the job's median step time, refreshed about once per round of reports
+    median_updates: int = -1
+
+
+class ProgressBook:
+    """job -> rank -> progress, fed by the rank statuses of node reports."""
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+        self.jobs: dict[str, JobTrack] = {}
+
+    def update(self, node_id: str, status: RankStatus) -> RankTrack:
+        """Fold one rank status into the book; a step change resets the stall (and a reported hang)."""
+        now = self.clock.monotonic()
+        job = self.jobs.setdefault(status.job_id, JobTrack())
+        job.updates += 1
+        track = job.ranks.get(status.rank)
+        phase_since = now - (status.phase_age_s or 0.0)
+        if track is None or track.step != status.step:
+            advanced = now - (status.heartbeat_age_s or 0.0) if status.step is not None else phase_since
+            if track is not None:
+                job.hung = False
+            track = RankTrack(
+                node_id=node_id,
+                step=status.step,
+                advanced_at=advanced,
+                phase=status.phase,
+                phase_since=phase_since,
+                p99_s=status.step_time_p99_s,
+                step_time_s=status.step_time_last_s or status.step_time_p50_s,
+                alive=status.alive,
+                slow_streak=track.slow_streak if track else 0,
+                straggling=track.straggling if track else False,
+            )
+            job.ranks[status.rank] = track
+            return track
+        track.node_id, track.alive = node_id, status.alive
+        if track.phase != status.phase:
+            track.phase, track.phase_since = status.phase, phase_since
+        track.p99_s = status.step_time_p99_s or track.p99_s
+        track.step_time_s = status.step_time_last_s or status.step_time_p50_s or track.step_time_s
+        return track
+
+    def forget(self, job_id: str) -> None:
+        """Drop a job that no longer runs here."""
+        self.jobs.pop(job_id, None)
+
+
+# --- hangs ------------------------------------------------------------------------------------------------------
+class LimitReason(StrEnum):
+    """Which limit applies to a rank's stall."""
+
+    STARTUP = "startup"  # still starting: its own, long limit
+    CHECKPOINTING = "checkpointing"  # saving a checkpoint: its own limit
+    LEARNED = "learned"  # k x the job's rolling p99 step time
+    FLOOR = "floor"  # the learned limit would be shorter than the floor (or nothing is learned yet)
+    OVERRIDE = "override"  # the job's own fixed timeout
+
+
+@dataclass(frozen=True)
+class HangLimits:
+    """Defaults, and a job's own values where it set them."""
+
+    floor_s: float = 60.0
+    k: float = 10.0
+    startup_s: float = 900.0
+    checkpointing_s: float = 1800.0
+    timeout_s: float | None = None
+
+
+def limit_for(track: RankTrack, job_p99_s: float | None, limits: HangLimits) -> tuple[float, LimitReason, float]:
+    """(limit, why, since): the stall limit for a rank in its phase, and the monotonic time its stall is timed from."""
+    if track.phase == STARTUP:
+        return limits.startup_s, LimitReason.STARTUP, track.phase_since
+    if track.phase == CHECKPOINTING:
+        return limits.checkpointing_s, LimitReason.CHECKPOINTING, track.phase_since
+    since = max(track.advanced_at, track.phase_since)  # leaving a long phase restarts the clock
+    if limits.timeout_s is not None:
+        return limits.timeout_s, LimitReason.OVERRIDE, since
+    learned = limits.k * job_p99_s if job_p99_s else 0.0
+    if learned > limits.floor_s:
+        return learned, LimitReason.LEARNED, since
+    return limits.floor_s, LimitReason.FLOOR, since
+
+
+class HangWatch:
+    """Stage: check() returns a JobHung for each job with a rank stalled beyond its limit (once per stall)."""
+
+    def __init__(self, *, clock: Clock, book: ProgressBook, defaults: HangLimits) -> None:
+        self.clock = clock
+        self.book = book
+        self.defaults = defaults
+
+    def check(self, overrides: Mapping[str, HangLimits] | None = None) -> list[JobHung]:
+        """Jobs that just became hung."""
+        found: list[JobHung] = []
+        for job_id, job in self.book.jobs.items():
+            if job.hung or not job.ranks or not all(t.alive for t in job.ranks.values()):
+                continue  # a dead rank is a crash, reported as such
+            hung = self._judge(job_id, job, (overrides or {}).get(job_id, self.defaults))
+            if hung is not None:
+                job.hung = True
+                found.append(hung)
+        return found
+
+    def _judge(self, job_id: str, job: JobTrack, limits: HangLimits) -> JobHung | None:
+        now = self.clock.monotonic()
+        p99s = [t.p99_s for t in job.ranks.values() if t.p99_s]
+        job_p99 = max(p99s) if p99s else None
+        over: list[tuple[float, int, RankTrack, float, LimitReason]] = []
+        for rank, track in job.ranks.items():
+            limit, why, since = limit_for(track, job_p99, limits)
+            if now - since > limit:
+                over.append((since, rank, track, limit, why))
+        if not over:
+            return None
+        over.sort(key=lambda o: (o[0], o[2].step if o[2].step is not None else -1, o[1]))
+        since, rank, track, limit, why = over[0]
+        grace = max(job_p99 or 0.0, 1.0)  # ranks that stopped within one step time of the first stopped together
+        first = sorted(r for s, r, *_ in over if s - since <= grace)
+        steps = [t.step for t in job.ranks.values() if t.step is not None]
+        top = max(steps, default=None)
+        lagging = sorted(r for r, t in job.ranks.items() if top is not None and t.step is not None and t.step < top)
+        stalled = now - since
+        return JobHung(
+            event_id=f"hang:{job_id}:{rank}:{track.step}:{track.phase}"[:128],
+            time=self.clock.now() - timedelta(seconds=stalled - limit),
+            node_id=track.node_id,
+            job_id=job_id,
+            rank=rank,
+            stalled_ranks=first,
+            lagging_ranks=lagging,
+            step=track.step,
+            phase=track.phase,
+            stalled_s=stalled,
+            limit_s=limit,
+            limit_reason=why.value,
+        )
+
+
+# --- stragglers -------------------------------------------------------------------------------------------------
+class StragglerVerdict(StrEnum):
+    """What one report says about a rank's speed."""
+
+    UNKNOWN = "unknown"  # no step time, or too few ranks to compare
+    NORMAL = "normal"
+    SLOW = "slow"  # above the factor, not yet for enough reports in a row
+    STRAGGLER = "straggler"  # just crossed the count: report it (once, until it speeds up)
+
+
+class StragglerWatch:
+    """Stage: after each report, compare each of its ranks with the job median; N slow reports in a row → warning."""
+
+    def __init__(self, *, clock: Clock, book: ProgressBook, factor: float, reports: int) -> None:
+        self.clock = clock
+        self.book = book
+        self.factor = factor
+        self.reports = reports
+
+    def judge(self, job_id: str, rank: int) -> StragglerVerdict:
+        """Update the rank's streak from its latest step time and say what it is."""
+        job = self.book.jobs[job_id]
+        track = job.ranks[rank]
+        median = self.median(job)
+        if track.step_time_s is None or median is None:
+            return StragglerVerdict.UNKNOWN
+        if track.step_time_s <= self.factor * median:
+            track.slow_streak, track.straggling = 0, False
+            return StragglerVerdict.NORMAL
+        track.slow_streak += 1
+        if track.slow_streak >= self.reports and not track.straggling:
+            track.straggling = True
+            return StragglerVerdict.STRAGGLER
+        return StragglerVerdict.SLOW
+
+    @staticmethod
+    def median(job: JobTrack) -> float | None:
+        """The job's median step time (None with fewer than 3 ranks to compare), recomputed once per round."""
+        if job.updates - job.median_updates >= len(job.ranks):
+            times = [t.step_time_s for t in job.ranks.values() if t.step_time_s]
+            job.median_s = statistics.median(times) if len(times) >= 3 else None
+            job.median_updates = job.updates
+        return job.median_s
+
+    def finding(self, job_id: str, rank: int) -> RankStraggling:
+        """The warning symptom for a rank judged a straggler."""
+        job = self.book.jobs[job_id]
+        track = job.ranks[rank]
+        median = job.median_s or 0.0
+        return RankStraggling(
+            event_id=f"straggler:{job_id}:{rank}:{track.step}"[:128],
+            time=self.clock.now(),
+            node_id=track.node_id,
+            job_id=job_id,
+            rank=rank,
+            step_time_s=track.step_time_s or 0.0,
+            median_s=median,
+            reports=track.slow_streak,
+        )

@@ -1,0 +1,136 @@
+"""Two replicas sharing the load without double incidents; node reputation and quarantine; node and hang routes."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from reprise_common import subjects
+from reprise_common.clock import ManualClock, utcnow
+from reprise_common.events import GpuXid, NodeQuarantineRecommended, RankExited, parse_event
+from reprise_detector.partition import partition_of
+from reprise_detector.runtime import EVENTS_DURABLE, REPORTS_DURABLE
+
+Harness = Any  # tests/conftest.py
+StartDetector = Any
+
+
+async def test_two_replicas_split_the_jobs_and_open_each_incident_once(
+    start_detector: StartDetector, database_url: str
+) -> None:
+    clock = ManualClock(utcnow())
+    replicas = [
+        await start_detector(database_url, clock=clock, partition_count=2, partition_index=i, watch_interval_s=3600)
+        for i in range(2)
+    ]
+    jobs = [f"job-{n}" for n in range(8)]
+    assert {partition_of(j, 2) for j in jobs} == {0, 1}  # both replicas own some
+    for n, job in enumerate(jobs):
+        await replicas[0].place(job, [(0, f"node-{n}", 0), (1, "node-shared", n)])
+        assert await replicas[1].runtime.placements.wait_for_seq(replicas[1].runtime.placements.last_seq, timeout=5)
+    h = replicas[0]
+    for n, job in enumerate(jobs):  # one crash per job, plus a redelivered copy
+        crash = RankExited(source=f"node-{n}", node_id=f"node-{n}", job_id=job, rank=0, exit_code=1)
+        for _ in range(2):
+            await h.agents.js.publish(subjects.node_event(f"node-{n}", crash.type), crash.to_bytes())
+    # A GPU fault on the shared node hits every job: each replica handles its own jobs.
+    await h.emit("node-shared", GpuXid(source="node-shared", node_id="node-shared", gpu=3, xid=79))
+    await h.report("node-shared")
+    for replica in replicas:
+        await replica.settled()
+    await replicas[1].place("job-late", [(0, "node-shared", 7)])
+    seq = replicas[1].runtime.placements.last_seq
+    assert await replicas[0].runtime.placements.wait_for_seq(seq, timeout=5)
+    clock.advance(6)
+    for replica in replicas:
+        await replica.runtime.watcher.tick()  # node-shared is lost: one node-lost symptom per job, by its owner
+
+    page = await h.incidents(limit=1000)
+    assert sorted(i["job_id"] for i in page["data"]) == sorted([*jobs, "job-late"])
+    for job in jobs:
+        [incident] = [i for i in page["data"] if i["job_id"] == job]
+        assert incident["category"] == "gpu_hardware" and incident["symptom_count"] == 3  # crash, XID, node lost
+        assert [c.change for c in await h.changes(job) if c.change == "opened"] == ["opened"]
+    names = {r.runtime.durable(EVENTS_DURABLE) for r in replicas} | {
+        r.runtime.durable(REPORTS_DURABLE) for r in replicas
+    }
+    assert names == {
+        "detector-events-p0of2",
+        "detector-events-p1of2",
+        "detector-reports-p0of2",
+        "detector-reports-p1of2",
+    }
+
+
+async def _quarantines(h: Harness) -> list[NodeQuarantineRecommended]:
+    sub = await h.agents.js.pull_subscribe(subjects.NODE_QUARANTINE_ALL, stream="NODES")
+    found: list[NodeQuarantineRecommended] = []
+    try:
+        while True:
+            for msg in await sub.fetch(100, timeout=0.3):
+                event = parse_event(msg.data)
+                assert isinstance(event, NodeQuarantineRecommended)
+                found.append(event)
+                await msg.ack()
+    except TimeoutError:
+        pass
+    finally:
+        await sub.unsubscribe()
+    return found
+
+
+async def test_two_xid_48_in_a_day_recommend_a_quarantine_once(start_detector: StartDetector, sqlite_url: str) -> None:
+    h = await start_detector(sqlite_url)
+    await h.place("job-a", [(0, "node-1", 0)])
+    t0 = utcnow()
+    await h.emit("node-1", GpuXid(source="node-1", node_id="node-1", gpu=0, xid=48, time=t0 - timedelta(hours=20)))
+    await h.settled()
+    assert await _quarantines(h) == []
+    for hours in (0, 0.1):  # a second and a third: still one recommendation
+        await h.emit(
+            "node-1", GpuXid(source="node-1", node_id="node-1", gpu=0, xid=48, time=t0 + timedelta(hours=hours))
+        )
+        await h.settled()
+    await h.emit("node-2", GpuXid(source="node-2", node_id="node-2", gpu=0, xid=48))
+    await h.settled()
+    [recommendation] = await _quarantines(h)
+    assert (recommendation.node_id, recommendation.reason) == ("node-1", "repeated_xid")
+    assert recommendation.fault_count == 2 and recommendation.job_ids == ["job-a"]
+
+    health = (await h.client.get("/v1/node-health/node-1")).json()
+    assert health["quarantine_recommended"] and health["fault_count"] == 3
+    assert [r["reason"] for r in health["recommendations"]] == ["repeated_xid"]
+    assert not (await h.client.get("/v1/node-health/node-2")).json()["quarantine_recommended"]
+    assert (await h.client.get("/v1/node-health/nowhere")).status_code == 404
+
+
+async def test_hardware_faults_in_three_jobs_recommend_a_quarantine(detector: Harness) -> None:
+    h = detector
+    for n, job in enumerate(("job-a", "job-b", "job-c")):
+        await h.place(job, [(0, "node-1", n)])
+        await h.emit("node-1", GpuXid(source="node-1", node_id="node-1", gpu=n, xid=79))
+        await h.settled()
+        await h.place(job, [(0, "node-1", n)], epoch=1)
+    [recommendation] = await _quarantines(h)
+    assert recommendation.reason == "faults_across_jobs"
+    assert recommendation.job_ids == ["job-a", "job-b", "job-c"]
+
+
+async def test_node_health_lists_reporting_nodes(detector: Harness) -> None:
+    h = detector
+    await h.report("node-7")
+    await h.settled()
+    body = (await h.client.get("/v1/node-health")).json()
+    assert [(n["node_id"], n["state"]) for n in body["data"]] == [("node-7", "alive")]
+    assert body["data"][0]["last_report_age_s"] < 5
+
+
+async def test_a_hang_policy_can_be_set_read_and_must_be_valid(detector: Harness) -> None:
+    c = detector.client
+    assert (await c.get("/v1/jobs/job-a/hang-policy")).status_code == 404
+    put = await c.put("/v1/jobs/job-a/hang-policy", json={"timeout_s": 120, "startup_s": 600})
+    assert put.status_code == 200 and put.json()["timeout_s"] == 120 and put.json()["k"] is None
+    assert (await c.get("/v1/jobs/job-a/hang-policy")).json()["startup_s"] == 600
+    assert (await c.put("/v1/jobs/job-a/hang-policy", json={"timeout_s": -1})).status_code == 422
+    limits = await detector.runtime.watcher.overrides()
+    assert limits["job-a"].timeout_s == 120 and limits["job-a"].startup_s == 600

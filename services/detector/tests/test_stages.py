@@ -1,0 +1,254 @@
+"""The watch stages and decisions, table-driven with an injected clock: liveness, hangs, stragglers, root-cause
+order, reputation rules and partitions."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from reprise_common.clock import ManualClock
+from reprise_common.events import Category, QuarantineReason, RankStatus, RecommendedAction, Severity
+from reprise_detector.classify import Classification
+from reprise_detector.correlate import Decision, decide
+from reprise_detector.incidents.models import Incident
+from reprise_detector.nodes.liveness import Liveness, NodeState
+from reprise_detector.nodes.models import NodeFaultBase
+from reprise_detector.nodes.reputation import ReputationRules, judge
+from reprise_detector.partition import Partition, partition_of
+from reprise_detector.progress import (
+    HangLimits,
+    HangWatch,
+    LimitReason,
+    ProgressBook,
+    StragglerVerdict,
+    StragglerWatch,
+)
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+# --- liveness -----------------------------------------------------------------------------------------------------
+def test_a_silent_node_is_lost_once_and_a_flapping_node_gets_a_new_id_per_silence() -> None:
+    clock = ManualClock(T0)
+    live = Liveness(clock=clock, lost_after_s=5)
+    live.saw("node-1", "s1")
+    live.saw("node-2", "s2")
+    clock.advance(4.9)
+    live.saw("node-2", "s3")
+    assert live.check() == []
+    clock.advance(0.2)
+    [lost] = live.check()
+    assert (lost.node_id, lost.event_id) == ("node-1", "node-lost:node-1:s1")
+    assert lost.time == T0 + timedelta(seconds=5)  # when the limit was crossed, not when we looked
+    clock.advance(10)
+    assert [n.node_id for n in live.check()] == ["node-2"]  # node-1 is not reported again while it stays silent
+    live.saw("node-1", "s9")
+    assert live.nodes["node-1"].state is NodeState.ALIVE
+    clock.advance(6)
+    assert [n.event_id for n in live.check()] == ["node-lost:node-1:s9"]
+
+
+# --- hangs --------------------------------------------------------------------------------------------------------
+def _status(rank: int, step: int | None, phase: str = "training", **extra: float) -> RankStatus:
+    return RankStatus(job_id="job-a", rank=rank, step=step, phase=phase, heartbeat_age_s=0.0, **extra)  # type: ignore[arg-type]
+
+
+LIMITS = HangLimits(floor_s=10, k=5, startup_s=100, checkpointing_s=200)
+# phase, p99 step time, override timeout, seconds stalled, hung?, limit reason
+HANG_TABLE = [
+    ("training", 1.0, None, 9.0, False, LimitReason.FLOOR),
+    ("training", 1.0, None, 11.0, True, LimitReason.FLOOR),
+    ("training", 4.0, None, 19.0, False, LimitReason.LEARNED),  # 5 x 4 s = 20 s > floor
+    ("training", 4.0, None, 21.0, True, LimitReason.LEARNED),
+    ("training", 4.0, 30.0, 25.0, False, LimitReason.OVERRIDE),
+    ("training", 4.0, 30.0, 31.0, True, LimitReason.OVERRIDE),
+    ("startup", None, None, 99.0, False, LimitReason.STARTUP),
+    ("startup", None, None, 101.0, True, LimitReason.STARTUP),
+    ("checkpointing", 1.0, None, 150.0, False, LimitReason.CHECKPOINTING),
+    ("checkpointing", 1.0, None, 201.0, True, LimitReason.CHECKPOINTING),
+]
+
+
+@pytest.mark.parametrize("case", HANG_TABLE, ids=str)
+def test_hang_limits_are_phase_aware_learned_and_overridable(
+    case: tuple[str, float | None, float | None, float, bool, LimitReason],
+) -> None:
+    phase, p99, override, stalled, hung, why = case
+    clock = ManualClock(T0)
+    book = ProgressBook(clock)
+    watch = HangWatch(clock=clock, book=book, defaults=LIMITS)
+    extra = {"step_time_p99_s": p99} if p99 else {}
+    for rank in range(2):
+        book.update("node-1", _status(rank, 7 if phase != "startup" else None, phase, phase_age_s=0.0, **extra))
+    clock.advance(stalled)
+    overrides = {"job-a": HangLimits(**{**LIMITS.__dict__, "timeout_s": override})} if override else None
+    found = watch.check(overrides)
+    assert bool(found) is hung
+    if found:
+        assert found[0].limit_reason == why.value
+        assert watch.check(overrides) == []  # once per stall
+
+
+def test_a_hang_names_the_ranks_that_stopped_first_and_those_that_lag() -> None:
+    clock = ManualClock(T0)
+    book = ProgressBook(clock)
+    watch = HangWatch(clock=clock, book=book, defaults=LIMITS)
+    for rank in range(4):
+        book.update(f"node-{rank // 2}", _status(rank, 10, step_time_p99_s=0.5))
+    for step in range(11, 20):  # ranks 0, 1 and 3 keep going; rank 2 stops at step 10
+        clock.advance(0.5)
+        for rank in (0, 1, 3):
+            book.update(f"node-{rank // 2}", _status(rank, step, step_time_p99_s=0.5))
+    clock.advance(12)
+    [hung] = watch.check()
+    assert (hung.rank, hung.node_id, hung.stalled_ranks, hung.lagging_ranks) == (2, "node-1", [2], [2])
+    assert hung.step == 10 and hung.stalled_s > LIMITS.floor_s
+    book.update("node-1", _status(2, 11, step_time_p99_s=0.5))  # progress resumes: a later stall is a new hang
+    assert not book.jobs["job-a"].hung
+
+
+def test_a_job_with_a_dead_rank_is_not_called_hung() -> None:
+    clock = ManualClock(T0)
+    book = ProgressBook(clock)
+    watch = HangWatch(clock=clock, book=book, defaults=LIMITS)
+    book.update("node-1", _status(0, 5))
+    book.update("node-1", RankStatus(job_id="job-a", rank=1, step=5, phase="training", alive=False))
+    clock.advance(1000)
+    assert watch.check() == []
+
+
+# --- stragglers ---------------------------------------------------------------------------------------------------
+# step time of rank 3 in each report (ranks 0-2 run at 1.0 s), and the verdict for rank 3 after it
+STRAGGLER_TABLE = [
+    ([1.1, 1.0, 1.2], [StragglerVerdict.NORMAL] * 3),
+    ([2.0, 2.0, 2.0], [StragglerVerdict.SLOW, StragglerVerdict.SLOW, StragglerVerdict.STRAGGLER]),
+    ([2.0, 2.0, 1.0, 2.0, 2.0], [StragglerVerdict.SLOW] * 2 + [StragglerVerdict.NORMAL] + [StragglerVerdict.SLOW] * 2),
+    ([2.0] * 5, [StragglerVerdict.SLOW] * 2 + [StragglerVerdict.STRAGGLER] + [StragglerVerdict.SLOW] * 2),
+]
+
+
+@pytest.mark.parametrize(("times", "verdicts"), STRAGGLER_TABLE)
+def test_stragglers_need_n_slow_reports_in_a_row(times: list[float], verdicts: list[StragglerVerdict]) -> None:
+    clock = ManualClock(T0)
+    book = ProgressBook(clock)
+    watch = StragglerWatch(clock=clock, book=book, factor=1.5, reports=3)
+    seen = []
+    for step, slow in enumerate(times):
+        for rank in range(4):
+            book.update("node-1", _status(rank, step, step_time_last_s=slow if rank == 3 else 1.0))
+        seen.append(watch.judge("job-a", 3))
+    assert seen == verdicts
+
+
+def test_too_few_ranks_to_compare_is_unknown() -> None:
+    clock = ManualClock(T0)
+    book = ProgressBook(clock)
+    watch = StragglerWatch(clock=clock, book=book, factor=1.5, reports=1)
+    book.update("node-1", _status(0, 1, step_time_last_s=1.0))
+    book.update("node-1", _status(1, 1, step_time_last_s=9.0))
+    assert watch.judge("job-a", 1) is StragglerVerdict.UNKNOWN
+
+
+# --- root-cause order ---------------------------------------------------------------------------------------------
+def _cls(category: Category, root: bool = True) -> Classification:
+    return Classification(category, Severity.CRITICAL, RecommendedAction.RESTART_JOB, root, "r")
+
+
+def _incident(category: Category, at: datetime) -> Incident:
+    return Incident(
+        job_id="j",
+        category=category,
+        severity=Severity.CRITICAL,
+        root_cause="r",
+        recommended_action=RecommendedAction.RESTART_JOB,
+        first_symptom_at=at,
+        root_cause_at=at,
+        opened_at=at,
+        updated_at=at,
+    )
+
+
+HW, NODE, APP, DEP, UNK = (
+    Category.GPU_HARDWARE,
+    Category.NODE,
+    Category.APPLICATION,
+    Category.DEPENDENCY,
+    Category.UNKNOWN,
+)
+EARLY, LATE = T0, T0 + timedelta(seconds=2)
+# new symptom (category, root-cause-grade, time), active incident (category, root time) or None, decision
+DECIDE_TABLE = [
+    ((APP, True, LATE), None, Decision.OPEN),
+    ((APP, False, LATE), None, Decision.RECORD),
+    ((APP, False, LATE), (APP, EARLY), Decision.SUPPRESS),
+    ((HW, False, LATE), (APP, EARLY), Decision.SUPPRESS),  # a follow-on XID never leads
+    ((HW, True, LATE), (NODE, EARLY), Decision.UPGRADE),  # hardware outranks node loss
+    ((NODE, True, LATE), (APP, EARLY), Decision.UPGRADE),  # node loss outranks a crash
+    ((APP, True, LATE), (NODE, EARLY), Decision.ATTACH),
+    ((NODE, True, LATE), (HW, EARLY), Decision.ATTACH),
+    ((APP, True, LATE), (APP, EARLY), Decision.ATTACH),  # the later crash of the same tier
+    ((APP, True, EARLY), (APP, LATE), Decision.UPGRADE),  # the earliest crash leads, whatever the arrival order
+    ((UNK, True, EARLY), (APP, LATE), Decision.UPGRADE),  # SIGKILL (unknown) and exit 1 are one tier
+    ((DEP, True, LATE), (APP, EARLY), Decision.UPGRADE),
+]
+
+
+@pytest.mark.parametrize(("symptom", "active", "decision"), DECIDE_TABLE)
+def test_root_cause_order(
+    symptom: tuple[Category, bool, datetime], active: tuple[Category, datetime] | None, decision: Decision
+) -> None:
+    category, root, at = symptom
+    incident = _incident(*active) if active else None
+    assert decide(_cls(category, root), at, incident) is decision
+
+
+# --- reputation ---------------------------------------------------------------------------------------------------
+def _fault(event: str, job: str, hours: float, xid: int | None = 48) -> NodeFaultBase:
+    return NodeFaultBase(
+        node_id="node-1",
+        event_id=event,
+        job_key=job,
+        kind="gpu.xid",
+        xid=xid,
+        category=Category.GPU_HARDWARE,
+        time=T0 + timedelta(hours=hours),
+    )
+
+
+RULES = ReputationRules(xid=48, xid_count=2, jobs=3, window_s=86400)
+# faults, reasons that fire at the last fault's time
+REPUTATION_TABLE = [
+    ([_fault("e1", "a", 0)], []),
+    ([_fault("e1", "a", 0), _fault("e2", "a", 23)], [QuarantineReason.REPEATED_XID]),
+    ([_fault("e1", "a", 0), _fault("e2", "a", 25)], []),  # more than 24 h apart
+    ([_fault("e1", "a", 0), _fault("e1", "b", 0)], []),  # one XID seen by two jobs is one XID
+    (
+        [_fault("e1", "a", 0, 79), _fault("e2", "b", 1, 79), _fault("e3", "c", 2, 79)],
+        [QuarantineReason.FAULTS_ACROSS_JOBS],
+    ),
+    ([_fault("e1", "a", 0, 79), _fault("e2", "a", 1, 79), _fault("e3", "b", 2, 79)], []),
+    (
+        [_fault("e1", "a", 0), _fault("e2", "b", 1), _fault("e3", "c", 2, 79)],
+        [QuarantineReason.REPEATED_XID, QuarantineReason.FAULTS_ACROSS_JOBS],
+    ),
+]
+
+
+@pytest.mark.parametrize(("faults", "reasons"), REPUTATION_TABLE)
+def test_reputation_rules(faults: list[NodeFaultBase], reasons: list[QuarantineReason]) -> None:
+    now = max(f.time for f in faults)
+    assert [j.reason for j in judge(faults, RULES, now=now)] == reasons
+
+
+# --- partitions ---------------------------------------------------------------------------------------------------
+def test_every_job_has_exactly_one_owner_and_the_split_is_fair() -> None:
+    parts = [Partition(i, 2) for i in range(2)]
+    jobs = [f"job-{n}" for n in range(1000)]
+    owners = [[p.index for p in parts if p.owns_job(j)] for j in jobs]
+    assert all(len(o) == 1 for o in owners)
+    share = sum(o == [0] for o in owners) / len(jobs)
+    assert 0.4 < share < 0.6
+    assert partition_of("job-7", 2) == partition_of("job-7", 2)
+    assert Partition().durable("detector-events") == "detector-events"
+    assert parts[1].durable("detector-events") == "detector-events-p1of2"
