@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import sys
 import time
 from datetime import datetime
@@ -26,6 +27,7 @@ def _say(text: str) -> None:
 
 def run_demo(config: StackConfig) -> int:
     """Run the scenario; 0 when the job was recovered, 1 otherwise."""
+    shutil.rmtree(config.state_dir, ignore_errors=True)  # a demo starts from nothing, whatever ran before
     stack = Stack(config, say=_say)
     try:
         _say(f"[demo] starting the platform: {config.nodes} nodes, {config.spares} spares (logs in {stack.log_dir})")

@@ -42,11 +42,11 @@ def _stack_config(args: argparse.Namespace) -> StackConfig:
     )
 
 
-def _add_stack_flags(parser: argparse.ArgumentParser, *, nodes: int, spares: int) -> None:
+def _add_stack_flags(parser: argparse.ArgumentParser, *, nodes: int, spares: int, state_dir: str = ".state") -> None:
     parser.add_argument("--nodes", type=int, default=nodes, help="simulated worker nodes")
     parser.add_argument("--spares", type=int, default=spares, help="simulated spare nodes")
     parser.add_argument("--gpus-per-node", type=int, default=8)
-    parser.add_argument("--state-dir", default=".state", help="logs, SQLite files, NATS store, Redis data")
+    parser.add_argument("--state-dir", default=state_dir, help="logs, SQLite files, NATS store, Redis data")
     for flag in ("nats", "nats-monitor", "redis", "registry", "detector", "orchestrator", "agent"):
         parser.add_argument(f"--{flag}-port", type=int, default=None, help="override the default port")
 
@@ -159,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     creds.set_defaults(func=cmd_creds)
 
     demo = sub.add_parser("demo", help="start the platform, run a job, inject a fault, show the recovery")
-    _add_stack_flags(demo, nodes=2, spares=0)
+    _add_stack_flags(demo, nodes=2, spares=0, state_dir=".state/demo")  # wiped at every demo start
     demo.set_defaults(func=cmd_demo)
     return parser
 
