@@ -50,9 +50,36 @@ def save_checkpoint(directory: StrPath, step: int, state: dict[str, Any], *, ran
         finally:
             partial.unlink(missing_ok=True)
         _fsync_directory(target.parent)
+        _commit_when_all_saved(target.parent)
     files = [str(target)]
     checkpoint_saved(str(target.parent), step, files)
     return files
+
+
+COMMIT_MARKER = "COMMITTED"
+
+
+def _commit_when_all_saved(directory: Path) -> None:
+    """Write the commit marker once every rank's file is durable: rank 0 after a barrier, or the only rank.
+
+    Without a process group, ranks of a larger world cannot know that the others finished, so none writes it and
+    the registry keeps the checkpoint uncommitted (never restorable) rather than guess.
+    """
+    if _process_group_up():
+        dist.barrier()
+        if dist.get_rank() == 0:
+            _write_marker(directory)
+        dist.barrier()  # nobody reports the checkpoint before the marker is on storage
+    elif resume().world_size <= 1:
+        _write_marker(directory)
+
+
+def _write_marker(directory: Path) -> None:
+    marker = directory / COMMIT_MARKER
+    with marker.open("wb") as sink:
+        sink.flush()
+        os.fsync(sink.fileno())
+    _fsync_directory(directory)
 
 
 def load_checkpoint(

@@ -43,6 +43,7 @@ def reports(monkeypatch: pytest.MonkeyPatch) -> Iterator[Reports]:
     monkeypatch.setenv("REPRISE_SDK_SOCKET", str(receiver.path))
     monkeypatch.setenv("REPRISE_JOB_ID", "job-t")
     monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("WORLD_SIZE", "4")  # a lone rank of a larger world, without a process group
     yield receiver
     receiver.sock.close()
     shutil.rmtree(directory, ignore_errors=True)
@@ -71,6 +72,51 @@ def test_per_rank_checkpoint_round_trip_is_reported(helpers: ModuleType, reports
     assert (enter["k"], enter["phase"], leave["k"], leave["phase"]) == ("phase", "checkpointing", "phase", "")
     assert (saved["k"], saved["rank"], saved["step"]) == ("ckpt", 2, 40)
     assert saved["path"] == str(target.parent) and saved["files"] == files
+
+
+PER_RANK = """
+import json, sys, torch, torch.distributed as dist
+from reprise_sdk.torch import save_checkpoint
+dist.init_process_group("gloo")
+files = save_checkpoint(sys.argv[1], 7, {"w": torch.full((2,), float(dist.get_rank()))})
+print(json.dumps(files))
+sys.stdout.flush()
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_per_rank_checkpoint_is_committed_once_every_rank_saved(tmp_path: Path) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in REPORTING_ENV}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", PER_RANK, str(tmp_path / "step-7")],
+            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    for proc in procs:
+        _out, err = proc.communicate(timeout=90)
+        assert proc.returncode == 0, err
+    assert sorted(p.name for p in (tmp_path / "step-7").iterdir()) == ["COMMITTED", "rank-00000.pt", "rank-00001.pt"]
+
+
+def test_a_lone_rank_of_a_larger_world_does_not_commit(helpers: ModuleType, tmp_path: Path) -> None:
+    helpers.save_checkpoint(tmp_path / "s", 1, {"w": torch.ones(1)}, rank=0)
+    assert [p.name for p in (tmp_path / "s").iterdir()] == ["rank-00000.pt"]
+
+
+def test_a_one_rank_job_commits_at_once(helpers: ModuleType, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    helpers.save_checkpoint(tmp_path / "s", 1, {"w": torch.ones(1)}, rank=0)
+    assert sorted(p.name for p in (tmp_path / "s").iterdir()) == ["COMMITTED", "rank-00000.pt"]
 
 
 def test_a_save_that_fails_leaves_the_previous_file_intact(helpers: ModuleType, tmp_path: Path) -> None:
