@@ -282,8 +282,13 @@ def _switch_phase(name: str) -> str:
     return previous
 
 
-def checkpoint_saved(path: str, step: int, files: list[str] | None = None) -> None:
-    """Report that this rank finished writing its part of the checkpoint at `path` for `step`."""
+def checkpoint_saved(
+    path: str, step: int, files: list[str] | None = None, *, sha256: Mapping[str, tuple[int, str]] | None = None
+) -> None:
+    """Report that this rank finished writing its part of the checkpoint at `path` for `step`.
+
+    `sha256` maps each file to its (size in bytes, SHA-256 hex digest), computed where the bytes are.
+    """
     channel = _channel or _open()
     if channel.sock is None:
         return
@@ -291,6 +296,8 @@ def checkpoint_saved(path: str, step: int, files: list[str] | None = None) -> No
     try:
         body = {"step": int(step), "t_ns": _time_ns(), "path": os.fspath(path)}
         body["files"] = [os.fspath(f) for f in files or ()]
+        if sha256:
+            body["sha256"] = {os.fspath(f): [int(size), str(digest)] for f, (size, digest) in sha256.items()}
         message = channel.head + '"ckpt",' + json.dumps(body, separators=(",", ":"))[1:]
     except (TypeError, ValueError) as exc:
         channel.invalid(exc)

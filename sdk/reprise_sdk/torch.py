@@ -15,6 +15,7 @@ Every save runs in the "checkpointing" phase (a long save is not taken for a han
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import warnings
 from collections.abc import Iterator
@@ -52,8 +53,21 @@ def save_checkpoint(directory: StrPath, step: int, state: dict[str, Any], *, ran
         _fsync_directory(target.parent)
         _commit_when_all_saved(target.parent)
     files = [str(target)]
-    checkpoint_saved(str(target.parent), step, files)
+    checkpoint_saved(str(target.parent), step, files, sha256=sha256_files(files))
     return files
+
+
+def sha256_files(files: list[str]) -> dict[str, tuple[int, str]]:
+    """Size and SHA-256 of each file, read back right after writing (streaming, 1 MiB at a time)."""
+    digests = {}
+    for name in files:
+        digest, size = hashlib.sha256(), 0
+        with open(name, "rb") as source:
+            while chunk := source.read(1 << 20):
+                digest.update(chunk)
+                size += len(chunk)
+        digests[name] = (size, digest.hexdigest())
+    return digests
 
 
 COMMIT_MARKER = "COMMITTED"
@@ -105,7 +119,7 @@ def save_distributed(directory: StrPath, step: int, state: dict[str, Any]) -> li
     if rank == 0:
         names.add(".metadata")  # the coordinator writes the metadata, last
     files = [str(root / name) for name in sorted(names)]
-    checkpoint_saved(str(root), step, files)
+    checkpoint_saved(str(root), step, files, sha256=sha256_files(files))
     return files
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -72,6 +73,8 @@ def test_per_rank_checkpoint_round_trip_is_reported(helpers: ModuleType, reports
     assert (enter["k"], enter["phase"], leave["k"], leave["phase"]) == ("phase", "checkpointing", "phase", "")
     assert (saved["k"], saved["rank"], saved["step"]) == ("ckpt", 2, 40)
     assert saved["path"] == str(target.parent) and saved["files"] == files
+    content = target.read_bytes()
+    assert saved["sha256"] == {str(target): [len(content), hashlib.sha256(content).hexdigest()]}
 
 
 PER_RANK = """

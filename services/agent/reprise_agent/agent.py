@@ -14,7 +14,7 @@ from reprise_agent.gpu.base import GpuBackend, SignalKind
 from reprise_agent.gpu.factory import open_backend
 from reprise_agent.gpu.sim import SimulatedGpus
 from reprise_agent.outbox import Outbox
-from reprise_agent.progress import ProgressBook, SdkServer, default_socket_path
+from reprise_agent.progress import ProgressBook, SdkMessage, SdkServer, default_socket_path
 from reprise_agent.ranks import LaunchSpec, RankProcess, RankSupervisor
 from reprise_agent.settings import AgentSettings
 from reprise_common import subjects
@@ -29,6 +29,7 @@ from reprise_common.events import (
     CommandReply,
     CommandResult,
     DependencyFailed,
+    FileDigest,
     GpuLost,
     GpuXid,
     InjectFault,
@@ -130,17 +131,27 @@ class Agent:
         """A rank as the report shows it: the process as supervised, its progress as its SDK reported it."""
         return rank.status().model_copy(update=self.progress.status_fields(rank.job_id, rank.rank))
 
-    def _on_checkpoint_saved(self, job_id: str, rank: int, step: int, path: str, files: list[str]) -> None:
+    def _on_checkpoint_saved(self, message: SdkMessage) -> None:
+        spec = self.supervisor.launches.get(message.job_id)
+        try:
+            digests = [
+                FileDigest(path=name, size_bytes=size, digest=digest, algorithm="sha256")
+                for name, size, digest in message.sha256
+            ]
+        except ValidationError as exc:  # a bad digest from a script: report the files, let the registry hash them
+            log.warning("ignoring invalid checkpoint digests", extra={"job_id": message.job_id, "error": str(exc)})
+            digests = []
         event = CheckpointSaved(
             source=self.node_id,
             node_id=self.node_id,
-            job_id=job_id,
-            rank=rank,
-            step=step,
-            path=path,
-            files=files,
-            restart_epoch=self.progress.restart_epoch(job_id, rank) or 0,
-            world_size=spec.world_size if (spec := self.supervisor.launches.get(job_id)) else None,
+            job_id=message.job_id,
+            rank=message.rank,
+            step=message.step or 0,
+            path=message.path,
+            files=list(message.files),
+            restart_epoch=self.progress.restart_epoch(message.job_id, message.rank) or 0,
+            world_size=spec.world_size if spec else None,
+            file_digests=digests,
         )
         self.outbox.put(subjects.node_event(self.node_id, "checkpoint.saved"), event)
 

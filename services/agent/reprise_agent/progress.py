@@ -73,6 +73,7 @@ class SdkMessage:
     metrics: dict[str, float] = field(default_factory=dict)
     path: str = ""
     files: tuple[str, ...] = ()
+    sha256: tuple[tuple[str, int, str], ...] = ()  # (file, size, SHA-256 hex) computed by the writer
 
 
 def parse_message(data: bytes) -> SdkMessage:
@@ -103,7 +104,19 @@ def parse_message(data: bytes) -> SdkMessage:
         raise MalformedSdkMessage("path is empty")
     if type(files) is not list or not all(type(f) is str for f in files):
         raise MalformedSdkMessage("files is not a list of strings")
-    return SdkMessage(kind, job_id, rank, epoch, sent_ns, step, path=path, files=tuple(files))
+    return SdkMessage(kind, job_id, rank, epoch, sent_ns, step, path=path, files=tuple(files), sha256=_sha256(raw))
+
+
+def _sha256(raw: dict[str, Any]) -> tuple[tuple[str, int, str], ...]:
+    digests = raw.get("sha256", {})
+    if type(digests) is not dict:
+        raise MalformedSdkMessage("sha256 is not an object")
+    found = []
+    for name, entry in digests.items():
+        if type(entry) is not list or len(entry) != 2 or type(entry[0]) is not int or type(entry[1]) is not str:
+            raise MalformedSdkMessage(f"sha256 entry for {name!r} is not [size, hex digest]")
+        found.append((name, entry[0], entry[1]))
+    return tuple(found)
 
 
 def _count(raw: dict[str, Any], name: str) -> int:
@@ -158,7 +171,7 @@ class RankProgress:
         return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
-CheckpointCallback = Callable[[str, int, int, str, list[str]], None]
+CheckpointCallback = Callable[[SdkMessage], None]
 STATUS_FIELDS = (
     "step",
     "heartbeat_age_s",
@@ -189,7 +202,7 @@ class ProgressBook:
         self._training_callbacks.append(callback)
 
     def on_checkpoint_saved(self, callback: CheckpointCallback) -> None:
-        """Call `callback(job_id, rank, step, path, files)` for every checkpoint a rank reports."""
+        """Call `callback(message)` for every checkpoint a rank reports."""
         self._checkpoint_callbacks.append(callback)
 
     def begin(self, job_id: str, rank: int, *, restart_epoch: int | None = None) -> None:
@@ -283,7 +296,7 @@ class ProgressBook:
         assert message.step is not None
         for callback in self._checkpoint_callbacks:
             try:
-                callback(message.job_id, message.rank, message.step, message.path, list(message.files))
+                callback(message)
             except Exception:  # one failing consumer must not stop the datagram reader or the others
                 log.exception("checkpoint callback failed", extra={"job_id": message.job_id, "rank": message.rank})
 

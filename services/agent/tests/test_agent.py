@@ -244,7 +244,8 @@ TRAINER = [
     "    reprise_sdk.heartbeat(step, loss=1.0 / step)\n"
     "    if step == 30:\n"
     "        with reprise_sdk.phase('checkpointing'):\n"
-    "            reprise_sdk.checkpoint_saved('/ckpt/30', 30, ['/ckpt/30/r.pt'])\n",
+    "            digests = {'/ckpt/30/r.pt': (4, 'ab' * 32)}\n"
+    "            reprise_sdk.checkpoint_saved('/ckpt/30', 30, ['/ckpt/30/r.pt'], sha256=digests)\n",
 ]
 
 
@@ -270,6 +271,11 @@ async def test_sdk_progress_reaches_the_report_and_checkpoints_become_events(har
     assert await wait_for(lambda: len(harness.of_type(CheckpointSaved)) == 2)
     saved = sorted(
         (e for e in harness.of_type(CheckpointSaved) if isinstance(e, CheckpointSaved)), key=lambda e: e.rank
+    )
+    assert all(
+        [(d.path, d.size_bytes, d.digest, d.algorithm) for d in e.file_digests]
+        == [("/ckpt/30/r.pt", 4, "ab" * 32, "sha256")]
+        for e in saved
     )
     assert [(e.rank, e.step, e.path, e.restart_epoch, e.files, e.world_size) for e in saved] == [
         (0, 30, "/ckpt/30", 3, ["/ckpt/30/r.pt"], 2),

@@ -217,7 +217,7 @@ def test_checkpoint_callbacks_fire_and_one_failing_does_not_stop_the_others() ->
         raise RuntimeError("consumer bug")
 
     book.on_checkpoint_saved(broken)
-    book.on_checkpoint_saved(lambda *args: seen.append(args))
+    book.on_checkpoint_saved(lambda m: seen.append((m.job_id, m.rank, m.step, m.path, list(m.files))))
     book.record(SdkMessage(MessageKind.CHECKPOINT, "job-1", 1, 0, 0, 300, path="/ck/300", files=("/ck/300/r1",)))
     assert seen == [("job-1", 1, 300, "/ck/300", ["/ck/300/r1"])]
 
@@ -345,7 +345,7 @@ async def test_a_checkpoint_report_reaches_the_callback(
     server: SdkServer, training: Callable[..., subprocess.Popen[bytes]]
 ) -> None:
     seen: list[tuple[str, int, int, str, list[str]]] = []
-    server.book.on_checkpoint_saved(lambda *args: seen.append(args))
+    server.book.on_checkpoint_saved(lambda m: seen.append((m.job_id, m.rank, m.step, m.path, list(m.files))))
     training(1, CHECKPOINT_AT="20")
     assert await wait_for(lambda: bool(seen))
     assert seen == [("job-1", 1, 20, "/ckpt/20", ["/ckpt/20/rank-1.pt"])]
@@ -410,3 +410,11 @@ def test_the_default_socket_path_is_absolute_and_short_enough(short_dir: Path) -
     assert path.is_absolute() and len(os.fsencode(path)) <= 107
     assert path == default_socket_path(deep) != default_socket_path(deep / "other")
     assert default_socket_path(Path("rel")).is_absolute()
+
+
+def test_checkpoint_digests_are_parsed_and_bad_ones_refused() -> None:
+    good = b'{"v":1,"job":"j","rank":0,"epoch":0,"k":"ckpt","step":3,"t_ns":1,"path":"/c","files":["/c/a"],'
+    message = parse_message(good + b'"sha256":{"/c/a":[10,"' + b"0f" * 32 + b'"]}}')
+    assert message.sha256 == (("/c/a", 10, "0f" * 32),)
+    with pytest.raises(MalformedSdkMessage, match="not \\[size, hex digest\\]"):
+        parse_message(good + b'"sha256":{"/c/a":"deadbeef"}}')
