@@ -41,6 +41,24 @@ class RegistryClient:
         body = response.json()
         return RestorePoint(checkpoint_id=int(body["id"]), step=int(body["step"]), path=str(body["path"]))
 
+    async def pin(self, checkpoint_id: int, *, holder: str, ttl_s: float) -> bool:
+        """Keep retention away from a checkpoint while a recovery uses it; False when the registry refused."""
+        try:
+            response = await self._client.post(
+                f"/v1/checkpoints/{checkpoint_id}/pins", json={"holder": holder, "ttl_s": ttl_s}
+            )
+        except httpx.HTTPError:
+            return False
+        return response.status_code in (200, 201)
+
+    async def unpin(self, checkpoint_id: int, *, holder: str) -> bool:
+        """Release a recovery's pin (idempotent)."""
+        try:
+            response = await self._client.delete(f"/v1/checkpoints/{checkpoint_id}/pins/{holder}")
+        except httpx.HTTPError:
+            return False
+        return response.status_code in (200, 204, 404)
+
     async def ready(self) -> bool:
         """True when the registry answers its readiness probe."""
         try:

@@ -43,6 +43,7 @@ from reprise_orchestrator.registry_client import RegistryUnavailableError, Resto
 
 log = get_logger("reprise.orchestrator.recovery")
 RecoveryChangeKind = Literal["started", "step", "succeeded", "failed"]
+PIN_TTL_S = 3600.0  # a pin outlives any sane recovery, and expires if its owner dies holding it
 
 
 class LockLostError(RepriseError):
@@ -211,7 +212,11 @@ class RecoveryFlow:
                 await asyncio.sleep(0.5 * (attempt + 1))
         if run.restore is None:
             return {"checkpoint": None, "note": "no validated checkpoint: the job restarts from its beginning"}
-        return {"checkpoint": {"id": run.restore.checkpoint_id, "step": run.restore.step, "path": run.restore.path}}
+        pinned = await self.deps.registry.pin(run.restore.checkpoint_id, holder=run.recovery_id, ttl_s=PIN_TTL_S)
+        if not pinned:
+            log.warning("could not pin the restore checkpoint", extra={"checkpoint_id": run.restore.checkpoint_id})
+        checkpoint = {"id": run.restore.checkpoint_id, "step": run.restore.step, "path": run.restore.path}
+        return {"checkpoint": checkpoint, "pinned": pinned}
 
     async def _launching(self, run: _Run) -> dict[str, Any]:
         epoch = run.job.restart_epoch + 1
@@ -256,6 +261,8 @@ class RecoveryFlow:
         with Session(self.deps.engine) as session:
             jobs.update_fenced(session, job_id=run.job.id, fence=run.handle.fence, state=job_state)
         await self._publish(run, "succeeded" if step is RecoveryStep.RUNNING else "failed", step, detail)
+        if run.restore is not None:
+            await self.deps.registry.unpin(run.restore.checkpoint_id, holder=run.recovery_id)
         log.info("recovery finished", extra={"recovery_id": run.recovery_id, "step": step.value, "detail": detail})
 
     async def _publish(self, run: _Run, change: RecoveryChangeKind, step: RecoveryStep, detail: str = "") -> None:
