@@ -177,3 +177,41 @@ def _descendants(root: int) -> list[int]:
         found += children
         frontier += children
     return found
+
+
+SAVER = """
+import os, sys, time, torch, torch.distributed as dist
+from reprise_sdk import heartbeat
+from reprise_sdk.torch import save_checkpoint
+dist.init_process_group("gloo")
+for step in range(1, 6):
+    heartbeat(step)
+save_checkpoint(os.path.join(sys.argv[1], "step-5"), 5, {"w": torch.full((4,), float(dist.get_rank()))})
+heartbeat(6)
+time.sleep(600)
+"""
+
+
+def test_checkpoint_from_a_real_job_becomes_the_validated_restore_point(stack: Stack, tmp_path: Path) -> None:
+    client = PlatformClient(
+        orchestrator=stack.url("orchestrator"),
+        detector=stack.url("detector"),
+        registry=stack.url("checkpoint-registry"),
+        nats_url=stack.config.nats_url,
+        nkey_seed_file=stack.platform_seed,
+    )
+    try:
+        poll(client.nodes, lambda n: len(n) == 3, timeout_s=15)
+        command = [sys.executable, "-c", SAVER, str(tmp_path / "ckpt")]
+        job = client.submit_job(name="saver", node_count=2, ranks_per_node=1, command=command)
+        assert job["state"] == "running"
+        latest = poll(lambda: client.latest_checkpoint(job["id"]), lambda r: r.status_code == 200, timeout_s=90)
+        assert latest.status_code == 200, latest.text
+        body = latest.json()
+        assert body["step"] == 5 and body["path"] == str(tmp_path / "ckpt" / "step-5")
+        files = httpx.get(f"{stack.url('checkpoint-registry')}/v1/checkpoints/{body['id']}/files").json()
+        entries = files["data"]
+        assert sorted(Path(f["path"]).name for f in entries) == ["rank-00000.pt", "rank-00001.pt"]
+        assert {f["algorithm"] for f in entries} == {"sha256"}  # the writer's digests, verified by the registry
+    finally:
+        client.close()

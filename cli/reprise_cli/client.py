@@ -36,14 +36,20 @@ class PlatformClient:
         self.http.close()
 
     def submit_job(
-        self, *, name: str, node_count: int, ranks_per_node: int, env: dict[str, str] | None = None
+        self,
+        *,
+        name: str,
+        node_count: int,
+        ranks_per_node: int,
+        env: dict[str, str] | None = None,
+        command: list[str] | None = None,
     ) -> dict[str, Any]:
-        """Submit the ticker workload; raises on a non-201 answer."""
+        """Submit a job (the ticker workload unless a command is given); raises on a non-201 answer."""
         body = {
             "name": name,
             "node_count": node_count,
             "ranks_per_node": ranks_per_node,
-            "command": [sys.executable, "-m", "reprise_cli.workloads.ticker"],
+            "command": command or [sys.executable, "-m", "reprise_cli.workloads.ticker"],
             "env": env or {},
         }
         response = self.http.post(f"{self.orchestrator}/v1/jobs", json=body)
