@@ -6,8 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
-from enum import StrEnum
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -17,46 +15,34 @@ import nats.js.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, DiscardPolicy, RetentionPolicy, StreamConfig
+from nats.js.api import DeliverPolicy, DiscardPolicy, RetentionPolicy, StreamConfig
 
-from reprise_common.errors import BusError, MalformedEventError
-from reprise_common.events import DeadLetter, Event, Wire, parse_event
+from reprise_common.consumer import (  # Delivery, Handler and Outcome are part of this module's interface
+    BatchHandler,
+    Consumer,
+    Delivery,
+    Handler,
+    Outcome,
+    one_at_a_time,
+)
+from reprise_common.errors import BusError
+from reprise_common.events import DeadLetter, Event, Wire
 from reprise_common.logging import get_logger
 from reprise_common.metrics import (
     BUS_CONNECTED,
     BUS_RECONNECTS,
     DEAD_LETTERS,
-    EVENTS_CONSUMED,
     EVENTS_PUBLISHED,
     subject_kind,
 )
 from reprise_common.settings import ServiceSettings
 from reprise_common.subjects import STREAMS, StreamSpec, dead_letter
 
+__all__ = ["Bus", "Consumer", "Delivery", "Handler", "Outcome", "stream_config"]
 log = get_logger("reprise.bus")
 W = TypeVar("W", bound=Wire)
 _MAX_DEAD_PAYLOAD = 64 * 1024
 _STREAM_EXISTS_DIFFERENTLY = 10058
-
-
-class Outcome(StrEnum):
-    """What a consumer's handler decided for one message."""
-
-    ACK = "ack"
-    RETRY = "retry"  # nak with a delay; redelivered up to max_deliver times, then dead-lettered
-    REJECT = "reject"  # dead-letter now; retrying cannot help (raise MalformedEventError to give the reason)
-
-
-@dataclass(frozen=True)
-class Delivery:
-    """Where a consumed event came from and how often it has been delivered."""
-
-    subject: str
-    num_delivered: int
-    stream_seq: int
-
-
-Handler = Callable[[Event, Delivery], Awaitable[Outcome]]
 
 
 def stream_config(spec: StreamSpec) -> StreamConfig:
@@ -255,7 +241,34 @@ class Bus:
         retry_delay_s: float = 0.5,
         deliver_policy: DeliverPolicy = DeliverPolicy.ALL,
     ) -> Consumer:
-        """A durable pull consumer; call ``start()`` on it to run it in the background."""
+        """A durable pull consumer of single events; call ``start()`` on it to run it in the background."""
+        return self.batch_consumer(
+            stream=stream,
+            durable=durable,
+            filter_subject=filter_subject,
+            handler=one_at_a_time(handler),
+            batch=batch,
+            max_deliver=max_deliver,
+            ack_wait_s=ack_wait_s,
+            retry_delay_s=retry_delay_s,
+            deliver_policy=deliver_policy,
+        )
+
+    def batch_consumer(
+        self,
+        *,
+        stream: str,
+        durable: str,
+        filter_subject: str,
+        handler: BatchHandler,
+        batch: int = 64,
+        parse: bool = True,
+        max_deliver: int = 5,
+        ack_wait_s: float = 30.0,
+        retry_delay_s: float = 0.5,
+        deliver_policy: DeliverPolicy = DeliverPolicy.ALL,
+    ) -> Consumer:
+        """A durable pull consumer whose handler decides whole batches; ``start()`` or ``await open()`` runs it."""
         consumer = Consumer(
             bus=self,
             stream=stream,
@@ -263,6 +276,7 @@ class Bus:
             filter_subject=filter_subject,
             handler=handler,
             batch=batch,
+            parse=parse,
             max_deliver=max_deliver,
             ack_wait_s=ack_wait_s,
             retry_delay_s=retry_delay_s,
@@ -290,157 +304,3 @@ class Bus:
         except BusError as exc:
             # The count above still records it; the message itself stays in its source stream until max age.
             log.error("could not store a dead letter", extra={"error": str(exc), "subject": subject})
-
-
-class Consumer:
-    """A durable JetStream pull consumer that never crashes on a bad message and survives server restarts."""
-
-    def __init__(
-        self,
-        *,
-        bus: Bus,
-        stream: str,
-        durable: str,
-        filter_subject: str,
-        handler: Handler,
-        batch: int,
-        max_deliver: int,
-        ack_wait_s: float,
-        retry_delay_s: float,
-        deliver_policy: DeliverPolicy,
-    ) -> None:
-        self.bus = bus
-        self.stream = stream
-        self.durable = durable
-        self.filter_subject = filter_subject
-        self.handler = handler
-        self.batch = batch
-        self.max_deliver = max_deliver
-        self.ack_wait_s = ack_wait_s
-        self.retry_delay_s = retry_delay_s
-        self.deliver_policy = deliver_policy
-        self._stopping = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-
-    def start(self) -> asyncio.Task[None]:
-        """Run the fetch loop in a background task."""
-        self._task = asyncio.create_task(self._run(), name=f"consumer:{self.durable}")
-        return self._task
-
-    async def stop(self) -> None:
-        """Stop fetching; the message being handled is finished and acknowledged first."""
-        self._stopping.set()
-        if self._task is not None:
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-
-    async def _subscribe(self) -> JetStreamContext.PullSubscription:
-        config = ConsumerConfig(
-            durable_name=self.durable,
-            ack_policy=AckPolicy.EXPLICIT,
-            ack_wait=self.ack_wait_s,
-            max_deliver=self.max_deliver + 1,  # one more than we retry, so we can dead-letter the last one
-            deliver_policy=self.deliver_policy,
-            filter_subject=self.filter_subject,
-        )
-        return await self.bus.js.pull_subscribe(
-            self.filter_subject, durable=self.durable, stream=self.stream, config=config
-        )
-
-    async def _run(self) -> None:
-        sub: JetStreamContext.PullSubscription | None = None
-        generation = -1
-        while not self._stopping.is_set():
-            try:
-                if sub is None or generation != self.bus.generation:
-                    if sub is not None:
-                        with contextlib.suppress(nats.errors.Error, TimeoutError):
-                            await sub.unsubscribe()
-                    generation = self.bus.generation
-                    sub = await self._subscribe()
-                msgs = await self._fetch_unless_stopped(sub)
-            except TimeoutError:
-                continue
-            except (nats.errors.Error, BusError) as exc:
-                log.debug(
-                    "consumer fetch failed; will resubscribe",
-                    extra={"consumer": self.durable, "error": repr(exc)},
-                )
-                sub = None
-                await asyncio.sleep(0.5)
-                continue
-            for msg in msgs:
-                await self._dispatch(msg)
-        if sub is not None:
-            with contextlib.suppress(nats.errors.Error, TimeoutError):
-                await sub.unsubscribe()
-
-    async def _fetch_unless_stopped(self, sub: JetStreamContext.PullSubscription) -> list[Msg]:
-        """Fetch a batch, giving up at once when stop() is called (unprocessed messages are redelivered)."""
-        fetch = asyncio.ensure_future(self._fetch_batch(sub))
-        stopped = asyncio.ensure_future(self._stopping.wait())
-        await asyncio.wait({fetch, stopped}, return_when=asyncio.FIRST_COMPLETED)
-        if not fetch.done():
-            fetch.cancel()
-            with contextlib.suppress(asyncio.CancelledError, TimeoutError, nats.errors.Error):
-                await fetch
-            return []
-        stopped.cancel()
-        return fetch.result()
-
-    async def _fetch_batch(self, sub: JetStreamContext.PullSubscription) -> list[Msg]:
-        """Long-poll for one message, then take what else is already waiting without a wait.
-
-        A long-polling fetch of a whole batch that returns with fewer messages leaves its pull request open on the
-        server, and nats-py can lose what that request later receives until the ack wait redelivers it (30 s).
-        """
-        msgs = await sub.fetch(1, timeout=1.0, heartbeat=0.25)
-        if self.batch > 1 and msgs and msgs[-1].metadata.num_pending:
-            with contextlib.suppress(TimeoutError):
-                msgs += await sub.fetch(min(self.batch - 1, msgs[-1].metadata.num_pending), timeout=0.05)
-        return msgs
-
-    async def _dispatch(self, msg: Msg) -> None:
-        meta = msg.metadata
-        delivery = Delivery(subject=msg.subject, num_delivered=meta.num_delivered, stream_seq=meta.sequence.stream)
-        key = f"{self.stream}:{delivery.stream_seq}"
-        try:
-            event = parse_event(msg.data)
-        except MalformedEventError as exc:
-            await self._reject(msg, delivery, key, f"malformed: {exc.reason}")
-            return
-        try:
-            outcome = await self.handler(event, delivery)
-        except MalformedEventError as exc:  # the handler found the event unusable and says why
-            EVENTS_CONSUMED.labels(self.bus.service, self.durable, Outcome.REJECT.value).inc()
-            await self._reject(msg, delivery, key, f"unusable: {exc.reason}")
-            return
-        except Exception as exc:  # a handler bug must not kill the consumer; the message is retried
-            log.exception("handler failed", extra={"consumer": self.durable, "subject": msg.subject})
-            outcome = Outcome.RETRY
-            reason = f"handler error: {exc!r}"
-        else:
-            reason = "handler rejected"
-        EVENTS_CONSUMED.labels(self.bus.service, self.durable, outcome.value).inc()
-        try:
-            if outcome is Outcome.ACK:
-                await msg.ack()
-            elif outcome is Outcome.RETRY and delivery.num_delivered < self.max_deliver:
-                await msg.nak(delay=self.retry_delay_s * delivery.num_delivered)
-            else:
-                if outcome is Outcome.RETRY:
-                    reason = f"gave up after {delivery.num_delivered} deliveries: {reason}"
-                await self._reject(msg, delivery, key, reason)
-        except nats.errors.Error as exc:
-            log.warning("could not settle a message; it will be redelivered", extra={"error": repr(exc)})
-
-    async def _reject(self, msg: Msg, delivery: Delivery, key: str, reason: str) -> None:
-        await self.bus.dead_letter(
-            consumer=self.durable,
-            subject=delivery.subject,
-            data=msg.data,
-            reason=reason,
-            key=key,
-            delivered=delivery.num_delivered,
-        )
-        await msg.term()

@@ -18,6 +18,7 @@ from sqlmodel import Session
 
 from reprise_common.bus import Bus, Delivery, Outcome
 from reprise_common.clock import Clock
+from reprise_common.consumer import ACK, Item, Verdict
 from reprise_common.db import session_scope
 from reprise_common.errors import BusError, MalformedEventError
 from reprise_common.events import Event
@@ -28,7 +29,6 @@ from reprise_detector.derived import DerivedSymptom
 from reprise_detector.incidents import service
 from reprise_detector.incidents.flows import PendingChange, pending_change, publish_changes
 from reprise_detector.incidents.models import Incident, IncidentChangeKind, Symptom
-from reprise_detector.ingest import ACK, Item, Verdict
 from reprise_detector.nodes import reputation
 from reprise_detector.observe import IngestError, Observation, derived, observe
 from reprise_detector.partition import Partition

@@ -17,10 +17,10 @@ from sqlmodel import Session
 from reprise_common import subjects
 from reprise_common.bus import Bus
 from reprise_common.clock import Clock
+from reprise_common.consumer import Consumer
 from reprise_common.db import session_scope
 from reprise_common.logging import get_logger
 from reprise_common.service import Background
-from reprise_detector.ingest import BatchConsumer
 from reprise_detector.partition import Partition
 from reprise_detector.pipeline import Detector
 from reprise_detector.placements import PlacementMap
@@ -50,7 +50,7 @@ class Runtime:
     background: Background
     partition: Partition
     watcher: Watcher
-    consumers: list[BatchConsumer] = field(default_factory=list)
+    consumers: list[Consumer] = field(default_factory=list)
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
@@ -78,16 +78,14 @@ class Runtime:
         ):
             log.warning("placements not fully loaded before consuming events", extra={"seq": self.placements.last_seq})
         self.consumers = [
-            BatchConsumer(
-                bus=self.bus,
+            self.bus.batch_consumer(
                 stream=AGENT_STREAM,
                 durable=self.durable(EVENTS_DURABLE),
                 filter_subject=subjects.AGENT_EVENTS,
                 handler=self.detector.handle_batch,
                 batch=self.settings.event_batch,
             ),
-            BatchConsumer(
-                bus=self.bus,
+            self.bus.batch_consumer(
                 stream=AGENT_STREAM,
                 durable=self.durable(REPORTS_DURABLE),
                 filter_subject=subjects.AGENT_REPORTS,
@@ -98,7 +96,7 @@ class Runtime:
             ),
         ]
         for consumer in self.consumers:
-            await consumer.start()
+            await consumer.open()
         self.tasks.append(
             asyncio.create_task(self.watcher.run(self.settings.watch_interval_s, self.stopping), name="watch")
         )

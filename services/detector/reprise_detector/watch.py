@@ -18,10 +18,10 @@ from sqlmodel import Session, select
 from reprise_common import subjects
 from reprise_common.bus import Outcome
 from reprise_common.clock import Clock
+from reprise_common.consumer import ACK, Item, Verdict
 from reprise_common.events import NodeReport
 from reprise_common.logging import get_logger
 from reprise_detector.derived import DerivedSymptom
-from reprise_detector.ingest import ACK, Item, Verdict
 from reprise_detector.nodes.liveness import Liveness
 from reprise_detector.nodes.models import HangPolicy
 from reprise_detector.partition import Partition

@@ -1,9 +1,8 @@
-"""Ingest stage: a durable JetStream pull consumer that hands the detector whole batches.
+"""Durable JetStream pull consumers: explicit ack after the handler's work, nak with delay on a transient failure,
+dead letter (and term) for what can never be used, and a rebuilt subscription after every reconnect.
 
-The shared `Bus.consumer` settles one message at a time, which caps a detector at a few thousand messages a second
-and makes a storm of 16,384 symptoms cost 16,384 transactions. This consumer keeps the same contract (explicit ack
-after the handler's commit, nak with delay on a transient failure, dead-letter and term for what can never be used,
-resubscribe after a reconnect) but lets the handler decide a batch at once.
+A handler decides a whole batch at once (one transaction for many messages); `one_at_a_time` adapts a handler of
+single events.
 """
 
 from __future__ import annotations
@@ -12,18 +11,43 @@ import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from enum import StrEnum
+from typing import TYPE_CHECKING
 
 import nats.errors
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from reprise_common.bus import Bus, Delivery, Outcome
 from reprise_common.errors import BusError, MalformedEventError
 from reprise_common.events import Event, parse_event
 from reprise_common.logging import get_logger
+from reprise_common.metrics import EVENTS_CONSUMED
 
-log = get_logger("reprise.detector.ingest")
+if TYPE_CHECKING:
+    from reprise_common.bus import Bus
+
+log = get_logger("reprise.consumer")
+
+
+class Outcome(StrEnum):
+    """What a handler decided for one message."""
+
+    ACK = "ack"
+    RETRY = "retry"  # nak with a delay; redelivered up to max_deliver times, then dead-lettered
+    REJECT = "reject"  # dead-letter now; retrying cannot help (raise MalformedEventError to give the reason)
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """Where a consumed event came from and how often it has been delivered."""
+
+    subject: str
+    num_delivered: int
+    stream_seq: int
+
+
+Handler = Callable[[Event, Delivery], Awaitable[Outcome]]
 
 
 @dataclass(frozen=True)
@@ -47,8 +71,9 @@ ACK = Verdict(Outcome.ACK)
 BatchHandler = Callable[[list[Item]], Awaitable[list[Verdict]]]
 
 
-class BatchConsumer:
-    """Fetch up to `batch` messages, hand them over together, settle each as the handler says."""
+class Consumer:
+    """A durable JetStream pull consumer: fetch up to `batch` messages, hand them to the handler together, settle each
+    as it says. It never crashes on a bad message and rebuilds its subscription after a reconnect."""
 
     def __init__(
         self,
@@ -79,10 +104,15 @@ class BatchConsumer:
         self._stopping = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
-    async def start(self) -> asyncio.Task[None]:
-        """Create the durable consumer (so nothing published from now on is missed), then fetch in the background."""
+    def start(self) -> asyncio.Task[None]:
+        """Fetch in the background (the durable consumer is created by the task)."""
+        self._task = asyncio.create_task(self._run(None), name=f"consumer:{self.durable}")
+        return self._task
+
+    async def open(self) -> asyncio.Task[None]:
+        """Create the durable consumer now (nothing published from here on is missed), then fetch in the background."""
         sub = await self._subscribe()
-        self._task = asyncio.create_task(self._run(sub), name=f"batch-consumer:{self.durable}")
+        self._task = asyncio.create_task(self._run(sub), name=f"consumer:{self.durable}")
         return self._task
 
     async def stop(self) -> None:
@@ -106,8 +136,8 @@ class BatchConsumer:
             self.filter_subject, durable=self.durable, stream=self.stream, config=config
         )
 
-    async def _run(self, first: JetStreamContext.PullSubscription) -> None:
-        sub: JetStreamContext.PullSubscription | None = first
+    async def _run(self, first: JetStreamContext.PullSubscription | None) -> None:
+        sub = first
         generation = self.bus.generation
         while not self._stopping.is_set():
             try:
@@ -150,7 +180,7 @@ class BatchConsumer:
         msgs = await sub.fetch(1, timeout=1.0, heartbeat=0.25)
         if self.batch > 1 and msgs and msgs[-1].metadata.num_pending:  # more is waiting: take it without a wait
             with contextlib.suppress(TimeoutError):
-                msgs += await sub.fetch(self.batch - 1, timeout=0.05)
+                msgs += await sub.fetch(min(self.batch - 1, msgs[-1].metadata.num_pending), timeout=0.05)
         return msgs
 
     async def _dispatch(self, msgs: list[Msg]) -> None:
@@ -179,6 +209,7 @@ class BatchConsumer:
             await self._settle(msg, item.delivery, verdict)
 
     async def _settle(self, msg: Msg, delivery: Delivery, verdict: Verdict) -> None:
+        EVENTS_CONSUMED.labels(self.bus.service, self.durable, verdict.outcome.value).inc()
         try:
             if verdict.outcome is Outcome.ACK:
                 await msg.ack()
@@ -202,3 +233,22 @@ class BatchConsumer:
             delivered=delivery.num_delivered,
         )
         await msg.term()
+
+
+def one_at_a_time(handler: Handler) -> BatchHandler:
+    """A batch handler that hands each event to `handler` in order; its errors are settled per message."""
+
+    async def handle(items: list[Item]) -> list[Verdict]:
+        verdicts = []
+        for item in items:
+            assert item.event is not None  # per-event handlers always get parsed events
+            try:
+                verdicts.append(Verdict(await handler(item.event, item.delivery)))
+            except MalformedEventError as exc:  # the handler found the event unusable and says why
+                verdicts.append(Verdict(Outcome.REJECT, f"unusable: {exc.reason}"))
+            except Exception as exc:  # a handler bug must not kill the consumer; the message is retried
+                log.exception("handler failed", extra={"subject": item.delivery.subject})
+                verdicts.append(Verdict(Outcome.RETRY, f"handler error: {exc!r}"))
+        return verdicts
+
+    return handle
