@@ -142,6 +142,9 @@ class Consumer:
         while not self._stopping.is_set():
             try:
                 if sub is None or generation != self.bus.generation:
+                    if sub is not None:  # a stale subscription would hold up the connection's drain at shutdown
+                        with contextlib.suppress(nats.errors.Error, TimeoutError):
+                            await sub.unsubscribe()
                     generation = self.bus.generation
                     sub = await self._subscribe()
                 msgs = await self._fetch(sub)
