@@ -77,6 +77,31 @@ def test_per_rank_checkpoint_round_trip_is_reported(helpers: ModuleType, reports
     assert saved["sha256"] == {str(target): [len(content), hashlib.sha256(content).hexdigest()]}
 
 
+def run_gloo_ranks(script: str, *args: str, world_size: int = 2) -> list[str]:
+    """Run `script` as every rank of a gloo process group on this machine; each rank's stdout, in rank order."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in REPORTING_ENV}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world_size))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, *args],
+            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(world_size)
+    ]
+    outputs = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=90)
+        assert proc.returncode == 0, err
+        outputs.append(out)
+    return outputs
+
+
 PER_RANK = """
 import json, sys, torch, torch.distributed as dist
 from reprise_sdk.torch import save_checkpoint
@@ -90,24 +115,7 @@ dist.destroy_process_group()
 
 
 def test_per_rank_checkpoint_is_committed_once_every_rank_saved(tmp_path: Path) -> None:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if k not in REPORTING_ENV}
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", PER_RANK, str(tmp_path / "step-7")],
-            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    for proc in procs:
-        _out, err = proc.communicate(timeout=90)
-        assert proc.returncode == 0, err
+    run_gloo_ranks(PER_RANK, str(tmp_path / "step-7"))
     assert sorted(p.name for p in (tmp_path / "step-7").iterdir()) == ["COMMITTED", "rank-00000.pt", "rank-00001.pt"]
 
 
@@ -162,26 +170,7 @@ dist.destroy_process_group()
 
 
 def test_distributed_checkpoint_reports_each_ranks_own_files(tmp_path: Path) -> None:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if k not in REPORTING_ENV}
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", GLOO_RANK, str(tmp_path / "dcp")],
-            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    outputs = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=90)
-        assert proc.returncode == 0, err
-        outputs.append(json.loads(out.strip().splitlines()[-1]))
+    outputs = [json.loads(out.strip().splitlines()[-1]) for out in run_gloo_ranks(GLOO_RANK, str(tmp_path / "dcp"))]
     by_rank = {o["rank"]: o for o in outputs}
     assert [Path(f).name for f in by_rank[0]["files"]] == [".metadata", "__0_0.distcp"]
     assert [Path(f).name for f in by_rank[1]["files"]] == ["__1_0.distcp"]
