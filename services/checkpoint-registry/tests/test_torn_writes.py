@@ -32,8 +32,8 @@ def test_no_torn_or_flipped_checkpoint_is_ever_validated_or_latest(registry: str
     stats = campaign(registry, tmp_path / "ckpt", job="torn", runs=RUNS, parallel=8, seed=20261129)
     print(stats)
     assert stats.violations == []
-    assert stats.runs == RUNS and stats.killed >= RUNS // 2, stats  # most writers really died mid-way
+    assert stats.runs == RUNS and stats.killed >= RUNS // 2, stats  # most writers really died mid-way (~3 in 4 by plan)
     # The campaign must have produced each outcome, or it proved nothing; every flipped checkpoint must be corrupt
-    # (torn writes that reached a commit add to that count on most seeds, but the timing of kills decides it).
+    # (torn writes that reached a commit add to that count: a marker or early reports before the last chunk).
     assert stats.states.get("writing", 0) > 0 and stats.states.get("corrupt", 0) >= stats.flipped > 0, stats
     assert stats.states.get("validated", 0) > 0, stats

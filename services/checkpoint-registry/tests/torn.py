@@ -1,8 +1,10 @@
 """Torn writes: a checkpoint writer killed at random points, byte flips, and the check that none is ever restorable.
 
 Used by tests/test_torn_writes.py (200 kills) and bench/bench_registry.py (1,000 kills). Run as a script, this module
-is the writer: it talks to a running registry over HTTP with the standard library only (fast to start), writes
-per-rank files in small chunks, and dies wherever the SIGKILL lands.
+is the writer: it talks to a running registry over HTTP with the standard library only (fast to start) and writes
+per-rank files in small chunks. Between any two of its steps (a registry call, a chunk, the marker) it stops at a
+*kill point*: it says `point` on stdout and waits for `go` on stdin. The driver SIGKILLs it at the point the run's
+plan names, so where a writer dies is chosen by the seed, not by how fast the machine happens to be.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import blake3
 WORLD = 3
 FILE_BYTES = 96 * 1024
 CHUNK = 16 * 1024
-KILL_WINDOW_S = 0.6  # longer than most whole writes take after `begun` on a loaded 2-core machine
+POINTS = 1 + WORLD * (-(-FILE_BYTES // CHUNK) + 1) + 1  # begin, per rank its chunks and report, the marker
 MODES = ("in_order", "report_first", "marker_early")
 
 
@@ -45,29 +47,39 @@ def _call(base: str, method: str, path: str, body: dict[str, Any] | None = None)
         return result
 
 
+def kill_point() -> None:
+    """Tell the driver where the writer is and wait until it says go (or kills the writer here)."""
+    print("point", flush=True)
+    if sys.stdin.readline() != "go\n":
+        raise SystemExit("the driver went away")
+
+
 def write(base: str, job: str, step: int, root: Path, mode: str) -> None:
     """Begin, write each rank's file in chunks (reporting before or after), write the marker, commit."""
     root.mkdir(parents=True, exist_ok=True)
     begun = _call(
         base, "POST", "/v1/checkpoints", {"job_id": job, "step": step, "path": str(root), "world_size": WORLD}
     )
-    print("begun", flush=True)  # the driver starts its kill timer here
+    kill_point()
     for rank in range(WORLD):
         data = content(step, rank)
         digest = blake3.blake3(data).hexdigest()
         report = {"files": [{"path": f"rank-{rank:05d}.pt", "size_bytes": len(data), "digest": digest}]}
         if mode != "in_order":  # a writer that knows its digests up front (it hashed the state in memory)
             _call(base, "PUT", f"/v1/checkpoints/{begun['id']}/ranks/{rank}", report)
+            kill_point()
         if mode == "marker_early" and rank == WORLD - 1:
             (root / "COMMITTED").write_bytes(b"")  # a buggy writer: the marker before the last rank's data
         with (root / f"rank-{rank:05d}.pt").open("wb") as sink:  # in place, not atomic: tearing is the point
             for offset in range(0, len(data), CHUNK):
                 sink.write(data[offset : offset + CHUNK])
                 sink.flush()
-                time.sleep(0.002)
+                kill_point()
         if mode == "in_order":
             _call(base, "PUT", f"/v1/checkpoints/{begun['id']}/ranks/{rank}", report)
+            kill_point()
     (root / "COMMITTED").write_bytes(b"")
+    kill_point()
     _call(base, "POST", f"/v1/checkpoints/{begun['id']}/commit")
 
 
@@ -83,22 +95,28 @@ class TornStats:
 
 
 def run_writers(base: str, root: Path, *, job: str, runs: int, parallel: int, seed: int) -> TornStats:
-    """Start `runs` writers (`parallel` at a time), each SIGKILLed at a random time after it began its checkpoint."""
+    """Start `runs` writers (`parallel` at a time); each is SIGKILLed at a random kill point or, for about one run in
+    four (a plan past the last point), allowed to finish."""
     rng = random.Random(seed)
-    plan = [(step, MODES[step % len(MODES)], rng.uniform(0.0, KILL_WINDOW_S)) for step in range(runs)]
+    plan = [(step, MODES[step % len(MODES)], rng.randrange(POINTS + POINTS // 3)) for step in range(runs)]
     stats = TornStats(runs=runs)
 
-    def one(step: int, mode: str, kill_after: float) -> bool:
+    def one(step: int, mode: str, kill_at: int) -> bool:
         argv = [sys.executable, __file__, base, job, str(step), str(root / f"step-{step}"), mode]
-        with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL) as proc:
-            assert proc.stdout is not None
-            proc.stdout.readline()  # "begun" (or EOF if it failed before)
-            time.sleep(kill_after)
-            killed = proc.poll() is None
-            if killed:
-                proc.send_signal(signal.SIGKILL)
-            proc.wait()
-            return killed
+        with subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL) as proc:
+            assert proc.stdin is not None and proc.stdout is not None
+            reached = 0
+            while proc.stdout.readline() == b"point\n":
+                if reached == kill_at:
+                    proc.send_signal(signal.SIGKILL)
+                    proc.wait()
+                    return True
+                reached += 1
+                proc.stdin.write(b"go\n")
+                proc.stdin.flush()
+            if proc.wait() != 0:
+                raise RuntimeError(f"writer {step} failed by itself (exit {proc.returncode})")
+            return False
 
     with ThreadPoolExecutor(max_workers=parallel) as pool:
         stats.killed = sum(pool.map(lambda item: one(*item), plan))
