@@ -4,15 +4,17 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-PACKAGES := libs/common sdk services/agent services/detector services/orchestrator services/checkpoint-registry cli
+PACKAGES := libs/common sdk services/agent services/detector services/orchestrator services/checkpoint-registry \
+	services/notifier services/dashboard cli
 STAMP := $(VENV)/.installed-stamp
 MYPY_TARGETS := libs/common/reprise_common services/agent/reprise_agent services/detector/reprise_detector \
 	services/orchestrator/reprise_orchestrator services/checkpoint-registry/reprise_registry cli/reprise_cli \
-	sdk/reprise_sdk
+	sdk/reprise_sdk services/notifier/reprise_notifier examples/ddp_train.py services/dashboard/reprise_dashboard
 NODES ?= 4
 SPARES ?= 1
 
-.PHONY: venv test lint typecheck pytest up demo clean bench-agent bench-sdk bench-registry bench-detector
+.PHONY: venv test lint typecheck pytest up demo clean bench-agent bench-sdk bench-registry bench-detector bench-orchestrator \
+	bench-vs-torchrun
 
 venv: $(STAMP)
 
@@ -54,6 +56,12 @@ bench-registry: $(STAMP)
 
 bench-detector: $(STAMP)
 	$(BIN)/python -m bench.bench_detector
+
+bench-orchestrator: $(STAMP)
+	$(BIN)/python -m bench.bench_orchestrator
+
+bench-vs-torchrun: $(STAMP)
+	$(BIN)/python -m bench.bench_vs_torchrun
 
 clean:
 	rm -rf $(VENV) .state .mypy_cache .ruff_cache .pytest_cache

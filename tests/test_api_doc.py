@@ -9,8 +9,12 @@ from fastapi import FastAPI
 
 from reprise_agent.app import create_app as agent_app
 from reprise_agent.settings import AgentSettings
+from reprise_dashboard.app import create_app as dashboard_app
+from reprise_dashboard.settings import DashboardSettings
 from reprise_detector.app import create_app as detector_app
 from reprise_detector.settings import DetectorSettings
+from reprise_notifier.app import create_app as notifier_app
+from reprise_notifier.settings import NotifierSettings
 from reprise_orchestrator.app import create_app as orchestrator_app
 from reprise_orchestrator.settings import OrchestratorSettings
 from reprise_registry.app import create_app as registry_app
@@ -25,10 +29,12 @@ def _apps(tmp: Path) -> dict[str, FastAPI]:
         "detector": detector_app(DetectorSettings(database_url=f"sqlite:///{tmp / 'd.db'}")),
         "registry": registry_app(RegistrySettings(database_url=f"sqlite:///{tmp / 'r.db'}")),
         "agent": agent_app(AgentSettings(node_id="doc-node", state_dir=tmp / "agent")),
+        "notifier": notifier_app(NotifierSettings(database_url=f"sqlite:///{tmp / 'n.db'}")),
+        "dashboard": dashboard_app(DashboardSettings()),
     }
 
 
-@pytest.mark.parametrize("service", ["orchestrator", "detector", "registry", "agent"])
+@pytest.mark.parametrize("service", ["orchestrator", "detector", "registry", "agent", "notifier", "dashboard"])
 def test_every_route_is_documented(service: str, tmp_path: Path) -> None:
     paths = _apps(tmp_path)[service].openapi()["paths"]
     missing = [

@@ -36,8 +36,15 @@ ADAPTED_ENV = {
     "REPRISE_STATE_DIR",
     "REPRISE_ADVERTISE_ADDR",
     "REPRISE_NATS_NKEY_SEED_FILE",
+    "REPRISE_NOTIFIER_SLACK_URL",  # the launcher's local Slack receiver; compose takes a real one from the shell
+    "REPRISE_ORCHESTRATOR_URL",  # the dashboard's sources
+    "REPRISE_DETECTOR_URL",
+    "REPRISE_NOTIFIER_URL",
 }
 URL_ENV = ("REPRISE_NATS_URL", "REPRISE_REDIS_URL", "REPRISE_REGISTRY_URL", "REPRISE_DATABASE_URL")
+URL_ENV += ("REPRISE_ORCHESTRATOR_URL", "REPRISE_DETECTOR_URL", "REPRISE_NOTIFIER_URL")
+# Secrets: the launcher passes its own from the state dir; compose must take them from the shell, never hold one.
+SECRET_ENV = {"REPRISE_ADMIN_API_KEY", "REPRISE_ORCHESTRATOR_API_KEY"}
 
 LAUNCHER: list[ServiceSpec] = build_services(StackConfig(nodes=2, spares=1))
 
@@ -183,9 +190,14 @@ def test_same_env_values_where_not_host_specific(services: dict[str, dict[str, A
     drifted = {
         name: {"launcher": value, "compose": env.get(name)}
         for name, value in spec.env.items()
-        if name not in ADAPTED_ENV and env.get(name) != value
+        if name not in ADAPTED_ENV | SECRET_ENV and env.get(name) != value
     }
     assert not drifted, f"{spec.name}: values differ: {drifted}"
+    for name in SECRET_ENV & set(env):
+        assert env[name].startswith(f"${{{name}:?"), (
+            f"{spec.name}: {name} must come from the shell as ${{{name}:?message}} (required, never in the file), "
+            f"not {env[name]!r}"
+        )
     if "REPRISE_HTTP_HOST" in env:
         assert env["REPRISE_HTTP_HOST"] == "0.0.0.0", (
             f"{spec.name}: REPRISE_HTTP_HOST is {env['REPRISE_HTTP_HOST']!r}; in a container it must be 0.0.0.0 "

@@ -5,6 +5,7 @@ Also the walking skeleton: an injected XID 79 travels agent → detector → orc
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -17,7 +18,8 @@ import httpx
 import pytest
 
 from reprise_cli.client import PlatformClient, poll
-from reprise_cli.servers import free_port, port_is_free
+from reprise_cli.creds import read_admin_api_key
+from reprise_cli.servers import free_stack_ports
 from reprise_cli.stack import Stack
 from reprise_cli.topology import DEFAULT_PORTS, StackConfig
 from reprise_common.events import FaultKind, InjectFault
@@ -26,33 +28,30 @@ from reprise_common.procs import process_alive
 pytestmark = pytest.mark.stack
 
 
-def _free_ports() -> dict[str, int]:
-    ports = {key: free_port() for key in DEFAULT_PORTS}
-    # agents take consecutive ports from their base: find a free run of 8
-    while True:
-        base = free_port()
-        if all(port_is_free(base + i) for i in range(8)):
-            ports["agent"] = base
-            return ports
-
-
 @pytest.fixture
 def stack(tmp_path: Path) -> Iterator[Stack]:
-    config = StackConfig(nodes=2, spares=1, gpus_per_node=4, state_dir=tmp_path / "state", ports=_free_ports())
+    config = StackConfig(
+        nodes=2, spares=1, gpus_per_node=4, state_dir=tmp_path / "state", ports=free_stack_ports(DEFAULT_PORTS)
+    )
     running = Stack(config)
     running.start(timeout_s=60)
     yield running
     running.stop()
 
 
-def test_walking_skeleton_xid79_to_fenced_recovery(stack: Stack) -> None:
-    client = PlatformClient(
+def _client(stack: Stack) -> PlatformClient:
+    return PlatformClient(
         orchestrator=stack.url("orchestrator"),
         detector=stack.url("detector"),
         registry=stack.url("checkpoint-registry"),
         nats_url=stack.config.nats_url,
         nkey_seed_file=stack.platform_seed,
+        api_key=read_admin_api_key(stack.config.state_dir),
     )
+
+
+def test_walking_skeleton_xid79_to_fenced_recovery(stack: Stack) -> None:
+    client = _client(stack)
     try:
         nodes = poll(client.nodes, lambda n: len(n) == 3, timeout_s=15)
         assert {n["node_id"] for n in nodes} == {"node-1", "node-2", "spare-1"}
@@ -77,18 +76,102 @@ def test_walking_skeleton_xid79_to_fenced_recovery(stack: Stack) -> None:
         assert recovery["incident_id"] == incident["id"]
         assert recovery["fence"] > 1  # the submit took fence 1 under the same lock
         steps = {s["step"]: s for s in recovery["steps"]}
-        assert list(steps) == ["detected", "locked", "stopping_ranks", "restoring", "launching", "running"]
+        assert list(steps) == [
+            "detected",
+            "locked",
+            "stopping_ranks",
+            "isolating",
+            "placing",
+            "restoring",
+            "launching",
+            "verifying",
+            "running",
+        ], json.dumps(recovery, indent=1)
+        assert recovery["outcome"] == "recovered" and recovery["attempt"] == 1
         stop_answers = {a["node"]: a["result"] for a in steps["stopping_ranks"]["data"]["answers"]}
         assert stop_answers == {"node-1": "done", "node-2": "done"}
+        assert steps["isolating"]["data"]["cordoned"] == "node-2"  # XID 79: the GPU fell off the bus
+        placing = steps["placing"]["data"]
+        assert (placing["decision"], placing["replaced"]) == ("spares", {"node-2": "spare-1"})
         assert steps["restoring"]["data"]["checkpoint"] is None  # the registry answered: nothing validated yet
         assert client.latest_checkpoint(job["id"]).status_code == 404
-        assert client.job(job["id"])["restart_epoch"] == 1
+        relaunched = client.job(job["id"])
+        assert relaunched["restart_epoch"] == 1
+        assert [(r["rank"], r["node_id"]) for r in relaunched["placement"]] == [
+            (0, "node-1"),
+            (1, "node-1"),
+            (2, "spare-1"),
+            (3, "spare-1"),
+        ]  # the spare takes the cordoned node's place, so rank numbers stay
+        assert {n["node_id"]: n["cordoned"] for n in client.nodes()} == {
+            "node-1": False,
+            "node-2": True,
+            "spare-1": False,
+        }
 
-        # the agents executed launch, stop, launch: three fenced commands each
+        # launch, stop, launch on node-1; launch, stop on node-2; one launch on the spare: each fenced, each once
+        for node, executed, alive in (("node-1", 3, 2), ("node-2", 2, 0), ("spare-1", 1, 2)):
+            status = httpx.get(stack.url(f"agent-{node}") + "/v1/status").json()
+            assert status["commands_executed"] == executed, (node, status)
+            assert len([r for r in status["ranks"] if r["alive"]]) == alive, (node, status)
+    finally:
+        client.close()
+
+
+def test_drills_from_the_cli_and_a_cancel_that_stops_everything(stack: Stack) -> None:
+    client = _client(stack)
+    try:
+        poll(client.nodes, lambda n: len(n) == 3, timeout_s=15)
+        job = client.submit(
+            {
+                "name": "drilled",
+                "node_count": 2,
+                "ranks_per_node": 1,
+                "command": [sys.executable, "-m", "reprise_cli.workloads.ticker"],
+                "policy": {"hang_timeout_s": 2, "recovery_time_objective_s": 60},
+            }
+        )
+        assert job["state"] == "running"
+        drill = [
+            sys.executable,
+            "-m",
+            "reprise_cli",
+            "drill",
+            "--job",
+            job["id"],
+            "--api-url",
+            stack.url("orchestrator"),
+        ]
+        drill += ["--state-dir", str(stack.config.state_dir), "--timeout", "90"]
+        for fault in ("kill-rank", "hang"):  # a crash, then a rank frozen with SIGSTOP: the job's 2 s hang limit
+            done = subprocess.run([*drill, "--fault", fault], check=False, capture_output=True, text=True, timeout=120)
+            assert done.returncode == 0 and " passed: detection " in done.stdout, done.stdout + done.stderr
+        drills = client._orchestrator("GET", f"/v1/jobs/{job['id']}/drills")["data"]
+        assert [(d["fault"], d["state"]) for d in drills] == [("hang", "passed"), ("kill-rank", "passed")]
+        assert all(0 < d["detection_s"] < d["recovery_s"] for d in drills), drills
+
+        cancelled = client.cancel(job["id"])
+        assert cancelled["state"] == "cancelled"
         for node in ("node-1", "node-2"):
             status = httpx.get(stack.url(f"agent-{node}") + "/v1/status").json()
-            assert status["commands_executed"] == 3
-            assert len([r for r in status["ranks"] if r["alive"]]) == 2
+            assert not [r for r in status["ranks"] if r["alive"]], status
+        refused = client.http.post(
+            f"{stack.url('orchestrator')}/v1/jobs/{job['id']}/drills",
+            json={"fault": "kill-rank"},
+            headers={"Authorization": f"Bearer {read_admin_api_key(stack.config.state_dir)}"},
+        )
+        assert refused.status_code == 409 and "cancelled" in refused.json()["detail"]
+
+        short = client.submit(
+            {
+                "name": "short",
+                "node_count": 2,
+                "ranks_per_node": 1,
+                "command": [sys.executable, "-c", "import reprise_sdk, time; reprise_sdk.heartbeat(1); time.sleep(1)"],
+            }
+        )  # every rank exits 0: the job completes, no recovery starts
+        finished = poll(lambda: client.job(short["id"]), lambda j: j["state"] != "running", timeout_s=30)
+        assert finished["state"] == "completed" and client.recoveries(short["id"]) == [], finished
     finally:
         client.close()
 
@@ -120,14 +203,15 @@ def test_readyz_reports_nats_outage_and_services_reconnect(stack: Stack) -> None
 
 
 def test_reprise_up_serves_and_ctrl_c_leaves_no_process(tmp_path: Path) -> None:
-    ports = _free_ports()
+    ports = free_stack_ports(DEFAULT_PORTS)
     argv = [
         str(Path(sys.executable).parent / "reprise"), "up", "--nodes", "2", "--spares", "1",
         "--state-dir", str(tmp_path / "state"),
         "--nats-port", str(ports["nats"]), "--nats-monitor-port", str(ports["nats-monitor"]),
         "--redis-port", str(ports["redis"]), "--registry-port", str(ports["checkpoint-registry"]),
         "--detector-port", str(ports["detector"]), "--orchestrator-port", str(ports["orchestrator"]),
-        "--agent-port", str(ports["agent"]),
+        "--notifier-port", str(ports["notifier"]), "--slack-receiver-port", str(ports["slack-receiver"]),
+        "--dashboard-port", str(ports["dashboard"]), "--agent-port", str(ports["agent"]),
     ]  # fmt: skip
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     descendants: list[int] = []
@@ -140,11 +224,11 @@ def test_reprise_up_serves_and_ctrl_c_leaves_no_process(tmp_path: Path) -> None:
                 break
         assert lines[-1].startswith("ready."), "".join(lines)
         urls = [line.split()[1] for line in lines if "/healthz" in line]
-        assert len(urls) == 6  # registry, detector, orchestrator, 3 agents
+        assert len(urls) == 8  # registry, detector, orchestrator, notifier, dashboard, 3 agents
         for url in urls:
             assert httpx.get(url + "/healthz").status_code == 200
         descendants = _descendants(proc.pid)
-        assert len(descendants) >= 8, descendants  # nats, redis, 6 services
+        assert len(descendants) >= 11, descendants  # nats, redis, the Slack receiver, 8 services
 
         proc.send_signal(signal.SIGINT)
         rest, _ = proc.communicate(timeout=60)
@@ -193,13 +277,7 @@ time.sleep(600)
 
 
 def test_checkpoint_from_a_real_job_becomes_the_validated_restore_point(stack: Stack, tmp_path: Path) -> None:
-    client = PlatformClient(
-        orchestrator=stack.url("orchestrator"),
-        detector=stack.url("detector"),
-        registry=stack.url("checkpoint-registry"),
-        nats_url=stack.config.nats_url,
-        nkey_seed_file=stack.platform_seed,
-    )
+    client = _client(stack)
     try:
         poll(client.nodes, lambda n: len(n) == 3, timeout_s=15)
         command = [sys.executable, "-c", SAVER, str(tmp_path / "ckpt")]

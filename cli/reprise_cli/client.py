@@ -6,23 +6,36 @@ import asyncio
 import sys
 import time
 from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
 
+from reprise_cli.topology import DEFAULT_PORTS
 from reprise_common import subjects
 from reprise_common.bus import Bus
 from reprise_common.events import InjectFault, InjectReply
 
 T = TypeVar("T")
+LOCAL_HOST = "127.0.0.1"
 
 
 class PlatformClient:
-    """REST calls to the orchestrator, detector and registry; fault injection over NATS."""
+    """REST calls to the orchestrator, detector and registry; fault injection over NATS.
+
+    Addresses default to the local stack's; `api_key` goes to the orchestrator only, the one service that checks it.
+    """
 
     def __init__(
-        self, *, orchestrator: str, detector: str, registry: str, nats_url: str, nkey_seed_file: Path | None = None
+        self,
+        *,
+        orchestrator: str = f"http://{LOCAL_HOST}:{DEFAULT_PORTS['orchestrator']}",
+        detector: str = f"http://{LOCAL_HOST}:{DEFAULT_PORTS['detector']}",
+        registry: str = f"http://{LOCAL_HOST}:{DEFAULT_PORTS['checkpoint-registry']}",
+        nats_url: str = f"nats://{LOCAL_HOST}:{DEFAULT_PORTS['nats']}",
+        nkey_seed_file: Path | None = None,
+        api_key: str | None = None,
     ) -> None:
         self.http = httpx.Client(timeout=30.0)
         self.orchestrator = orchestrator
@@ -30,6 +43,7 @@ class PlatformClient:
         self.registry = registry
         self.nats_url = nats_url
         self.nkey_seed_file = nkey_seed_file
+        self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     def close(self) -> None:
         """Close connections."""
@@ -52,20 +66,48 @@ class PlatformClient:
             "command": command or [sys.executable, "-m", "reprise_cli.workloads.ticker"],
             "env": env or {},
         }
-        response = self.http.post(f"{self.orchestrator}/v1/jobs", json=body)
-        response.raise_for_status()
-        job: dict[str, Any] = response.json()
+        return self.submit(body)
+
+    def _orchestrator(self, method: str, path: str, **kwargs: Any) -> Any:
+        """One orchestrator call with the API key; raises httpx.HTTPStatusError on an error answer."""
+        response = self.http.request(method, f"{self.orchestrator}{path}", headers=self._auth, **kwargs)
+        return response.raise_for_status().json()
+
+    def submit(self, spec: dict[str, Any]) -> dict[str, Any]:
+        """Submit a job given as the POST /v1/jobs body."""
+        job: dict[str, Any] = self._orchestrator("POST", "/v1/jobs", json=spec)
         return job
+
+    def jobs(self, *, state: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
+        """Jobs, newest first, optionally in one state."""
+        params: dict[str, Any] = {"limit": limit} | ({"state": state} if state else {})
+        return list(self._orchestrator("GET", "/v1/jobs", params=params)["data"])
 
     def job(self, job_id: str) -> dict[str, Any]:
         """One job."""
-        body: dict[str, Any] = self.http.get(f"{self.orchestrator}/v1/jobs/{job_id}").raise_for_status().json()
+        body: dict[str, Any] = self._orchestrator("GET", f"/v1/jobs/{job_id}")
+        return body
+
+    def cancel(self, job_id: str) -> dict[str, Any]:
+        """Cancel a job: its ranks are stopped; answers the job."""
+        body: dict[str, Any] = self._orchestrator("POST", f"/v1/jobs/{job_id}/cancel")
+        return body
+
+    def start_drill(self, job_id: str, *, fault: str, rank: int | None = None) -> dict[str, Any]:
+        """Start a recovery drill on a running job; answers the drill as it starts."""
+        body: dict[str, Any] = self._orchestrator(
+            "POST", f"/v1/jobs/{job_id}/drills", json={"fault": fault, "rank": rank}
+        )
+        return body
+
+    def drill(self, drill_id: str) -> dict[str, Any]:
+        """One drill, with what it has measured so far."""
+        body: dict[str, Any] = self._orchestrator("GET", f"/v1/drills/{drill_id}")
         return body
 
     def recoveries(self, job_id: str) -> list[dict[str, Any]]:
         """A job's recoveries, newest first."""
-        body = self.http.get(f"{self.orchestrator}/v1/jobs/{job_id}/recoveries").raise_for_status().json()
-        return list(body["data"])
+        return list(self._orchestrator("GET", f"/v1/jobs/{job_id}/recoveries")["data"])
 
     def incidents(self, job_id: str) -> list[dict[str, Any]]:
         """A job's incidents."""
@@ -78,7 +120,7 @@ class PlatformClient:
 
     def nodes(self) -> list[dict[str, Any]]:
         """The orchestrator's node inventory."""
-        body: list[dict[str, Any]] = self.http.get(f"{self.orchestrator}/v1/nodes").raise_for_status().json()
+        body: list[dict[str, Any]] = self._orchestrator("GET", "/v1/nodes")
         return body
 
     def inject(self, fault: InjectFault, *, node_id: str) -> InjectReply:
@@ -93,6 +135,13 @@ class PlatformClient:
                 await bus.close()
 
         return asyncio.run(send())
+
+
+def step_seconds(step: dict[str, Any]) -> float | None:
+    """How long a recovery step took, from its started_at and ended_at; None while it runs."""
+    if step.get("ended_at") is None:
+        return None
+    return (datetime.fromisoformat(step["ended_at"]) - datetime.fromisoformat(step["started_at"])).total_seconds()
 
 
 def poll(fetch: Callable[[], T], done: Callable[[T], bool], *, timeout_s: float, interval_s: float = 0.1) -> T:

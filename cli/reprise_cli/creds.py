@@ -2,12 +2,16 @@
 
 The seed (private key) stays in a 0600 file beside the process that uses it; the server configuration holds only
 public keys and each user's permissions, so node A can neither publish as node B nor read B's commands.
+
+The local stack also gets an admin API key for the orchestrator's REST API (`<state>/credentials/admin.apikey`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -76,6 +80,34 @@ def write_server_config(
         f"{base_config.read_text()}\nauthorization: {block}\n"
     )
     return destination
+
+
+def admin_api_key_file(state_dir: Path) -> Path:
+    """Where the local stack keeps its admin API key (the orchestrator's bootstrap key)."""
+    return state_dir / "credentials" / "admin.apikey"
+
+
+def ensure_admin_api_key(state_dir: Path) -> str:
+    """The local stack's admin API key, created once (256 random bits, mode 0600) and reused after that."""
+    path = admin_api_key_file(state_dir)
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        draft = path.with_name(f".{path.name}.{os.getpid()}")
+        fd = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as sink:
+            sink.write(f"rpk_bootstrap_{secrets.token_urlsafe(32)}\n")
+        try:  # link, not rename: it fails if another process got there first, and nobody sees a half-written key
+            with contextlib.suppress(FileExistsError):
+                os.link(draft, path)
+        finally:
+            draft.unlink()
+    return path.read_text().strip()
+
+
+def read_admin_api_key(state_dir: Path) -> str | None:
+    """The local stack's admin API key, or None when the state dir has none."""
+    path = admin_api_key_file(state_dir)
+    return path.read_text().strip() if path.exists() else None
 
 
 def init_credentials(directory: Path, *, nodes: list[str], base_config: Path) -> tuple[Identity, dict[str, Identity]]:

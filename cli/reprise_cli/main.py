@@ -9,10 +9,11 @@ import sys
 from pathlib import Path
 from types import FrameType
 
-from reprise_cli.creds import init_credentials
+from reprise_cli.creds import admin_api_key_file, init_credentials
+from reprise_cli.jobs_cli import add_drill_command, add_job_commands
 from reprise_cli.servers import deploy_dir
 from reprise_cli.stack import Stack
-from reprise_cli.topology import DEFAULT_PORTS, StackConfig
+from reprise_cli.topology import DEFAULT_PORTS, StackConfig, slack_receiver_url
 from reprise_common import subjects
 from reprise_common.bus import Bus
 from reprise_common.errors import BusError, ConfigError
@@ -28,6 +29,9 @@ def _stack_config(args: argparse.Namespace) -> StackConfig:
         ("checkpoint-registry", "registry_port"),
         ("detector", "detector_port"),
         ("orchestrator", "orchestrator_port"),
+        ("notifier", "notifier_port"),
+        ("slack-receiver", "slack_receiver_port"),
+        ("dashboard", "dashboard_port"),
         ("agent", "agent_port"),
     ):
         value = getattr(args, attr, None)
@@ -47,7 +51,8 @@ def _add_stack_flags(parser: argparse.ArgumentParser, *, nodes: int, spares: int
     parser.add_argument("--spares", type=int, default=spares, help="simulated spare nodes")
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--state-dir", default=state_dir, help="logs, SQLite files, NATS store, Redis data")
-    for flag in ("nats", "nats-monitor", "redis", "registry", "detector", "orchestrator", "agent"):
+    flags = ("nats", "nats-monitor", "redis", "registry", "detector", "orchestrator", "notifier", "slack-receiver")
+    for flag in (*flags, "dashboard", "agent"):
         parser.add_argument(f"--{flag}-port", type=int, default=None, help="override the default port")
 
 
@@ -72,8 +77,12 @@ def cmd_up(args: argparse.Namespace) -> int:
             f"  nats          {stack.config.nats_url}  (monitor http://127.0.0.1:{stack.config.ports['nats-monitor']})"
         )
         print(f"  redis         {stack.config.redis_url}")
+        receiver = slack_receiver_url(stack.config)
+        print(f"  slack-receiver       {receiver}  (the notifier's Slack messages: {receiver}/ and /messages)")
         for spec in stack.specs:
             print(f"  {spec.name:<20} {stack.url(spec.name)}  (/healthz /readyz /metrics)")
+        print(f"  admin API key {admin_api_key_file(stack.config.state_dir)}  (`reprise job ...` uses it)")
+        print(f"  open the dashboard in a browser: {stack.url('dashboard')}")
         print("ready. Ctrl-C stops everything.", flush=True)
         while True:
             signal.pause()
@@ -131,7 +140,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     """Run the scripted demo."""
     from reprise_cli.demo import run_demo  # noqa: PLC0415 - keeps `reprise up` start-up light
 
-    return run_demo(_stack_config(args))
+    return run_demo(_stack_config(args), keep=args.keep)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -158,9 +167,13 @@ def build_parser() -> argparse.ArgumentParser:
     creds.add_argument("--nodes", required=True, help="comma-separated node ids, e.g. node-1,node-2,spare-1")
     creds.set_defaults(func=cmd_creds)
 
-    demo = sub.add_parser("demo", help="start the platform, run a job, inject a fault, show the recovery")
-    _add_stack_flags(demo, nodes=2, spares=0, state_dir=".state/demo")  # wiped at every demo start
+    demo = sub.add_parser("demo", help="start the platform, train a DDP job through four faults, show the recoveries")
+    _add_stack_flags(demo, nodes=4, spares=1, state_dir=".state/demo")  # wiped at every demo start
+    demo.add_argument("--keep", action="store_true", help="keep the platform running at the end until Ctrl-C")
     demo.set_defaults(func=cmd_demo)
+
+    add_job_commands(sub)  # reprise job submit|list|show|cancel (jobs_cli.py)
+    add_drill_command(sub)  # reprise drill --job ID --fault F
     return parser
 
 

@@ -82,6 +82,29 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+def free_stack_ports(defaults: dict[str, int], *, agents: int = 8) -> dict[str, int]:
+    """A free port for every key of `defaults`, and for "agent" a base with `agents` free ports after it.
+
+    The agents' run is chosen first and no other port may fall inside it (tests and benchmarks start whole stacks
+    on free ports; a kernel-chosen port can land in the middle of the agents' run otherwise).
+    """
+    while True:
+        base = free_port()
+        if all(port_is_free(base + i) for i in range(agents)):
+            break
+    taken = set(range(base, base + agents))
+    ports = {"agent": base}
+    for key in defaults:
+        if key == "agent":
+            continue
+        port = free_port()
+        while port in taken:
+            port = free_port()
+        taken.add(port)
+        ports[key] = port
+    return ports
+
+
 def require_free_port(port: int, what: str, flag: str) -> None:
     """Raise a one-line ConfigError naming the fix when a port is taken."""
     if not port_is_free(port):

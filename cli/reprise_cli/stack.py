@@ -18,9 +18,17 @@ from reprise_cli.servers import (
     deploy_dir,
     find_nats_server,
     find_redis_server,
+    wait_until,
 )
 from reprise_cli.servers import require_free_port as _require_free_port
-from reprise_cli.topology import ServiceSpec, StackConfig, build_services, node_ids
+from reprise_cli.topology import (
+    ServiceSpec,
+    StackConfig,
+    build_services,
+    node_ids,
+    slack_receiver_argv,
+    slack_receiver_url,
+)
 from reprise_common.errors import ConfigError
 
 _PORT_FLAGS = {
@@ -30,6 +38,9 @@ _PORT_FLAGS = {
     "checkpoint-registry": "--registry-port",
     "detector": "--detector-port",
     "orchestrator": "--orchestrator-port",
+    "notifier": "--notifier-port",
+    "slack-receiver": "--slack-receiver-port",
+    "dashboard": "--dashboard-port",
     "agent": "--agent-port",
 }
 
@@ -49,6 +60,7 @@ class Stack:
     say: Callable[[str], None] = print
     nats: NatsServer | None = None
     redis: RedisServer | None = None
+    slack_receiver: ManagedProcess | None = None
     services: dict[str, ManagedProcess] = field(default_factory=dict)
     specs: list[ServiceSpec] = field(default_factory=list)
 
@@ -65,7 +77,7 @@ class Stack:
         for spec in self.specs:
             _command_path(spec.command)
         ports = self.config.ports
-        for key in ("nats", "nats-monitor", "redis"):
+        for key in ("nats", "nats-monitor", "redis", "slack-receiver"):
             _require_free_port(ports[key], key, _PORT_FLAGS[key])
         for spec in self.specs:
             _require_free_port(spec.http_port, spec.name, _PORT_FLAGS[spec.role])
@@ -93,6 +105,7 @@ class Stack:
         )
         self.nats.start()
         self.redis.start()
+        self._start_slack_receiver()
         for spec in self.specs:
             process = ManagedProcess(
                 spec.name, [_command_path(spec.command)], self.log_dir / f"{spec.name}.log", spec.env
@@ -100,6 +113,22 @@ class Stack:
             process.start()
             self.services[spec.name] = process
         self.wait_ready(timeout_s=timeout_s)
+
+    def _start_slack_receiver(self) -> None:
+        """Start the local stand-in for Slack (the notifier's default destination) and wait until it answers."""
+        argv = slack_receiver_argv(self.config, sys.executable)
+        self.slack_receiver = ManagedProcess("slack-receiver", argv, self.log_dir / "slack-receiver.log")
+        self.slack_receiver.start()
+        health = slack_receiver_url(self.config) + "/healthz"
+
+        def answers() -> bool:
+            try:
+                return httpx.get(health, timeout=1.0).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        if not wait_until(answers, timeout_s=15):
+            raise ConfigError(f"the Slack receiver did not start: {self.slack_receiver.log_tail(5)}")
 
     @property
     def platform_seed(self) -> Path:
@@ -133,9 +162,11 @@ class Stack:
             )
 
     def stop(self) -> None:
-        """Stop services (agents first, so ranks stop cleanly), then Redis and NATS."""
+        """Stop services (agents first, so ranks stop cleanly), then the Slack receiver, Redis and NATS."""
         for name in reversed(list(self.services)):
             self.services[name].stop(grace_s=15.0)
+        if self.slack_receiver is not None:
+            self.slack_receiver.stop(grace_s=5.0)
         if self.redis is not None:
             self.redis.stop()
         if self.nats is not None:
@@ -143,6 +174,6 @@ class Stack:
 
     def pids(self) -> list[int]:
         """Every process the stack started."""
-        processes = [*self.services.values()]
+        processes = [*self.services.values(), *([self.slack_receiver] if self.slack_receiver else [])]
         processes += [s.process for s in (self.nats, self.redis) if s is not None and s.process is not None]
         return [p.pid for p in processes if p.proc is not None]

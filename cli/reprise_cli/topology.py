@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from reprise_cli.creds import ensure_admin_api_key
+
 DEFAULT_PORTS: dict[str, int] = {
     "nats": 14222,
     "nats-monitor": 18222,
@@ -15,6 +17,9 @@ DEFAULT_PORTS: dict[str, int] = {
     "checkpoint-registry": 8710,
     "detector": 8720,
     "orchestrator": 8730,
+    "notifier": 8740,
+    "slack-receiver": 8750,  # the local stack's Slack-compatible receiver: the notifier's default destination
+    "dashboard": 8760,
     "agent": 8800,  # agents take 8800, 8801, ... in node order
 }
 
@@ -23,6 +28,8 @@ ROLE_COMMANDS: dict[str, str] = {
     "checkpoint-registry": "reprise-registry",
     "detector": "reprise-detector",
     "orchestrator": "reprise-orchestrator",
+    "notifier": "reprise-notifier",
+    "dashboard": "reprise-dashboard",
     "agent": "reprise-agent",
 }
 
@@ -77,7 +84,7 @@ def node_ids(config: StackConfig) -> list[tuple[str, bool]]:
 
 
 def build_services(config: StackConfig) -> list[ServiceSpec]:
-    """Every service process, in start order (registry, detector, orchestrator, then the agents)."""
+    """Every service process, in start order (registry, detector, orchestrator, notifier, dashboard, then agents)."""
     state = config.state_dir.resolve()
 
     creds = config.creds_dir.resolve()
@@ -119,8 +126,36 @@ def build_services(config: StackConfig) -> list[ServiceSpec]:
                 "REPRISE_DATABASE_URL": f"sqlite:///{state / 'orchestrator.db'}",
                 "REPRISE_REDIS_URL": config.redis_url,
                 "REPRISE_REGISTRY_URL": registry_url,
+                "REPRISE_ADMIN_API_KEY": ensure_admin_api_key(config.state_dir),  # created once in the state dir
             },
             http_port=ports["orchestrator"],
+        ),
+        ServiceSpec(
+            name="notifier",
+            role="notifier",
+            command=ROLE_COMMANDS["notifier"],
+            env={
+                **base("notifier", ports["notifier"]),
+                "REPRISE_DATABASE_URL": f"sqlite:///{state / 'notifier.db'}",
+                "REPRISE_NOTIFIER_SLACK_URL": slack_receiver_url(config) + SLACK_RECEIVER_WEBHOOK,
+                "REPRISE_DASHBOARD_URL": config.http_url(ports["dashboard"]),  # alerts link to its incident pages
+            },
+            http_port=ports["notifier"],
+        ),
+        ServiceSpec(
+            name="dashboard",
+            role="dashboard",
+            command=ROLE_COMMANDS["dashboard"],
+            env={
+                **base("dashboard", ports["dashboard"]),
+                "REPRISE_ORCHESTRATOR_URL": config.http_url(ports["orchestrator"]),
+                "REPRISE_DETECTOR_URL": config.http_url(ports["detector"]),
+                "REPRISE_REGISTRY_URL": registry_url,
+                "REPRISE_NOTIFIER_URL": config.http_url(ports["notifier"]),
+                # The dashboard only reads: a read-scope key is enough; the local stack hands it its admin key.
+                "REPRISE_ORCHESTRATOR_API_KEY": ensure_admin_api_key(config.state_dir),
+            },
+            http_port=ports["dashboard"],
         ),
     ]  # fmt: skip
     for index, (node_id, spare) in enumerate(node_ids(config)):
@@ -136,3 +171,20 @@ def build_services(config: StackConfig) -> list[ServiceSpec]:
         }
         services.append(ServiceSpec(f"agent-{node_id}", "agent", ROLE_COMMANDS["agent"], env, port))
     return services
+
+
+# The local Slack-compatible receiver (cli/reprise_cli/slack_receiver.py) is a stand-in for Slack, not a platform
+# service: `reprise up` runs it beside NATS and Redis, and Docker has none (compose's notifier takes a real URL).
+SLACK_RECEIVER_WEBHOOK = "/services/reprise/local/notifier"
+
+
+def slack_receiver_url(config: StackConfig) -> str:
+    """Base URL of the local Slack receiver (its messages: /messages, or / in a browser)."""
+    return config.http_url(config.ports["slack-receiver"])
+
+
+def slack_receiver_argv(config: StackConfig, python: str) -> list[str]:
+    """The receiver's command line; it records every message it gets in the state dir."""
+    log = config.state_dir.resolve() / "slack-receiver.jsonl"
+    port = str(config.ports["slack-receiver"])
+    return [python, "-m", "reprise_cli.slack_receiver", "--host", config.host, "--port", port, "--log", str(log)]

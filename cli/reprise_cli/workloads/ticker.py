@@ -1,9 +1,14 @@
-"""A stand-in rank: prints its rank and a step counter until stopped. Used by the walking-skeleton demo and tests."""
+"""A stand-in rank: prints its rank and a step counter until stopped. Used by the walking-skeleton demo and tests.
+
+It heartbeats through the training SDK like a real training script, so recoveries can verify it is progressing.
+"""
 
 from __future__ import annotations
 
 import os
 import time
+
+import reprise_sdk
 
 
 def main() -> None:
@@ -15,6 +20,7 @@ def main() -> None:
     while True:
         step += 1
         print(f"rank {rank} step {step}", flush=True)
+        reprise_sdk.heartbeat(step)
         time.sleep(interval)
 
 

@@ -102,6 +102,7 @@ class RankStatus(Wire):
 
     job_id: str
     rank: int = Field(ge=0)
+    restart_epoch: int | None = Field(default=None, description="the launch this process belongs to")
     pid: int | None = None
     gpu: int | None = None
     step: int | None = None
@@ -112,6 +113,7 @@ class RankStatus(Wire):
     step_time_p99_s: float | None = None
     step_time_last_s: float | None = None
     alive: bool = True
+    exit_code: int | None = Field(default=None, description="how the process ended, once it has (negative: signal)")
 
 
 class NodeReport(Event):
@@ -241,6 +243,7 @@ class Culprit(Wire):
     node_id: str | None = None
     gpu: int | None = None
     rank: int | None = None
+    exit_code: int | None = Field(default=None, description="the culprit rank's exit code when it exited")
 
 
 class IncidentChange(Event):
@@ -278,6 +281,7 @@ class JobPlacement(Event):
     world_size: int = Field(ge=0)
     ranks: list[RankAssignment] = Field(default_factory=list)
     active: bool = True
+    hang_timeout_s: float | None = Field(default=None, gt=0, description="the job's fixed hang limit, if it set one")
 
     def nodes(self) -> list[str]:
         """The distinct nodes of the placement, in rank order."""
@@ -295,6 +299,9 @@ class RecoveryChange(Event):
     step: str
     fence: int = Field(ge=0)
     detail: str = ""
+    attempt: int = Field(default=1, ge=1, description="which attempt of the recovery the step belongs to")
+    outcome: str = Field(default="", description="why it ended (succeeded/failed only): a reason code")
+    step_started_at: AwareDatetime | None = Field(default=None, description="when the step began")
 
 
 # --- node reputation ----------------------------------------------------------------------------------------
@@ -438,21 +445,29 @@ class CommandReply(Wire):
 
 
 class FaultKind(StrEnum):
-    """Faults the simulated GPU backend can inject."""
+    """Faults an agent can inject: GPU faults (simulated backend) and process faults (drills, the demo)."""
 
     XID = "xid"
     ECC_DBE = "ecc_dbe"
     THERMAL = "thermal"
     OFF_BUS = "off_bus"
     NVLINK = "nvlink"
+    RANK_KILL = "rank_kill"  # SIGKILL one rank
+    RANK_HANG = "rank_hang"  # SIGSTOP one rank: alive, silent, its peers blocked in the next collective
+    NODE_LOSS = "node_loss"  # SIGKILL every rank on the node, then the agent itself: the node is gone
+
+
+PROCESS_FAULTS = frozenset({FaultKind.RANK_KILL, FaultKind.RANK_HANG, FaultKind.NODE_LOSS})
 
 
 class InjectFault(Wire):
-    """Ask a node's simulated GPUs to fail in a given way."""
+    """Ask a node to fail in a given way: its simulated GPU `gpu`, or its rank `rank` (of `job_id`, if given)."""
 
     kind: FaultKind
-    gpu: int = Field(ge=0)
+    gpu: int = Field(default=0, ge=0)
     xid: int | None = None
+    rank: int | None = Field(default=None, ge=0, description="the rank a rank fault hits (default: the node's first)")
+    job_id: str | None = None
 
 
 class InjectReply(Wire):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+from signal import SIGKILL, SIGSTOP
 from typing import Any
 
 from pydantic import ValidationError
@@ -22,6 +24,7 @@ from reprise_common.bus import Bus
 from reprise_common.clock import SystemClock
 from reprise_common.errors import BusError
 from reprise_common.events import (
+    PROCESS_FAULTS,
     AgentCommand,
     AgentLifecycle,
     CheckpointSaved,
@@ -29,6 +32,7 @@ from reprise_common.events import (
     CommandReply,
     CommandResult,
     DependencyFailed,
+    FaultKind,
     FileDigest,
     GpuLost,
     GpuXid,
@@ -66,6 +70,7 @@ class Agent:
             tail_lines=settings.log_tail_lines,
         )
         self.book = CommandBook(node_id=self.node_id, state_file=settings.state_dir / "fences.json")
+        self.node_lost = False  # set by an injected node loss: from then on the agent publishes nothing
         self.outbox = Outbox(bus, capacity=settings.outbox_capacity)
         self.depchecks = DependencyChecker(
             settings.dependency_checks,
@@ -162,7 +167,7 @@ class Agent:
             self.depchecks.set_rendezvous(job_id, spec.master_addr, spec.master_port)
 
     async def _report_loop(self) -> None:
-        while True:
+        while not self.node_lost:
             if self.bus.connected:
                 try:
                     await self.bus.publish(subjects.node_report(self.node_id), await self.report(), timeout=1.0)
@@ -211,6 +216,8 @@ class Agent:
         self.outbox.put(subjects.node_event(self.node_id, "dependency.failed"), event)
 
     async def _on_rank_exit(self, rank: RankProcess) -> None:
+        if self.node_lost:  # a lost node says nothing more: its ranks' deaths are for the detector to infer
+            return
         event = RankExited(
             source=self.node_id,
             node_id=self.node_id,
@@ -259,6 +266,8 @@ class Agent:
             return InjectReply(
                 accepted=False, detail=f"fault injection needs the sim backend (this node: {self.gpus.name})"
             )
+        if fault.kind in PROCESS_FAULTS:
+            return self._inject_process_fault(fault)
         result = self.gpus.inject(fault)
         self.flush_gpu_signals()  # the driver reports the error before the process dies of it
         detail = result.detail
@@ -269,6 +278,30 @@ class Agent:
                 detail += f"; killed rank {victim.rank} of job {victim.job_id}"
         log.warning("fault injected", extra={"fault": fault.model_dump(mode="json"), "detail": detail})
         return InjectReply(accepted=result.accepted, detail=detail)
+
+    def _inject_process_fault(self, fault: InjectFault) -> InjectReply:
+        """Kill or freeze a rank, or lose the whole node (its ranks, then this agent, with no goodbye)."""
+        alive = sorted(
+            (r for r in self.supervisor.ranks() if r.alive and fault.job_id in (None, r.job_id)),
+            key=lambda r: r.rank,
+        )
+        if fault.kind is FaultKind.NODE_LOSS:
+            self.node_lost = True
+            for rank in alive:
+                self.supervisor.kill(rank)
+            log.warning("fault injected: node loss", extra={"ranks": [r.rank for r in alive]})
+            asyncio.get_running_loop().call_later(0.2, os.kill, os.getpid(), SIGKILL)  # after the reply
+            return InjectReply(
+                accepted=True, detail=f"node {self.node_id} lost: killed {len(alive)} ranks and its agent"
+            )
+        victim = next((r for r in alive if fault.rank in (None, r.rank)), None)
+        if victim is None:
+            return InjectReply(accepted=False, detail=f"no live rank {fault.rank} on {self.node_id}")
+        sig = SIGKILL if fault.kind is FaultKind.RANK_KILL else SIGSTOP
+        self.supervisor.kill(victim, sig)
+        detail = f"{'killed' if sig is SIGKILL else 'froze (SIGSTOP)'} rank {victim.rank} of job {victim.job_id}"
+        log.warning("fault injected", extra={"fault": fault.model_dump(mode="json"), "detail": detail})
+        return InjectReply(accepted=True, detail=detail)
 
 
 def _launch_spec(command: AgentCommand) -> LaunchSpec:

@@ -44,7 +44,13 @@ class CommandBook:
         return self._fences.get(job_id, -1)
 
     async def run(self, command: AgentCommand, execute: Executor) -> CommandReply:
-        """Execute a command once; a repeat (even while the first is running) gets the first answer."""
+        """Execute a command once; a repeat (even while the first is running) gets the first answer.
+
+        The fence is checked first, repeats included: an owner that lost the job gets "stale" even for a command id
+        that its successor already executed, so it learns it has been replaced.
+        """
+        if command.fence < self.highest_fence(command.job_id):
+            return self._stale(command)
         known = self._answers.get(command.command_id)
         if known is not None:
             first = await asyncio.shield(known)
@@ -57,25 +63,24 @@ class CommandBook:
         future.set_result(reply)
         return reply
 
+    def _stale(self, command: AgentCommand) -> CommandReply:
+        highest = self.highest_fence(command.job_id)
+        log.warning(
+            "stale fence refused",
+            extra={"job_id": command.job_id, "fence": command.fence, "highest": highest, "cmd": command.command_id},
+        )
+        return CommandReply(
+            command_id=command.command_id,
+            node_id=self.node_id,
+            result=CommandResult.REJECTED_STALE_FENCE,
+            detail=f"stale fencing token {command.fence} for job {command.job_id}: highest seen is {highest}",
+            data={"highest_fence": highest},
+        )
+
     async def _fenced(self, command: AgentCommand, execute: Executor) -> CommandReply:
         highest = self.highest_fence(command.job_id)
-        if command.fence < highest:
-            log.warning(
-                "stale fence refused",
-                extra={
-                    "job_id": command.job_id,
-                    "fence": command.fence,
-                    "highest": highest,
-                    "cmd": command.command_id,
-                },
-            )
-            return CommandReply(
-                command_id=command.command_id,
-                node_id=self.node_id,
-                result=CommandResult.REJECTED_STALE_FENCE,
-                detail=f"stale fencing token {command.fence} for job {command.job_id}: highest seen is {highest}",
-                data={"highest_fence": highest},
-            )
+        if command.fence < highest:  # a newer owner got in while this command waited its turn
+            return self._stale(command)
         if command.fence > highest:
             self._fences[command.job_id] = command.fence
             self._save()

@@ -54,6 +54,7 @@ class RankProcess:
     proc: asyncio.subprocess.Process
     log_path: Path
     tail: deque[str]
+    restart_epoch: int = 0
     stopping: bool = False
     oom_baseline: int | None = None
     exit_code: int | None = None
@@ -68,7 +69,15 @@ class RankProcess:
 
     def status(self) -> RankStatus:
         """This rank as a node report shows it."""
-        return RankStatus(job_id=self.job_id, rank=self.rank, pid=self.proc.pid, gpu=self.gpu, alive=self.alive)
+        return RankStatus(
+            job_id=self.job_id,
+            rank=self.rank,
+            restart_epoch=self.restart_epoch,
+            pid=self.proc.pid,
+            gpu=self.gpu,
+            alive=self.alive,
+            exit_code=self.exit_code,
+        )
 
 
 ExitCallback = Callable[[RankProcess], Awaitable[None]]
@@ -156,6 +165,7 @@ class RankSupervisor:
             proc=proc,
             log_path=log_path,
             tail=deque(maxlen=self.tail_lines),
+            restart_epoch=spec.restart_epoch,
         )
         task = asyncio.create_task(self._watch(rank), name=f"rank:{spec.job_id}:{assignment.rank}")
         self._tasks.add(task)
@@ -209,6 +219,7 @@ class RankSupervisor:
             rank.stopping = True
             if rank.alive:
                 self.kill(rank, signal.SIGTERM)
+                self.kill(rank, signal.SIGCONT)  # a frozen (SIGSTOPped) rank must run to handle its SIGTERM
         waits = [asyncio.wait_for(r.done.wait(), timeout=grace_s) for r in ranks if r.alive]
         results = await asyncio.gather(*waits, return_exceptions=True)
         if any(isinstance(result, TimeoutError) for result in results):

@@ -113,6 +113,15 @@ async def test_stale_fence_is_rejected(harness: Harness) -> None:
     assert all(r.alive for r in harness.agent.supervisor.ranks())
 
 
+async def test_a_replaced_owner_repeating_a_command_id_gets_stale_not_the_cached_answer(harness: Harness) -> None:
+    new_owner = await harness.launch(fence=7, command_id="rec-1:launch:n1")  # the successor resumed the recovery
+    old_owner = await harness.launch(fence=6, command_id="rec-1:launch:n1")  # the paused owner wakes up
+    assert new_owner.result is CommandResult.DONE
+    assert old_owner.result is CommandResult.REJECTED_STALE_FENCE and not old_owner.duplicate
+    assert harness.agent.book.executed == 1
+    assert {r.status().restart_epoch for r in harness.agent.supervisor.ranks()} == {0}
+
+
 async def test_stop_leaves_no_process_of_the_group(harness: Harness) -> None:
     reply = await harness.launch(fence=1, command_id="l")
     pids = reply.data["pids"]
@@ -157,6 +166,32 @@ async def test_xid79_kills_rank_on_that_gpu_and_reports_gpu_lost(harness: Harnes
     assert await wait_for(gpu2_lost_in_report)
     survivors = [r for r in harness.agent.supervisor.ranks() if r.alive]
     assert [r.rank for r in survivors] == [0]
+
+
+def _process_state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+async def test_rank_faults_kill_or_freeze_the_named_rank(harness: Harness) -> None:
+    reply = await harness.launch(fence=1, command_id="l", gpus=(0, 1))
+    pids = reply.data["pids"]
+    hang = InjectFault(kind=FaultKind.RANK_HANG, rank=1, job_id="job-1")
+    frozen = await harness.client.request(subjects.node_inject("n1"), hang, InjectReply)
+    assert frozen.accepted and "froze (SIGSTOP) rank 1" in frozen.detail
+    assert await wait_for(lambda: _process_state(pids[1]) == "T")  # stopped, not dead: a hang, not a crash
+    kill = InjectFault(kind=FaultKind.RANK_KILL, rank=0)
+    killed = await harness.client.request(subjects.node_inject("n1"), kill, InjectReply)
+    assert killed.accepted and "killed rank 0" in killed.detail
+    assert await wait_for(lambda: len(harness.of_type(RankExited)) == 1)
+    exited = harness.of_type(RankExited)[0]
+    assert isinstance(exited, RankExited) and (exited.rank, exited.signal) == (0, "SIGKILL")
+    missing = await harness.client.request(
+        subjects.node_inject("n1"), InjectFault(kind=FaultKind.RANK_KILL, rank=7), InjectReply
+    )
+    assert not missing.accepted and "no live rank 7" in missing.detail
+    stop = await harness.command(CommandAction.STOP, fence=1, command_id="s", grace_s=5)
+    assert stop.result is CommandResult.DONE  # the frozen rank is woken so it can take its SIGTERM
+    assert not any(r.alive for r in harness.agent.supervisor.ranks())
 
 
 async def test_bad_injection_is_refused_with_a_reason(harness: Harness) -> None:
@@ -239,6 +274,7 @@ TRAINER = [
     sys.executable,
     "-c",
     "import time, reprise_sdk\n"
+    "time.sleep(2)\n"  # the first heartbeat comes well after the launch answer, even on a loaded machine
     "for step in range(1, 100000):\n"
     "    time.sleep(0.01)\n"
     "    reprise_sdk.heartbeat(step, loss=1.0 / step)\n"

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
 
-from reprise_common.events import Category, Culprit, Severity
+from reprise_common.events import Category, Culprit, RankExited, Severity
 from reprise_detector.classify import Classification
 from reprise_detector.incidents.models import Incident
 from reprise_detector.observe import Observation
@@ -49,7 +49,9 @@ def targets(observation: Observation, placements: PlacementMap) -> list[Target]:
     node_id = observation.node_id
     if observation.job_id is not None and observation.rank is not None:
         gpu = placements.gpu_of(job_id=observation.job_id, node_id=node_id, rank=observation.rank)
-        return [Target(observation.job_id, Culprit(node_id=node_id, gpu=gpu, rank=observation.rank))]
+        exit_code = observation.event.exit_code if isinstance(observation.event, RankExited) else None
+        culprit = Culprit(node_id=node_id, gpu=gpu, rank=observation.rank, exit_code=exit_code)
+        return [Target(observation.job_id, culprit)]
     return [
         Target(
             job_id,

@@ -231,6 +231,13 @@ class Detector:
             incident = service.get_active_for_job(
                 session, job_id=target.job_id, around=observation.time, window_s=self.window_s, warning=key[1]
             )
+        relaunched = self.placements.relaunched_at.get(target.job_id)
+        if (
+            incident is not None
+            and relaunched is not None
+            and incident.first_symptom_at < relaunched <= observation.time
+        ):
+            incident = None  # that incident's ranks were replaced by a recovery: this is a new fault
         decision = decide(classification, observation.time, incident)
         if decision is Decision.OPEN:
             incident = service.create(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from datetime import datetime
 
 from reprise_common.bus import Delivery, Outcome
 from reprise_common.errors import MalformedEventError
@@ -28,6 +29,8 @@ class PlacementMap:
     def __init__(self) -> None:
         self._by_node: dict[str, list[PlacedRank]] = {}
         self._epochs: dict[str, int] = {}
+        self.hang_timeouts: dict[str, float] = {}  # job -> the fixed hang limit its placement carries
+        self.relaunched_at: dict[str, datetime] = {}  # job -> when its current epoch was placed (after a recovery)
         self.last_seq = 0
         self._advanced = asyncio.Event()
 
@@ -36,7 +39,13 @@ class PlacementMap:
         job_id = placement.job_id
         if placement.restart_epoch < self._epochs.get(job_id, -1):
             return False
+        if placement.restart_epoch > self._epochs.get(job_id, 0):
+            self.relaunched_at[job_id] = placement.time
         self._epochs[job_id] = placement.restart_epoch
+        if placement.active and placement.hang_timeout_s is not None:
+            self.hang_timeouts[job_id] = placement.hang_timeout_s
+        else:
+            self.hang_timeouts.pop(job_id, None)
         for node_id in list(self._by_node):
             kept = [placed for placed in self._by_node[node_id] if placed.job_id != job_id]
             if kept:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
+from dataclasses import replace
 
 from pydantic import ValidationError
 from sqlalchemy.engine import Engine
@@ -98,9 +99,10 @@ class Watcher:
 
     def _progress(self, node_id: str, report: NodeReport, owned: set[str]) -> list[DerivedSymptom]:
         found: list[DerivedSymptom] = []
+        placed = {(r.job_id, r.rank) for r in self.placements.on_node(node_id)}
         for status in report.ranks:
-            if status.job_id not in owned:
-                continue
+            if status.job_id not in owned or (status.job_id, status.rank) not in placed:
+                continue  # a rank of an earlier placement that this node still lists: not the job's progress now
             self.book.update(node_id, status)
             if self.stragglers.judge(status.job_id, status.rank) is StragglerVerdict.STRAGGLER:
                 found.append(self.stragglers.finding(status.job_id, status.rank))
@@ -112,6 +114,10 @@ class Watcher:
         async with self._tick_lock:
             for job_id in set(self.book.jobs) - self.placements.active_jobs():
                 self.book.forget(job_id)
+            for job_id, job in self.book.jobs.items():  # ranks a relaunch moved or dropped (a shrink) stop counting
+                for rank, track in list(job.ranks.items()):
+                    if not any(p.job_id == job_id and p.rank == rank for p in self.placements.on_node(track.node_id)):
+                        del job.ranks[rank]
             overrides = await self.overrides() if self.book.jobs else {}
             self.pending.extend(self.liveness.check())
             self.pending.extend(self.hangs.check(overrides))
@@ -131,7 +137,10 @@ class Watcher:
         defaults = self.hangs.defaults
         with Session(self.engine) as session:
             rows = session.exec(select(HangPolicy)).all()
-        return {
+        from_placements = {
+            job_id: replace(defaults, timeout_s=timeout) for job_id, timeout in self.placements.hang_timeouts.items()
+        }
+        return from_placements | {
             row.job_id: HangLimits(
                 floor_s=row.floor_s or defaults.floor_s,
                 k=row.k or defaults.k,

@@ -62,11 +62,18 @@ class Harness:
         runtime: Runtime = self.app.state.runtime
         return runtime
 
-    async def place(self, job_id: str, ranks: list[tuple[int, str, int]], *, epoch: int = 0) -> None:
+    async def place(
+        self, job_id: str, ranks: list[tuple[int, str, int]], *, epoch: int = 0, hang_timeout_s: float | None = None
+    ) -> None:
         """Publish a placement: (rank, node, gpu) per rank, and wait until the detector has applied it."""
         assignments = [RankAssignment(rank=r, node_id=n, gpu=g, local_rank=g) for r, n, g in ranks]
         placement = JobPlacement(
-            source="orchestrator", job_id=job_id, restart_epoch=epoch, world_size=len(ranks), ranks=assignments
+            source="orchestrator",
+            job_id=job_id,
+            restart_epoch=epoch,
+            world_size=len(ranks),
+            ranks=assignments,
+            hang_timeout_s=hang_timeout_s,
         )
         seq = await self.agents.publish(subjects.placement(job_id), placement)
         assert await self.runtime.placements.wait_for_seq(seq, timeout=10)

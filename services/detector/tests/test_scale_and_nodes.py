@@ -7,7 +7,7 @@ from typing import Any
 
 from reprise_common import subjects
 from reprise_common.clock import ManualClock, utcnow
-from reprise_common.events import GpuXid, NodeQuarantineRecommended, RankExited, parse_event
+from reprise_common.events import GpuXid, NodeQuarantineRecommended, RankExited, RankStatus, parse_event
 from reprise_detector.partition import partition_of
 from reprise_detector.runtime import EVENTS_DURABLE, REPORTS_DURABLE
 
@@ -134,3 +134,41 @@ async def test_a_hang_policy_can_be_set_read_and_must_be_valid(detector: Harness
     assert (await c.put("/v1/jobs/job-a/hang-policy", json={"timeout_s": -1})).status_code == 422
     limits = await detector.runtime.watcher.overrides()
     assert limits["job-a"].timeout_s == 120 and limits["job-a"].startup_s == 600
+
+
+async def test_a_placement_carries_the_jobs_hang_timeout_and_rest_overrides_win(detector: Harness) -> None:
+    await detector.place("job-p", [(0, "node-1", 0)], hang_timeout_s=42)
+    await detector.place("job-q", [(0, "node-1", 1)], hang_timeout_s=42)
+    put = await detector.client.put("/v1/jobs/job-q/hang-policy", json={"timeout_s": 7})
+    assert put.status_code == 200
+    limits = await detector.runtime.watcher.overrides()
+    assert limits["job-p"].timeout_s == 42 and limits["job-q"].timeout_s == 7
+    await detector.place("job-p", [(0, "node-1", 0)], epoch=1)  # a new placement without one drops it
+    assert "job-p" not in await detector.runtime.watcher.overrides()
+
+
+async def test_a_fault_after_a_relaunch_opens_a_new_incident_with_its_exit_code(detector: Harness) -> None:
+    h = detector
+    await h.place("job-r", [(0, "node-1", 0), (1, "node-2", 0)])
+    await h.emit("node-2", RankExited(source="node-2", node_id="node-2", job_id="job-r", rank=1, exit_code=3))
+    await h.settled()
+    await h.place("job-r", [(0, "node-1", 0), (1, "node-2", 0)], epoch=1)  # the orchestrator relaunched the job
+    await h.emit("node-1", RankExited(source="node-1", node_id="node-1", job_id="job-r", rank=0, exit_code=4))
+    await h.settled()
+    body = (await h.client.get("/v1/incidents", params={"job_id": "job-r"})).json()
+    assert sorted((i["culprit_rank"], i["culprit_exit_code"]) for i in body["data"]) == [(0, 4), (1, 3)]
+
+
+async def test_ranks_a_relaunch_dropped_or_moved_stop_counting_for_hangs(detector: Harness) -> None:
+    h = detector
+    await h.place("job-s", [(0, "node-1", 0), (1, "node-2", 0)])
+    for node, rank in (("node-1", 0), ("node-2", 1)):
+        await h.report(node, [RankStatus(job_id="job-s", rank=rank, step=90, phase="training", restart_epoch=0)])
+    await h.settled()
+    book = h.runtime.watcher.book
+    assert set(book.jobs["job-s"].ranks) == {0, 1}
+    await h.place("job-s", [(0, "node-1", 0)], epoch=1)  # node-2 was lost: the job shrank to one rank
+    await h.report("node-2", [RankStatus(job_id="job-s", rank=1, step=90, phase="training", restart_epoch=0)])
+    await h.settled()
+    await h.runtime.watcher.tick()
+    assert set(book.jobs["job-s"].ranks) == {0}  # rank 1 on node-2 can no longer look hung

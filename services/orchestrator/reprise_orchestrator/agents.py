@@ -27,6 +27,11 @@ class NodeAnswer:
         return self.reply is not None and self.reply.result is CommandResult.DONE
 
     @property
+    def gone(self) -> bool:
+        """True when nothing listens on the node's command subject: its agent is not running."""
+        return self.reply is None and self.error.startswith("no responder")
+
+    @property
     def stale(self) -> bool:
         """True when the agent refused our fence as stale: someone newer owns the job."""
         return self.reply is not None and self.reply.result is CommandResult.REJECTED_STALE_FENCE

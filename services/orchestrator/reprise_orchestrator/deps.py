@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Annotated
 
+from fastapi import Depends, Request
 from sqlalchemy.engine import Engine
+from sqlmodel import Session
 
 from reprise_common.bus import Bus
 from reprise_common.clock import Clock
@@ -25,3 +29,19 @@ class Deps:
     inventory: Inventory
     registry: RegistryClient
     clock: Clock
+
+
+def get_deps(request: Request) -> Deps:
+    """The app's collaborators (a FastAPI dependency)."""
+    deps: Deps = request.app.state.deps
+    return deps
+
+
+def get_session(request: Request) -> Iterator[Session]:
+    """A database session for one request (a FastAPI dependency)."""
+    with Session(get_deps(request).engine) as session:
+        yield session
+
+
+DepsDep = Annotated[Deps, Depends(get_deps)]
+SessionDep = Annotated[Session, Depends(get_session)]

@@ -62,6 +62,10 @@ class RedisJobLocks:
         fence = int(await self.redis.incr(self._fence_key(job_id)))
         return LockHandle(job_id=job_id, token=token, fence=fence)
 
+    async def next_fence(self, job_id: str) -> int:
+        """A fence without the lock: whoever holds it now is fenced out (cancel preempts a running recovery)."""
+        return int(await self.redis.incr(self._fence_key(job_id)))
+
     async def floor_fence(self, job_id: str, at_least: int) -> None:
         """Never let the counter fall below a fence already used (e.g. after Redis lost its data)."""
         key = self._fence_key(job_id)

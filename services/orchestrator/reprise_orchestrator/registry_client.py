@@ -59,6 +59,14 @@ class RegistryClient:
             return False
         return response.status_code in (200, 204, 404)
 
+    async def load_failed(self, checkpoint_id: int, *, reason: str) -> bool:
+        """Tell the registry that restoring a checkpoint failed, so latest-validated falls back to the one before."""
+        try:
+            response = await self._client.post(f"/v1/checkpoints/{checkpoint_id}/load-failed", json={"reason": reason})
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
+
     async def ready(self) -> bool:
         """True when the registry answers its readiness probe."""
         try:

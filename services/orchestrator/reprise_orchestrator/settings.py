@@ -5,16 +5,20 @@ from __future__ import annotations
 import os
 import socket
 
-from pydantic import Field
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from reprise_common.settings import DatabaseSettings, ServiceSettings
+
+MIN_ADMIN_KEY_LENGTH = 32
+MIN_ADMIN_KEY_DISTINCT = 8  # refuses a repeated placeholder ("changeme" x 4); 32 random hex digits have ~14
 
 
 class OrchestratorSettings(ServiceSettings, DatabaseSettings):
     """Everything an orchestrator replica reads from its environment."""
 
-    model_config = SettingsConfigDict(env_prefix="REPRISE_", extra="ignore")
+    # hide_input_in_errors: a refused REPRISE_ADMIN_API_KEY must not be echoed into logs by the validation error.
+    model_config = SettingsConfigDict(env_prefix="REPRISE_", extra="ignore", hide_input_in_errors=True)
 
     http_port: int = 8730
     database_url: str = "sqlite:///.state/orchestrator.db"
@@ -27,3 +31,21 @@ class OrchestratorSettings(ServiceSettings, DatabaseSettings):
     node_stale_s: float = Field(default=5.0, gt=0, description="a node without a report for this long is not placeable")
     master_port_base: int = Field(default=29500, ge=1024, le=65000)
     http_timeout_s: float = Field(default=5.0, gt=0)
+    reconcile_interval_s: float = Field(default=1.0, gt=0, description="how often orphaned recoveries are looked for")
+    auth_enabled: bool = Field(default=True, description="require an API key on /v1 routes (false: open, audited)")
+    admin_api_key: SecretStr | None = Field(
+        default=None, description="an admin key that exists at start, named bootstrap (stored hashed)"
+    )
+
+    @field_validator("admin_api_key")
+    @classmethod
+    def _strong_admin_key(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is None:
+            return None
+        key = value.get_secret_value()
+        if len(key) < MIN_ADMIN_KEY_LENGTH or len(set(key)) < MIN_ADMIN_KEY_DISTINCT:
+            raise ValueError(
+                f"REPRISE_ADMIN_API_KEY is too weak: use at least {MIN_ADMIN_KEY_LENGTH} random characters, "
+                "e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))'"
+            )
+        return value

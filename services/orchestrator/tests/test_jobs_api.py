@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,10 +16,14 @@ from reprise_orchestrator.settings import OrchestratorSettings
 
 @pytest.fixture
 def client(nats_server: NatsServer, redis_server: RedisServer, tmp_path: Path) -> Iterator[TestClient]:
+    admin_key = secrets.token_urlsafe(32)
     settings = OrchestratorSettings(
-        nats_url=nats_server.url, redis_url=redis_server.url, database_url=f"sqlite:///{tmp_path / 'o.db'}"
+        nats_url=nats_server.url,
+        redis_url=redis_server.url,
+        database_url=f"sqlite:///{tmp_path / 'o.db'}",
+        admin_api_key=admin_key,
     )
-    with TestClient(create_app(settings)) as test_client:
+    with TestClient(create_app(settings), headers={"Authorization": f"Bearer {admin_key}"}) as test_client:
         yield test_client
 
 

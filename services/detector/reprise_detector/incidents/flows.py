@@ -41,7 +41,12 @@ def pending_change(incident: Incident, kind: IncidentChangeKind, *, seq: int, no
         category=Category(incident.category),
         severity=Severity(incident.severity),
         root_cause=incident.root_cause,
-        culprit=Culprit(node_id=incident.culprit_node_id, gpu=incident.culprit_gpu, rank=incident.culprit_rank),
+        culprit=Culprit(
+            node_id=incident.culprit_node_id,
+            gpu=incident.culprit_gpu,
+            rank=incident.culprit_rank,
+            exit_code=incident.culprit_exit_code,
+        ),
         recommended_action=RecommendedAction(incident.recommended_action),
         symptom_count=seq,
         first_symptom_at=incident.first_symptom_at,

@@ -44,6 +44,7 @@ class IncidentBase(SQLModel):
     culprit_node_id: str | None = Field(default=None, max_length=64, index=True)
     culprit_gpu: int | None = None
     culprit_rank: int | None = None
+    culprit_exit_code: int | None = None
     recommended_action: RecommendedAction = Field(sa_type=String(32))
     symptom_count: int = 0
     first_symptom_at: datetime = Field(sa_type=UTCDateTime)

@@ -154,6 +154,7 @@ def set_culprit(incident: Incident, culprit: Culprit) -> None:
     incident.culprit_node_id = culprit.node_id
     incident.culprit_gpu = culprit.gpu
     incident.culprit_rank = culprit.rank
+    incident.culprit_exit_code = culprit.exit_code
 
 
 def add_symptom(

@@ -11,16 +11,22 @@ from reprise_orchestrator.jobs import service
 from reprise_orchestrator.jobs.launch import launch, rendezvous_for
 from reprise_orchestrator.jobs.models import Job, JobCreate, JobState
 from reprise_orchestrator.jobs.placement import assign_ranks, choose_nodes
+from reprise_orchestrator.nodes import service as nodes_service
+from reprise_orchestrator.recoveries import service as recoveries
+from reprise_orchestrator.recoveries.flows import publish_inactive
+from reprise_orchestrator.recoveries.models import Outcome, RecoveryStep
+from reprise_orchestrator.recoveries.steps import stop_nodes
 
 log = get_logger("reprise.orchestrator.jobs")
 
 
 async def submit(deps: Deps, spec: JobCreate) -> Job:
     """Place a new job and launch it; the job is RUNNING when every node confirmed, FAILED otherwise."""
-    nodes = choose_nodes(spec, deps.inventory)
-    ranks = assign_ranks(nodes, ranks_per_node=spec.ranks_per_node, inventory=deps.inventory)
     with Session(deps.engine) as session:
-        job = service.create(session, spec=spec)
+        unavailable = service.busy_nodes(session) | nodes_service.cordoned_ids(session)
+        nodes = choose_nodes(spec, deps.inventory, unavailable=unavailable)
+        ranks = assign_ranks(nodes, ranks_per_node=spec.ranks_per_node, inventory=deps.inventory)
+        job = service.create(session, spec=spec, placement=[r.model_dump(mode="json") for r in ranks])
         job_id = job.id
     handle = await deps.locks.acquire(job_id, owner=deps.settings.replica_id)
     if handle is None:
@@ -58,3 +64,74 @@ async def submit(deps: Deps, spec: JobCreate) -> Job:
         await deps.locks.release(handle)
     with Session(deps.engine) as session:
         return service.get(session, job_id=job_id)
+
+
+async def cancel(deps: Deps, job_id: str) -> Job:
+    """Cancel a job: a fresh fence (no lock needed) fences out any running recovery; then its ranks are stopped."""
+    with Session(deps.engine) as session:
+        job = service.get(session, job_id=job_id)
+        if job.state in (JobState.CANCELLED, JobState.FAILED, JobState.COMPLETED):
+            return job
+    fence = await deps.locks.next_fence(job_id)
+    now = deps.clock.now()
+    with Session(deps.engine) as session:
+        if not service.claim_fence(session, job_id=job_id, fence=fence):
+            raise ConflictError(f"job {job_id}: a newer fencing token owns it; try again")
+        service.update_fenced(session, job_id=job_id, fence=fence, state=JobState.CANCELLED, detail="cancelled")
+        active = recoveries.find_active(session, job_id=job_id)
+        if active is not None:
+            recoveries.record_step(
+                session,
+                recovery_id=active.id,
+                fence=fence,
+                step=RecoveryStep.FAILED,
+                started_at=now,
+                ended_at=now,
+                attempt=active.attempt,
+                detail="the job was cancelled",
+                finished_at=now,
+                outcome=Outcome.CANCELLED,
+            )
+        job = service.get(session, job_id=job_id)
+    nodes = list(dict.fromkeys(r["node_id"] for r in job.placement))
+    await stop_nodes(deps, f"{job_id}:cancel:{fence}", job_id, fence, nodes)
+    await publish_inactive(deps, job_id, job.restart_epoch, msg_id=f"{job_id}:cancel:{fence}")
+    log.info("job cancelled", extra={"job_id": job_id, "fence": fence})
+    return job
+
+
+def finished_ranks(deps: Deps, job: Job) -> bool:
+    """True when every rank of the job's current launch reported that it exited 0."""
+    statuses = deps.inventory.ranks_of(job.id, restart_epoch=job.restart_epoch)
+    wanted = {int(r["rank"]) for r in job.placement}
+    return bool(wanted) and all(
+        rank in statuses and not statuses[rank].alive and statuses[rank].exit_code == 0 for rank in wanted
+    )
+
+
+async def complete_finished(deps: Deps) -> list[str]:
+    """Mark running jobs whose ranks all exited 0 completed (under the job's lock and a new fence); their ids."""
+    with Session(deps.engine) as session:
+        candidates = [job for job in service.get_all(session, state=JobState.RUNNING, limit=1000)]
+    done = []
+    for job in candidates:
+        if not finished_ranks(deps, job):
+            continue
+        handle = await deps.locks.acquire(job.id, owner=deps.settings.replica_id)
+        if handle is None:
+            continue  # a recovery (or another replica) holds it: look again next time
+        try:
+            with Session(deps.engine) as session:
+                if recoveries.find_active(session, job_id=job.id) is not None:
+                    continue
+                if not service.claim_fence(session, job_id=job.id, fence=handle.fence):
+                    continue
+                service.update_fenced(session, job_id=job.id, fence=handle.fence, state=JobState.COMPLETED)
+            nodes = list(dict.fromkeys(r["node_id"] for r in job.placement))
+            await stop_nodes(deps, f"{job.id}:complete:{handle.fence}", job.id, handle.fence, nodes)
+            await publish_inactive(deps, job.id, job.restart_epoch, msg_id=f"{job.id}:complete:{handle.fence}")
+            log.info("job completed", extra={"job_id": job.id})
+            done.append(job.id)
+        finally:
+            await deps.locks.release(handle)
+    return done

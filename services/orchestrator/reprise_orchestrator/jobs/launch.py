@@ -52,6 +52,7 @@ async def launch(
         restart_epoch=rendezvous.restart_epoch,
         world_size=len(ranks),
         ranks=ranks,
+        hang_timeout_s=spec.policy.hang_timeout_s,
     )
     await bus.publish(subjects.placement(job_id), placement, msg_id=f"{operation_id}:placement")
     args_by_node = {

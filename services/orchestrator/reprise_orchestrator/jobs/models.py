@@ -21,15 +21,67 @@ class JobState(StrEnum):
     PENDING = "pending"
     RUNNING = "running"
     RECOVERING = "recovering"
+    HELD = "held"  # a recovery stopped and asks for a human (circuit breaker, or the detector said so)
+    COMPLETED = "completed"  # every rank of the current launch exited 0
     FAILED = "failed"
     CANCELLED = "cancelled"
 
 
-class RecoveryPolicy(SQLModel):
-    """How a job may be recovered."""
+ACTIVE_STATES = frozenset({JobState.RUNNING, JobState.RECOVERING})
 
-    max_restarts: int = Field(default=10, ge=0, le=1000)
-    non_retryable_exit_codes: list[int] = Field(default_factory=list)
+
+class RecoveryPolicy(SQLModel):
+    """How a job may be recovered; every field has a default a user can override per job."""
+
+    max_restarts: int = Field(default=10, ge=0, le=1000, description="restarts allowed within restart_window_s")
+    restart_window_s: float = Field(default=86_400.0, gt=0, description="the window the restart budget counts in")
+    backoff_initial_s: float = Field(
+        default=2.0, ge=0, le=3600, description="wait before a retry that follows no progress"
+    )
+    backoff_max_s: float = Field(default=60.0, ge=0, le=3600)
+    backoff_factor: float = Field(default=2.0, ge=1, le=10)
+    elastic_min_nodes: int | None = Field(
+        default=None, ge=1, le=4096, description="shrink down to this many nodes; None: never shrink"
+    )
+    elastic_max_nodes: int | None = Field(default=None, ge=1, le=4096, description="never run on more nodes than this")
+    use_spares: bool = Field(default=True, description="replace a lost or cordoned node with a spare first")
+    hang_timeout_s: float | None = Field(default=None, gt=0, le=86_400, description="override the learned hang limit")
+    non_retryable_exit_codes: list[int] = Field(default_factory=list, description="a rank exiting so fails the job")
+    max_same_error: int = Field(
+        default=3, ge=1, le=100, description="the same root cause this many times in a row fails the job"
+    )
+    max_recoveries_without_progress: int = Field(
+        default=3, ge=1, le=100, description="recoveries in a row restoring no newer checkpoint before giving up"
+    )
+    max_cordon_share: float = Field(
+        default=0.25,
+        gt=0,
+        le=1,
+        description="circuit breaker: most nodes recoveries may cordon in the window (at least 1)",
+    )
+    cordon_window_s: float = Field(default=3600.0, gt=0)
+    placement_timeout_s: float = Field(default=120.0, gt=0, le=86_400, description="how long to wait for capacity")
+    verify_timeout_s: float = Field(
+        default=300.0, gt=0, le=86_400, description="every rank must pass the checkpoint's step in this time"
+    )
+    max_attempts: int = Field(default=3, ge=1, le=20, description="attempts of one recovery (launch or verify failing)")
+    recovery_time_objective_s: float = Field(default=120.0, gt=0, description="what drills measure recoveries against")
+
+    @model_validator(mode="after")
+    def _elastic_bounds(self) -> RecoveryPolicy:
+        if (
+            self.elastic_min_nodes is not None
+            and self.elastic_max_nodes is not None
+            and self.elastic_min_nodes > self.elastic_max_nodes
+        ):
+            raise ValueError("elastic_min_nodes is larger than elastic_max_nodes")
+        return self
+
+    def backoff_s(self, streak: int) -> float:
+        """The wait before the `streak`-th retry in a row (0: none)."""
+        if streak <= 0:
+            return 0.0
+        return float(min(self.backoff_max_s, self.backoff_initial_s * self.backoff_factor ** (streak - 1)))
 
 
 class JobBase(SQLModel):
@@ -56,6 +108,12 @@ class JobCreate(JobBase):
             raise ValueError("give exactly one of nodes (a list of node ids) or node_count")
         if self.nodes is not None and len(set(self.nodes)) != len(self.nodes):
             raise ValueError("nodes lists a node twice")
+        count = self.node_count if self.node_count is not None else len(self.nodes or [])
+        bounds = self.policy
+        if bounds.elastic_max_nodes is not None and count > bounds.elastic_max_nodes:
+            raise ValueError(f"policy.elastic_max_nodes ({bounds.elastic_max_nodes}) is below the job's {count} nodes")
+        if bounds.elastic_min_nodes is not None and count < bounds.elastic_min_nodes:
+            raise ValueError(f"policy.elastic_min_nodes ({bounds.elastic_min_nodes}) is above the job's {count} nodes")
         return self
 
 
@@ -68,6 +126,12 @@ class Job(JobBase, table=True):
     placement: list[dict[str, Any]] = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
     restart_epoch: int = 0
     restarts: int = 0
+    restart_times: list[str] = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
+    last_restore_step: int | None = None
+    no_progress_streak: int = 0
+    last_error: str = ""
+    same_error_streak: int = 0
+    detail: str = Field(default="", description="why the job failed or is held")
     master_port: int = 0
     max_fence: int = Field(default=0, description="highest fencing token that has written to this job")
     created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
@@ -85,7 +149,9 @@ class JobPublic(JobBase):
     state: JobState
     restart_epoch: int
     restarts: int
+    detail: str
     placement: list[dict[str, Any]]
+    spec: dict[str, Any]
     created_at: datetime
     updated_at: datetime
 

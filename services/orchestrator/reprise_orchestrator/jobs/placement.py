@@ -1,22 +1,67 @@
-"""Placement: ranks onto nodes."""
+"""Placement: ranks onto nodes, and re-placement after a fault (spares first, else shrink, else wait)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from enum import StrEnum
+
 from reprise_common.errors import ConflictError
 from reprise_common.events import RankAssignment
-from reprise_orchestrator.jobs.models import JobCreate
+from reprise_orchestrator.jobs.models import JobCreate, RecoveryPolicy
 from reprise_orchestrator.nodes.inventory import Inventory
 
 
-def choose_nodes(spec: JobCreate, inventory: Inventory) -> list[str]:
-    """The nodes a new job runs on: the ones it names (each must be placeable), or the first N placeable workers."""
-    placeable = set(inventory.placeable()) | set(inventory.placeable(spares=True))
+class PlacementDecision(StrEnum):
+    """How a recovery re-places a job."""
+
+    SAME = "same"  # every node is still usable
+    SPARES = "spares"  # every unusable node is replaced by a spare, in its place (rank numbers stay)
+    SHRINK = "shrink"  # not enough spares: run on fewer nodes, within the policy's elastic minimum
+    WAIT = "wait"  # neither: wait for capacity
+
+
+@dataclass(frozen=True)
+class Replan:
+    """The nodes a job runs on after a recovery, and why."""
+
+    decision: PlacementDecision
+    nodes: list[str]
+    replaced: dict[str, str] = field(default_factory=dict)  # unusable node → the spare that takes its place
+    dropped: list[str] = field(default_factory=list)  # unusable nodes nobody replaces
+
+
+def replan(current: list[str], *, usable: set[str], spares: list[str], policy: RecoveryPolicy) -> Replan:
+    """Keep usable nodes in order; put free spares in the places of unusable ones; shrink or wait for the rest."""
+    lost = [node for node in current if node not in usable]
+    if not lost:
+        return Replan(PlacementDecision.SAME, list(current))
+    free = [spare for spare in spares if spare not in current] if policy.use_spares else []
+    replaced = dict(zip(lost, free, strict=False))
+    nodes = [replaced.get(node, node) for node in current if node in usable or node in replaced]
+    dropped = [node for node in lost if node not in replaced]
+    if not dropped:
+        return Replan(PlacementDecision.SPARES, nodes, replaced)
+    if policy.elastic_min_nodes is not None and len(nodes) >= policy.elastic_min_nodes:
+        return Replan(PlacementDecision.SHRINK, nodes, replaced, dropped)
+    return Replan(PlacementDecision.WAIT, nodes, replaced, dropped)
+
+
+def choose_nodes(spec: JobCreate, inventory: Inventory, *, unavailable: set[str]) -> list[str]:
+    """The nodes a new job runs on: the ones it names (each must be placeable), or the first N placeable workers.
+
+    `unavailable` holds cordoned nodes and nodes other active jobs run on.
+    """
+    placeable = set(inventory.placeable(exclude=unavailable)) | set(
+        inventory.placeable(spares=True, exclude=unavailable)
+    )
     if spec.nodes is not None:
         missing = [node for node in spec.nodes if node not in placeable]
         if missing:
-            raise ConflictError(f"nodes not available (unknown, stale or unhealthy): {', '.join(missing)}")
+            raise ConflictError(
+                f"nodes not available (unknown, stale, unhealthy, cordoned or busy): {', '.join(missing)}"
+            )
         return list(spec.nodes)
-    workers = inventory.placeable()
+    workers = inventory.placeable(exclude=unavailable)
     assert spec.node_count is not None
     if len(workers) < spec.node_count:
         raise ConflictError(f"job needs {spec.node_count} nodes, {len(workers)} healthy worker nodes are available")

@@ -12,11 +12,11 @@ from sqlmodel import Session, col, select
 from reprise_common.clock import utcnow
 from reprise_common.errors import NotFoundError
 from reprise_common.events import new_id
-from reprise_orchestrator.jobs.models import Job, JobCreate, JobState
+from reprise_orchestrator.jobs.models import ACTIVE_STATES, Job, JobCreate, JobState
 
 
-def create(session: Session, *, spec: JobCreate) -> Job:
-    """Record a new job (pending until launched)."""
+def create(session: Session, *, spec: JobCreate, placement: list[dict[str, Any]]) -> Job:
+    """Record a new job with its planned placement (pending until launched)."""
     job = Job(
         id=f"job-{new_id()[:12]}",
         name=spec.name,
@@ -24,6 +24,7 @@ def create(session: Session, *, spec: JobCreate) -> Job:
         working_dir=spec.working_dir,
         checkpoint_dir=spec.checkpoint_dir,
         spec=spec.model_dump(mode="json"),
+        placement=placement,
     )
     session.add(job)
     session.commit()
@@ -63,3 +64,9 @@ def update_fenced(session: Session, *, job_id: str, fence: int, **values: Any) -
     result = session.execute(statement)
     session.commit()
     return cast("CursorResult[Any]", result).rowcount == 1
+
+
+def busy_nodes(session: Session, *, except_job: str | None = None) -> set[str]:
+    """Nodes that active jobs (other than `except_job`) run on."""
+    query = select(Job).where(col(Job.state).in_(list(ACTIVE_STATES | {JobState.PENDING})))
+    return {rank["node_id"] for job in session.exec(query).all() if job.id != except_job for rank in job.placement}

@@ -2,31 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Query, Request
-from sqlmodel import Session
+from fastapi import APIRouter, Query
 
-from reprise_orchestrator.deps import Deps
+from reprise_orchestrator.deps import DepsDep, SessionDep
 from reprise_orchestrator.jobs import flows, service
 from reprise_orchestrator.jobs.models import JobCreate, JobPublic, JobsPublic, JobState
 from reprise_orchestrator.recoveries import service as recoveries
 from reprise_orchestrator.recoveries.models import RecoveriesPublic, RecoveryPublic
 
-
-def _deps(request: Request) -> Deps:
-    deps: Deps = request.app.state.deps
-    return deps
-
-
-def _session(request: Request) -> Iterator[Session]:
-    with Session(_deps(request).engine) as session:
-        yield session
-
-
-DepsDep = Annotated[Deps, Depends(_deps)]
-SessionDep = Annotated[Session, Depends(_session)]
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
 
@@ -53,6 +38,12 @@ def list_jobs(
 def get_job(job_id: str, session: SessionDep) -> JobPublic:
     """One job."""
     return _public(service.get(session, job_id=job_id))
+
+
+@router.post("/{job_id}/cancel", response_model=JobPublic)
+async def cancel_job(job_id: str, deps: DepsDep) -> JobPublic:
+    """Cancel a job: any running recovery stands down, its ranks are stopped; idempotent."""
+    return _public(await flows.cancel(deps, job_id))
 
 
 @router.get("/{job_id}/recoveries", response_model=RecoveriesPublic)

@@ -11,7 +11,7 @@ from pydantic import BaseModel
 from reprise_common import subjects
 from reprise_common.bus import Bus
 from reprise_common.clock import Clock
-from reprise_common.events import GpuHealth, NodeReport
+from reprise_common.events import GpuHealth, NodeReport, RankStatus
 from reprise_common.logging import get_logger
 
 log = get_logger("reprise.orchestrator.nodes")
@@ -35,6 +35,8 @@ class NodePublic(BaseModel):
     ranks: int
     last_report_at: datetime
     stale: bool
+    cordoned: bool = False
+    cordon_reason: str = ""
 
 
 class Inventory:
@@ -69,15 +71,33 @@ class Inventory:
         info = self._nodes.get(node_id)
         return info is not None and self.clock.monotonic() - info.seen_mono <= self.stale_s
 
-    def placeable(self, *, spares: bool = False) -> list[str]:
-        """Fresh nodes with every GPU healthy, workers (or spares), sorted by id."""
+    def placeable(self, *, spares: bool = False, exclude: frozenset[str] | set[str] = frozenset()) -> list[str]:
+        """Fresh nodes with every GPU healthy, workers (or spares), not excluded, sorted by id."""
         return sorted(
             node_id
             for node_id, info in self._nodes.items()
-            if self.fresh(node_id)
+            if node_id not in exclude
+            and self.fresh(node_id)
             and info.report.spare == spares
             and all(g.health in (GpuHealth.OK, GpuHealth.DEGRADED) for g in info.report.gpus)
         )
+
+    def known(self) -> int:
+        """How many nodes have ever reported (the circuit breaker's denominator)."""
+        return len(self._nodes)
+
+    def ranks_of(self, job_id: str, *, restart_epoch: int) -> dict[int, RankStatus]:
+        """The job's ranks of one launch as fresh reports show them, by rank.
+
+        Filtering by epoch matters: a node the job left still reports the ranks it stopped, under the same numbers.
+        """
+        return {
+            rank.rank: rank
+            for node_id, info in self._nodes.items()
+            if self.fresh(node_id)
+            for rank in info.report.ranks
+            if rank.job_id == job_id and rank.restart_epoch == restart_epoch
+        }
 
     def address(self, node_id: str) -> str:
         """Where other nodes reach this one, as it reports it (its id when it reported none)."""
@@ -89,8 +109,8 @@ class Inventory:
         info = self._nodes.get(node_id)
         return 0 if info is None else len(info.report.gpus)
 
-    def public(self) -> list[NodePublic]:
-        """Every known node."""
+    def public(self, cordons: dict[str, str]) -> list[NodePublic]:
+        """Every known node, with its cordon reason when `cordons` (node → reason) names it."""
         return [
             NodePublic(
                 node_id=node_id,
@@ -100,6 +120,8 @@ class Inventory:
                 ranks=len(info.report.ranks),
                 last_report_at=info.report.time,
                 stale=not self.fresh(node_id),
+                cordoned=node_id in cordons,
+                cordon_reason=cordons.get(node_id, ""),
             )
             for node_id, info in sorted(self._nodes.items())
         ]

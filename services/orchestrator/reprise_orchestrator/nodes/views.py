@@ -1,16 +1,43 @@
-"""REST routes for the node inventory."""
+"""REST routes for the node inventory and cordons."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 
-from reprise_orchestrator.nodes.inventory import Inventory, NodePublic
+from reprise_common.settings import IdStr
+from reprise_orchestrator.deps import DepsDep, SessionDep
+from reprise_orchestrator.nodes import service
+from reprise_orchestrator.nodes.inventory import NodePublic
+from reprise_orchestrator.nodes.models import CordonPublic, CordonRequest, NodeCordon
 
 router = APIRouter(prefix="/v1/nodes", tags=["nodes"])
 
 
 @router.get("", response_model=list[NodePublic])
-async def list_nodes(request: Request) -> list[NodePublic]:
-    """Every node that has reported, with its health and freshness."""
-    inventory: Inventory = request.app.state.inventory
-    return inventory.public()
+def list_nodes(deps: DepsDep, session: SessionDep) -> list[NodePublic]:
+    """Every node that has reported, with its health, freshness and cordon."""
+    cordons = {row.node_id: row.reason for row in service.get_all(session) if row.cordoned}
+    return deps.inventory.public(cordons)
+
+
+@router.post("/{node_id}/cordon", response_model=CordonPublic)
+def cordon_node(node_id: IdStr, body: CordonRequest, deps: DepsDep, session: SessionDep) -> CordonPublic:
+    """Give a node no new ranks (running ranks stay until their job's next recovery); idempotent."""
+    service.cordon(
+        session, node_id=node_id, reason=body.reason or "cordoned by an operator", by="api", now=deps.clock.now()
+    )
+    return _row(session, node_id)
+
+
+@router.post("/{node_id}/uncordon", response_model=CordonPublic)
+def uncordon_node(node_id: IdStr, deps: DepsDep, session: SessionDep) -> CordonPublic:
+    """Make a cordoned node placeable again; idempotent."""
+    service.uncordon(session, node_id=node_id, now=deps.clock.now())
+    return _row(session, node_id)
+
+
+def _row(session: SessionDep, node_id: str) -> CordonPublic:
+    row = session.get(NodeCordon, node_id)
+    if row is None:  # uncordoning a node that was never cordoned
+        return CordonPublic(node_id=node_id, cordoned=False)
+    return CordonPublic.model_validate(row, from_attributes=True)

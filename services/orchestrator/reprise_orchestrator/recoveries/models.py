@@ -14,18 +14,38 @@ from reprise_common.db import UTCDateTime
 
 
 class RecoveryStep(StrEnum):
-    """The steps of a recovery, in order; a recovery ends in RUNNING or FAILED."""
+    """The steps of a recovery, in order; a recovery ends in RUNNING or FAILED (or HELD, waiting for a human)."""
 
     DETECTED = "detected"
     LOCKED = "locked"
     STOPPING_RANKS = "stopping_ranks"
+    ISOLATING = "isolating"
+    PLACING = "placing"
     RESTORING = "restoring"
     LAUNCHING = "launching"
+    VERIFYING = "verifying"
     RUNNING = "running"
     FAILED = "failed"
+    HELD = "held"
 
 
-TERMINAL_STEPS = frozenset({RecoveryStep.RUNNING, RecoveryStep.FAILED})
+TERMINAL_STEPS = frozenset({RecoveryStep.RUNNING, RecoveryStep.FAILED, RecoveryStep.HELD})
+
+
+class Outcome(StrEnum):
+    """Why a recovery ended as it did."""
+
+    RECOVERED = "recovered"
+    BUDGET_SPENT = "restart_budget_spent"
+    NON_RETRYABLE = "non_retryable_exit_code"
+    SAME_ERROR = "same_error_repeated"
+    NO_PROGRESS = "no_checkpoint_progress"
+    CIRCUIT_BREAKER = "circuit_breaker_open"
+    HUMAN_ASKED = "detector_asked_for_a_human"
+    NO_CAPACITY = "no_capacity"
+    ATTEMPTS_SPENT = "attempts_spent"
+    REGISTRY_UNAVAILABLE = "registry_unavailable"
+    CANCELLED = "cancelled"
 
 
 class Recovery(SQLModel, table=True):
@@ -39,6 +59,8 @@ class Recovery(SQLModel, table=True):
     owner: str
     step: RecoveryStep = Field(default=RecoveryStep.DETECTED, index=True)
     steps: list[dict[str, Any]] = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
+    attempt: int = 1
+    outcome: Outcome | None = None
     detail: str = ""
     started_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
     finished_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
@@ -55,6 +77,8 @@ class RecoveryPublic(SQLModel):
     owner: str
     step: RecoveryStep
     steps: list[dict[str, Any]]
+    attempt: int
+    outcome: Outcome | None
     detail: str
     started_at: datetime
     finished_at: datetime | None

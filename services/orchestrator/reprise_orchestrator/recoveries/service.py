@@ -10,7 +10,7 @@ from sqlmodel import Session, col, select
 
 from reprise_common.errors import RepriseError
 from reprise_orchestrator.jobs.models import Job
-from reprise_orchestrator.recoveries.models import TERMINAL_STEPS, Recovery, RecoveryStep
+from reprise_orchestrator.recoveries.models import TERMINAL_STEPS, Outcome, Recovery, RecoveryStep
 
 
 class FencedOutError(RepriseError):
@@ -29,12 +29,31 @@ def find_active(session: Session, *, job_id: str) -> Recovery | None:
     return session.exec(query).first()
 
 
+def get_all_active(session: Session) -> Sequence[Recovery]:
+    """Every recovery that has not ended (what the reconciler looks at)."""
+    return session.exec(select(Recovery).where(col(Recovery.step).not_in(list(TERMINAL_STEPS)))).all()
+
+
 def knows_incident(session: Session, *, job_id: str, incident_id: str) -> bool:
     """True when a recovery of the job was started by, or has attached, this incident."""
     return any(
         r.incident_id == incident_id or incident_id in r.attached_incidents
         for r in get_all_by_job(session, job_id=job_id)
     )
+
+
+def covering(session: Session, *, job_id: str, symptom_at: datetime) -> Recovery | None:
+    """The latest recovery that already stopped the ranks a symptom at `symptom_at` came from, if any.
+
+    A symptom older than a recovery's relaunch is about processes that recovery replaced: it is not a new fault.
+    """
+    for recovery in get_all_by_job(session, job_id=job_id):
+        relaunched = next((s["started_at"] for s in recovery.steps if s["step"] == RecoveryStep.LAUNCHING), None)
+        if relaunched is not None and symptom_at < datetime.fromisoformat(relaunched):
+            return recovery
+        if relaunched is not None:
+            return None  # the newest relaunch is older than the symptom: it is a new fault
+    return None
 
 
 def attach(session: Session, *, recovery: Recovery, incident_id: str) -> None:
@@ -60,6 +79,24 @@ def create(session: Session, *, recovery: Recovery) -> Recovery:
     return recovery
 
 
+def take_over(session: Session, *, recovery_id: str, fence: int, owner: str) -> Recovery:
+    """Make the holder of `fence` (already claimed on the job) the recovery's owner."""
+    recovery = _get(session, recovery_id)
+    _check_fence(session, job_id=recovery.job_id, fence=fence)
+    recovery.fence, recovery.owner = fence, owner
+    session.add(recovery)
+    session.commit()
+    session.refresh(recovery)
+    return recovery
+
+
+def _get(session: Session, recovery_id: str) -> Recovery:
+    recovery = session.get(Recovery, recovery_id)
+    if recovery is None:
+        raise RepriseError(f"recovery {recovery_id} vanished")
+    return recovery
+
+
 def record_step(
     session: Session,
     *,
@@ -68,28 +105,32 @@ def record_step(
     step: RecoveryStep,
     started_at: datetime,
     ended_at: datetime | None,
+    attempt: int,
     data: dict[str, Any] | None = None,
     detail: str | None = None,
     finished_at: datetime | None = None,
+    outcome: Outcome | None = None,
 ) -> Recovery:
-    """Start or finish a step (same step twice updates its end); refused with FencedOutError if fenced out."""
-    recovery = session.get(Recovery, recovery_id)
-    if recovery is None:
-        raise RepriseError(f"recovery {recovery_id} vanished")
+    """Start or finish a step (same step and attempt twice updates its end); FencedOutError if fenced out."""
+    recovery = _get(session, recovery_id)
     _check_fence(session, job_id=recovery.job_id, fence=fence)
     entry = {
         "step": step.value,
+        "attempt": attempt,
         "started_at": started_at.isoformat(),
         "ended_at": ended_at.isoformat() if ended_at else None,
         "data": data or {},
     }
     steps = list(recovery.steps)
-    if steps and steps[-1]["step"] == step.value:
+    if steps and steps[-1]["step"] == step.value and steps[-1].get("attempt", 1) == attempt:
         steps[-1] = entry
     else:
         steps.append(entry)
     recovery.steps = steps
     recovery.step = step
+    recovery.attempt = attempt
+    if outcome is not None:
+        recovery.outcome = outcome
     if detail is not None:
         recovery.detail = detail
     if finished_at is not None:

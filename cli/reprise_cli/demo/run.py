@@ -1,0 +1,126 @@
+"""`reprise demo` from start to end: the platform, the scenario, the summary, the picture, and --keep."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import sys
+import time
+from contextlib import closing
+from types import FrameType
+
+from reprise_cli.client import PlatformClient
+from reprise_cli.creds import read_admin_api_key
+from reprise_cli.demo import report, timeline
+from reprise_cli.demo.models import DemoFailure, DemoRun, demo_faults
+from reprise_cli.demo.scenario import Scenario
+from reprise_cli.demo.training import ReferenceRun, Training
+from reprise_cli.stack import Stack
+from reprise_cli.topology import StackConfig, slack_receiver_url
+from reprise_common.errors import ConfigError
+
+
+class Narrator:
+    """Prints one line per event, stamped with the seconds since the demo began."""
+
+    def __init__(self) -> None:
+        self.began = time.monotonic()
+
+    def __call__(self, text: str) -> None:
+        """Print one line at once."""
+        print(f"[{time.monotonic() - self.began:6.1f}s] {text}", flush=True)
+
+
+def client_for(stack: Stack) -> PlatformClient:
+    """A client of the started stack's public interfaces, with its admin key."""
+    return PlatformClient(
+        orchestrator=stack.url("orchestrator"),
+        detector=stack.url("detector"),
+        registry=stack.url("checkpoint-registry"),
+        nats_url=stack.config.nats_url,
+        nkey_seed_file=stack.platform_seed,
+        api_key=read_admin_api_key(stack.config.state_dir),
+    )
+
+
+def _interrupt(_signum: int, _frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+def run_demo(config: StackConfig, *, keep: bool = False) -> int:
+    """Run the whole demo; 0 when every fault was recovered and the parameters equal the reference's."""
+    # Explicit handlers: a launcher started from a script in the background inherits SIGINT as ignored.
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
+    shutil.rmtree(config.state_dir, ignore_errors=True)  # a demo starts from nothing, whatever ran before
+    say = Narrator()
+    stack = Stack(config, say=say)
+    training = Training()
+    # The reference trains while the platform starts: both are over before the job is submitted, so no timing of
+    # the job or of a recovery shares the CPU with it.
+    reference = ReferenceRun(training, world_size=config.nodes, work_dir=config.state_dir.resolve() / "reference")
+    code = 1
+    try:
+        say(f"fault-free reference started: {config.nodes} local gloo ranks without the platform")
+        reference.start()
+        say(f"starting the platform: {config.nodes} nodes + {config.spares} spare (logs in {stack.log_dir})")
+        stack.start(timeout_s=90)
+        say("every service ready")
+        with closing(client_for(stack)) as client:
+            code = _run(stack, client, training, reference, say)
+            if keep:
+                _keep(stack, say)
+    except ConfigError as exc:
+        print(f"reprise demo: {exc}", file=sys.stderr)
+        code = 2
+    except KeyboardInterrupt:
+        say("interrupted")
+        code = 130
+    finally:
+        reference.stop()
+        stack.stop()
+        say("platform stopped")
+    return code
+
+
+def _run(stack: Stack, client: PlatformClient, training: Training, reference: ReferenceRun, say: Narrator) -> int:
+    scenario = Scenario(stack, client, training, say, work_dir=stack.config.state_dir.resolve())
+    faults = demo_faults(stack.config.nodes)
+    try:
+        run = scenario.run(faults, reference=reference)
+    except DemoFailure as exc:
+        say(f"FAILED: {exc} (logs in {stack.log_dir})")
+        return 1
+    _conclude(run, stack, client, say)
+    ok = run.ok and len(run.faults) == len(faults)
+    say("RESULT: " + ("every fault recovered without help; parameters equal" if ok else "FAILED (see above)"))
+    return 0 if ok else 1
+
+
+def _conclude(run: DemoRun, stack: Stack, client: PlatformClient, say: Narrator) -> None:
+    """The table, goodput and verdict, the picture, and where the incidents can be seen."""
+    report.summary(run, say=say)
+    picture = timeline.draw(run, stack.config.state_dir.resolve() / "timeline.png")
+    say(f"timeline: {picture}")
+    job_id = run.job["id"]
+    if any(spec.name == "dashboard" for spec in stack.specs):
+        say(f"dashboard: {stack.url('dashboard')}/jobs/{job_id} (incidents: {stack.url('dashboard')}/incidents)")
+    receiver = slack_receiver_url(stack.config)
+    counts = report.slack_messages_per_incident(
+        client.http, receiver_url=receiver, notifier_url=stack.url("notifier"), job_id=job_id
+    )
+    say(f"Slack messages: {receiver}/ (JSON: {receiver}/messages), per incident:")
+    named = [((f.incident or {}).get("id"), str(f.plan.fault)) for f in run.faults]
+    named += [(r.get("incident_id"), "unplanned recovery") for r in run.unplanned]
+    for incident_id, what in named:
+        if incident_id:
+            say(f"  incident {incident_id} ({what}): {counts.get(incident_id, 0)} message(s)")
+
+
+def _keep(stack: Stack, say: Narrator) -> None:
+    say(f"--keep: the platform keeps running (orchestrator {stack.url('orchestrator')}); Ctrl-C stops it")
+    try:
+        while True:
+            signal.pause()
+    except KeyboardInterrupt:
+        return

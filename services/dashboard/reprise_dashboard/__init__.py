@@ -1,0 +1,1 @@
+"""Reprise dashboard service."""

@@ -1,0 +1,1 @@
+"""Alerts: the notifier's dead letters and destinations."""

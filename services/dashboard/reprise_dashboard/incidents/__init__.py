@@ -1,0 +1,1 @@
+"""Incidents: the filtered list and one incident with its evidence."""

@@ -1,0 +1,1 @@
+"""Jobs: the overview, a job's page, goodput and the recovery timeline."""

@@ -1,0 +1,1 @@
+"""Nodes: per-GPU health, cordons and reputation."""

@@ -1,0 +1,1 @@
+"""Reprise notifier service."""

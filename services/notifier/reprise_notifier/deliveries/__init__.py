@@ -1,0 +1,1 @@
+"""Deliveries: the outbox, one worker per destination (pacing, coalescing, retries), dead letters."""

@@ -1,0 +1,1 @@
+"""Recovery drills: inject a fault into a running job and measure its recovery against the objective."""

@@ -1,0 +1,73 @@
+"""The demo's scenario, smaller, on real processes: 2 nodes + 1 spare, the real DDP script, a crash and an XID 79.
+
+The same code as `reprise demo` (reprise_cli.demo): the platform recovers each fault without help, the XID's node is
+cordoned and the spare takes its place, and the job ends with the fault-free reference's parameters, bit for bit.
+"""
+
+from __future__ import annotations
+
+from contextlib import closing
+from pathlib import Path
+
+import pytest
+
+from reprise_cli.demo.models import Fault, FaultPlan
+from reprise_cli.demo.report import fault_numbers, goodput
+from reprise_cli.demo.run import client_for
+from reprise_cli.demo.scenario import Scenario
+from reprise_cli.demo.timeline import draw
+from reprise_cli.demo.training import ReferenceRun, Training
+from reprise_cli.servers import free_stack_ports
+from reprise_cli.stack import Stack
+from reprise_cli.topology import DEFAULT_PORTS, StackConfig
+
+pytest.importorskip("torch", reason="PyTorch is not installed: the DDP demo job cannot run")
+# Real processes on a shared 2-core machine: ~90 s when it is quiet; the limit leaves room for a busy one.
+pytestmark = [pytest.mark.stack, pytest.mark.timeout(300)]
+
+
+def test_a_ddp_job_survives_a_crash_and_an_xid79_and_ends_with_the_reference_parameters(tmp_path: Path) -> None:
+    config = StackConfig(
+        nodes=2, spares=1, gpus_per_node=2, state_dir=tmp_path / "state", ports=free_stack_ports(DEFAULT_PORTS)
+    )
+    training = Training(steps=48, checkpoint_every=8, step_sleep=0.1)
+    reference = ReferenceRun(training, world_size=2, work_dir=tmp_path / "reference").start()
+    stack = Stack(config)
+    try:
+        stack.start(timeout_s=90)
+        with closing(client_for(stack)) as client:
+            scenario = Scenario(stack, client, training, say=print, work_dir=tmp_path / "job")
+            faults = [FaultPlan(Fault.RANK_CRASH, rank=1), FaultPlan(Fault.XID79, rank=1)]
+            run = scenario.run(faults, reference=reference)
+    finally:
+        reference.stop()
+        stack.stop()
+
+    assert [f.recovered for f in run.faults] == [True, True], [f.recovery for f in run.faults]
+    assert run.unplanned == [], run.unplanned
+    crash, xid = run.faults
+    assert crash.incident is not None and xid.incident is not None
+    assert (crash.incident["culprit_node_id"], crash.incident["culprit_rank"]) == ("node-2", 1)
+    assert xid.incident["category"] == "gpu_hardware"
+    assert (crash.step("isolating") or {})["data"]["cordoned"] is None  # a crash is no reason to distrust a node
+    assert (xid.step("isolating") or {})["data"]["cordoned"] == "node-2"
+    placing = (xid.step("placing") or {})["data"]
+    assert (placing["decision"], placing["replaced"]) == ("spares", {"node-2": "spare-1"})
+    assert [(r["rank"], r["node_id"]) for r in run.job["placement"]] == [(0, "node-1"), (1, "spare-1")]
+
+    for fault in run.faults:
+        numbers = fault_numbers(fault, run.samples)
+        # Each fault landed past a validated checkpoint, which its recovery restored (not the start of training).
+        assert numbers.restored_step is not None and numbers.restored_step > 0, fault.recovery
+        assert numbers.recomputed is not None and numbers.recomputed >= 0, numbers
+        assert numbers.detection_s is not None and numbers.recovery_s is not None
+        assert 0 < numbers.detection_s < numbers.recovery_s
+    assert xid.restored_step is not None and crash.restored_step is not None
+    assert xid.restored_step > crash.restored_step
+    progress = goodput(run.samples, final_step=training.steps)
+    assert progress is not None and 0 < progress.ratio < 1
+
+    assert run.digest == run.reference.digest  # bit for bit, after two restarts and a move to the spare
+    assert run.ok
+    picture = draw(run, tmp_path / "timeline.png")
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
