@@ -55,6 +55,9 @@ async def launch(
         hang_timeout_s=spec.policy.hang_timeout_s,
     )
     await bus.publish(subjects.placement(job_id), placement, msg_id=f"{operation_id}:placement")
+    by_node: dict[str, list[dict[str, object]]] = {}
+    for r in ranks:  # one pass: thousands of nodes times their ranks must not block the loop
+        by_node.setdefault(r.node_id, []).append(r.model_dump(mode="json"))
     args_by_node = {
         node_id: {
             "restart_epoch": rendezvous.restart_epoch,
@@ -65,7 +68,7 @@ async def launch(
             "env": spec.env,
             "cwd": spec.working_dir,
             "resume_checkpoint": restore.path if restore else None,
-            "ranks": [r.model_dump(mode="json") for r in ranks if r.node_id == node_id],
+            "ranks": by_node[node_id],
         }
         for node_id in placement.nodes()
     }

@@ -15,6 +15,7 @@ from typing import Any
 
 from sqlmodel import Session
 
+from reprise_common.errors import BusError
 from reprise_common.events import CommandAction, IncidentChange, RankAssignment
 from reprise_common.logging import get_logger
 from reprise_orchestrator.agents import command_nodes
@@ -213,17 +214,20 @@ class RecoverySteps:
         rendezvous = rendezvous_for(
             run.ranks, epoch=epoch, inventory=self.deps.inventory, port_base=self.deps.settings.master_port_base
         )
-        answers = await launch(
-            self.deps.bus,
-            operation_id=run.operation,
-            job_id=run.job.id,
-            fence=run.handle.fence,
-            spec=run.job.job_spec(),
-            ranks=run.ranks,
-            rendezvous=rendezvous,
-            restore=run.restore,
-            timeout_s=self.deps.settings.command_timeout_s,
-        )
+        try:
+            answers = await launch(
+                self.deps.bus,
+                operation_id=run.operation,
+                job_id=run.job.id,
+                fence=run.handle.fence,
+                spec=run.job.job_spec(),
+                ranks=run.ranks,
+                rendezvous=rendezvous,
+                restore=run.restore,
+                timeout_s=self.deps.settings.command_timeout_s,
+            )
+        except BusError as exc:  # the placement could not be published, so nothing was launched: try again
+            return StepResult({"restart_epoch": epoch, "error": str(exc)}, Then.RETRY, detail=str(exc))
         if any(a.stale for a in answers):
             raise FencedOutError("an agent refused our fence as stale")
         data = {

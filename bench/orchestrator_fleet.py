@@ -1,0 +1,240 @@
+"""A simulated node fleet for the orchestrator benchmark: one asyncio process that is N agents to the platform.
+
+For each node id it publishes NodeReports (every 1 to 2 s, phases spread) and answers ``reprise.cmd.<node>`` through the
+agent's real CommandBook (fence check, at-most-once per command id, highest fence kept in a state file per node).
+Its executor starts no process: a launch is recorded, the launched ranks appear in the node's next reports (with
+their restart epoch and step = resume step + 1, so the orchestrator can verify the recovery), and the time each
+node acknowledged each launch is kept. The benchmark asks for those times on ``bench.fleet.launch-acks``.
+
+Run by bench/bench_orchestrator.py as ``python -m bench.orchestrator_fleet --nats-url ... --nodes N --state-dir D``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import random
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+import nats.errors
+from pydantic import AwareDatetime, Field, TypeAdapter
+
+from reprise_agent.commands import CommandBook
+from reprise_common import subjects
+from reprise_common.bus import Bus
+from reprise_common.clock import utcnow
+from reprise_common.errors import BusError
+from reprise_common.events import (
+    AgentCommand,
+    CommandAction,
+    CommandReply,
+    CommandResult,
+    GpuStatus,
+    NodeReport,
+    RankAssignment,
+    RankStatus,
+    Wire,
+    new_id,
+)
+from reprise_common.logging import configure_logging, get_logger
+
+log = get_logger("bench.fleet")
+ACKS_SUBJECT = "bench.fleet.launch-acks"
+
+
+def node_names(count: int) -> list[str]:
+    """The fleet's node ids, sorted as the orchestrator sorts them."""
+    return [f"sim-{index:04d}" for index in range(count)]
+
+
+class LaunchAcksQuery(Wire):
+    """Wait until `nodes` nodes acknowledged the launch of a job's restart epoch, then answer with their times."""
+
+    job_id: str
+    restart_epoch: int = Field(ge=0)
+    nodes: int = Field(ge=1)
+    timeout_s: float = Field(default=60.0, gt=0)
+
+
+class LaunchAcks(Wire):
+    """Unix time at which each node acknowledged the launch (its first answer, not repeats)."""
+
+    job_id: str
+    restart_epoch: int
+    acked_at: dict[str, float] = Field(default_factory=dict)
+    complete: bool = False
+
+
+@dataclass
+class SimNode:
+    """One simulated agent: its command book and the ranks its reports show."""
+
+    node_id: str
+    book: CommandBook
+    ranks: dict[tuple[str, int], RankStatus] = field(default_factory=dict)
+    report: bytes | None = None  # the serialised report with placeholders for its id and time; None: rebuild
+
+
+class Fleet:
+    """N simulated agents on one NATS connection."""
+
+    def __init__(self, bus: Bus, node_ids: list[str], *, state_dir: Path, gpus: int, seed: int = 1) -> None:
+        self.bus = bus
+        self.gpus = [GpuStatus(index=g, uuid=f"GPU-sim-{g}", temperature_c=55.0) for g in range(gpus)]
+        self.nodes = {
+            node_id: SimNode(node_id, CommandBook(node_id=node_id, state_file=state_dir / node_id / "fences.json"))
+            for node_id in node_ids
+        }
+        self.random = random.Random(seed)  # noqa: S311 - report jitter, not a secret
+        self._acks: dict[tuple[str, int], dict[str, float]] = {}
+        self._acked = asyncio.Condition()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        """Answer every node's commands and the benchmark's queries, then start reporting."""
+        for node in self.nodes.values():
+            await self.bus.serve(subjects.node_command(node.node_id), self._answerer(node))
+        await self.bus.serve(ACKS_SUBJECT, self._on_query)
+        for node in self.nodes.values():
+            self._tasks.append(asyncio.create_task(self._report_loop(node), name=f"report:{node.node_id}"))
+
+    async def stop(self) -> None:
+        """Stop reporting."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _answerer(self, node: SimNode) -> Callable[[bytes], Awaitable[Wire]]:
+        async def on_command(data: bytes) -> Wire:
+            command = AgentCommand.model_validate_json(data)
+            reply = await node.book.run(command, lambda c: self._execute(node, c))
+            if command.action is CommandAction.LAUNCH and reply.result is CommandResult.DONE and not reply.duplicate:
+                await self._record_ack(node.node_id, command)
+            return reply
+
+        return on_command
+
+    async def _record_ack(self, node_id: str, command: AgentCommand) -> None:
+        key = (command.job_id, int(command.args["restart_epoch"]))
+        async with self._acked:
+            self._acks.setdefault(key, {})[node_id] = time.time()  # wall clock: compared with the publisher's
+            self._acked.notify_all()
+
+    async def _execute(self, node: SimNode, command: AgentCommand) -> CommandReply:
+        if command.action is CommandAction.LAUNCH:
+            epoch = int(command.args["restart_epoch"])
+            resume_step = 0  # the benchmark's jobs have no validated checkpoint: they resume from the beginning
+            node.ranks = {  # one job per node at a time, as the benchmark runs them
+                (command.job_id, a.rank): RankStatus(
+                    job_id=command.job_id,
+                    rank=a.rank,
+                    restart_epoch=epoch,
+                    gpu=a.gpu,
+                    step=resume_step + 1,
+                    phase="training",
+                    heartbeat_age_s=0.1,
+                )
+                for a in (RankAssignment.model_validate(r) for r in command.args["ranks"])
+            }
+            node.report = None
+            data: dict[str, object] = {"pids": [0] * len(node.ranks)}
+        elif command.action is CommandAction.STOP:
+            stopped = [key for key in node.ranks if key[0] == command.job_id]
+            for key in stopped:
+                del node.ranks[key]
+            node.report = None
+            data = {"stopped": [{"rank": rank, "exit_code": None, "signal": "SIGTERM"} for _job, rank in stopped]}
+        else:
+            data = {"ranks": len(node.ranks), "spare": False}
+        return CommandReply(command_id=command.command_id, node_id=node.node_id, result=CommandResult.DONE, data=data)
+
+    async def _on_query(self, data: bytes) -> Wire:
+        query = LaunchAcksQuery.model_validate_json(data)
+        key = (query.job_id, query.restart_epoch)
+        async with self._acked:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    self._acked.wait_for(lambda: len(self._acks.get(key, {})) >= query.nodes), query.timeout_s
+                )
+            acked = dict(self._acks.get(key, {}))
+        return LaunchAcks(
+            job_id=query.job_id, restart_epoch=query.restart_epoch, acked_at=acked, complete=len(acked) >= query.nodes
+        )
+
+    async def _report_loop(self, node: SimNode) -> None:
+        await asyncio.sleep(self.random.uniform(0.0, 1.0))  # spread the fleet's reports over time
+        while True:
+            if node.report is None:
+                node.report = self._report_template(node)
+            # Only the id and the time change between reports: patch them into the serialised template, which
+            # costs the fleet's one core a fraction of serialising N reports a second.
+            data = node.report.replace(_SENTINEL_ID, new_id().encode()).replace(_SENTINEL_TIME, _json_time(utcnow()))
+            try:
+                # A report is a snapshot: core publish (the AGENT stream still stores it) keeps the fleet's one
+                # core for answering commands rather than waiting for N publish acknowledgements a second.
+                await self.bus.nc.publish(subjects.node_report(node.node_id), data)
+            except (BusError, nats.errors.Error):
+                log.warning("report not sent", extra={"node_id": node.node_id})
+            await asyncio.sleep(self.random.uniform(1.0, 2.0))
+
+    def _report_template(self, node: SimNode) -> bytes:
+        report = NodeReport(
+            event_id=_SENTINEL_ID.decode(),
+            time=SENTINEL_TIME,
+            source=node.node_id,
+            node_id=node.node_id,
+            address="127.0.0.1",
+            interval_s=1.5,
+            gpu_backend="sim",
+            gpus=self.gpus,
+            ranks=list(node.ranks.values()),
+        )
+        return report.to_bytes()
+
+
+def _json_time(moment: datetime) -> bytes:
+    return _TIME.dump_json(moment)
+
+
+SENTINEL_TIME = datetime(2000, 1, 1, tzinfo=UTC)
+_TIME: TypeAdapter[datetime] = TypeAdapter(AwareDatetime)
+_SENTINEL_ID = b"f" * 32
+_SENTINEL_TIME = _json_time(SENTINEL_TIME)
+
+
+async def run(nats_url: str, count: int, state_dir: Path, gpus: int) -> None:
+    """Be the fleet until SIGTERM."""
+    bus = Bus(url=nats_url, service="bench-fleet", provision=False)
+    await bus.connect(attempts=40)
+    fleet = Fleet(bus, node_names(count), state_dir=state_dir, gpus=gpus)
+    await fleet.start()
+    log.info("fleet up", extra={"nodes": count})
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await fleet.stop()
+    await bus.close()
+
+
+def main() -> None:
+    """Parse the command line and run the fleet."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nats-url", required=True)
+    parser.add_argument("--nodes", type=int, required=True)
+    parser.add_argument("--state-dir", type=Path, required=True)
+    parser.add_argument("--gpus", type=int, default=8)
+    args = parser.parse_args()
+    configure_logging("bench-fleet", level="WARNING", fmt="text")
+    asyncio.run(run(args.nats_url, args.nodes, args.state_dir, args.gpus))
+
+
+if __name__ == "__main__":
+    main()
