@@ -218,6 +218,8 @@ class Agent:
     async def _on_rank_exit(self, rank: RankProcess) -> None:
         if self.node_lost:  # a lost node says nothing more: its ranks' deaths are for the detector to infer
             return
+        if not any(r.alive for r in self.supervisor.ranks() if r.job_id == rank.job_id):
+            self.depchecks.clear_rendezvous(rank.job_id)  # nothing here needs the job's master any more
         event = RankExited(
             source=self.node_id,
             node_id=self.node_id,

@@ -154,6 +154,8 @@ class HangWatch:
         job_p99 = max(p99s) if p99s else None
         over: list[tuple[float, int, RankTrack, float, LimitReason]] = []
         for rank, track in job.ranks.items():
+            if not track.alive:  # an ended process is not hung: its exit is a symptom of its own (or a clean end)
+                continue
             limit, why, since = limit_for(track, job_p99, limits)
             if now - since > limit:
                 over.append((since, rank, track, limit, why))

@@ -1,0 +1,210 @@
+"""The Reprise side of bench_vs_torchrun: the example as a job on the local stack, a fault, the recovery.
+
+Each run starts a fresh stack (4 nodes + 1 spare, 1 rank per node, simulated GPUs) in its own state directory, so a
+cordoned node or a lost agent of one run cannot change the next one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.vs_torchrun_common import POLL_S, REPO, SCRIPT, Fault, LogFollower, Outcome, Settings, digest_of
+from reprise_cli.client import PlatformClient, poll, step_seconds
+from reprise_cli.creds import read_admin_api_key
+from reprise_cli.servers import free_stack_ports
+from reprise_cli.stack import Stack
+from reprise_cli.topology import DEFAULT_PORTS, StackConfig
+from reprise_common.events import FaultKind, InjectFault
+
+SPARES = 1
+STOPPED_STATES = frozenset({"failed", "held", "cancelled"})
+
+
+@contextlib.contextmanager
+def platform(root: Path, settings: Settings) -> Iterator[tuple[Stack, PlatformClient]]:
+    """A fresh local stack and a client for it; everything is stopped on the way out."""
+    config = StackConfig(
+        nodes=settings.world_size,
+        spares=SPARES,
+        gpus_per_node=1,
+        state_dir=root / "state",
+        ports=free_stack_ports(DEFAULT_PORTS),
+    )
+    stack = Stack(config, say=lambda _text: None)
+    try:
+        stack.start(timeout_s=120)
+        client = PlatformClient(
+            orchestrator=stack.url("orchestrator"),
+            detector=stack.url("detector"),
+            registry=stack.url("checkpoint-registry"),
+            nats_url=config.nats_url,
+            nkey_seed_file=stack.platform_seed,
+            api_key=read_admin_api_key(config.state_dir),
+        )
+        try:
+            poll(client.nodes, lambda nodes: len(nodes) >= settings.world_size + SPARES, timeout_s=60)
+            yield stack, client
+        finally:
+            client.close()
+    finally:
+        stack.stop()
+
+
+def job_body(fault: Fault, settings: Settings, root: Path) -> dict[str, Any]:
+    """POST /v1/jobs: the example with the same arguments as under torchrun, one rank per node."""
+    checkpoints = root / "ckpt"
+    return {
+        "name": f"vs-torchrun-{fault.value}",
+        "node_count": settings.world_size,
+        "ranks_per_node": 1,
+        "command": [sys.executable, str(SCRIPT), *settings.script_args(checkpoints)],
+        "working_dir": str(REPO),
+        "checkpoint_dir": str(checkpoints),
+        "env": {"OMP_NUM_THREADS": "1"},  # what torchrun sets for its workers
+        "policy": {
+            "max_restarts": settings.max_restarts,
+            "elastic_min_nodes": settings.world_size - 1,
+            "hang_timeout_s": settings.hang_timeout_s,
+        },
+    }
+
+
+class RankZeroLogs:
+    """Rank 0's output of every launch of a job, wherever the agents wrote it (one file per restart epoch)."""
+
+    def __init__(self, state_dir: Path, job_id: str) -> None:
+        self.state_dir = state_dir
+        self.pattern = f"agents/*/ranks/{job_id}/epoch-*-rank-0.log"
+        self.followers: dict[Path, tuple[int, LogFollower]] = {}
+
+    def poll(self) -> list[tuple[int, float, str]]:
+        """New lines: (restart epoch, stamp, line)."""
+        for path in self.state_dir.glob(self.pattern):
+            if path not in self.followers:
+                epoch = int(path.name.split("-")[1])
+                self.followers[path] = (epoch, LogFollower(path))
+        now = time.time()
+        return [(epoch, stamp, line) for epoch, f in self.followers.values() for stamp, line in f.poll(now)]
+
+    def lines(self, *, min_epoch: int) -> list[tuple[float, str]]:
+        """Every line read so far from launches at or after `min_epoch`, epoch by epoch."""
+        chosen = sorted((epoch, f.lines) for epoch, f in self.followers.values() if epoch >= min_epoch)
+        return [entry for _epoch, lines in chosen for entry in lines]
+
+
+def fault_event(fault: Fault, *, job_id: str, rank: int, gpu: int) -> InjectFault:
+    """The injection request (as the orchestrator's drills build it)."""
+    kinds = {
+        Fault.RANK_CRASH: FaultKind.RANK_KILL,
+        Fault.HANG: FaultKind.RANK_HANG,
+        Fault.NODE_LOSS: FaultKind.NODE_LOSS,
+    }
+    if fault is Fault.XID79:
+        return InjectFault(kind=FaultKind.XID, gpu=gpu, xid=79)
+    return InjectFault(kind=kinds[fault], rank=rank, job_id=job_id)
+
+
+def run(fault: Fault, settings: Settings, root: Path) -> Outcome:
+    """Submit the job on a fresh stack, inject the fault at the fault step, watch it to the end."""
+    with platform(root, settings) as (stack, client):
+        outcome = Outcome("reprise", fault, launched_at=time.time())
+        job = client.submit(job_body(fault, settings, root))
+        if job["state"] != "running":
+            outcome.notes.append(f"the job did not start: {job['state']} {job.get('detail', '')}")
+            return outcome
+        logs = RankZeroLogs(stack.config.state_dir, job["id"])
+        try:
+            _watch(client, job, logs, outcome, settings)
+            _analyse(client, job["id"], logs, outcome)
+        finally:
+            with contextlib.suppress(httpx.HTTPError):
+                client.cancel(job["id"])
+        if not outcome.digest:
+            outcome.notes.append(f"logs kept under {stack.log_dir} and {stack.config.state_dir / 'agents'}")
+    return outcome
+
+
+def _watch(
+    client: PlatformClient, job: dict[str, Any], logs: RankZeroLogs, outcome: Outcome, settings: Settings
+) -> None:
+    """Inject when rank 0 reports the fault step; return at the digest, a stopped job, or the run timeout."""
+    deadline, next_check = outcome.launched_at + settings.run_timeout_s, 0.0
+    while time.time() < deadline:
+        for epoch, stamp, line in logs.poll():
+            if outcome.fault_due(line, settings):
+                _inject(client, job, outcome, settings)
+            if digest := digest_of(line):
+                outcome.digest, outcome.finished_at = digest, stamp
+                outcome.extra["final_restart_epoch"] = epoch
+                return
+        if time.time() > next_check:
+            state = client.job(job["id"])["state"]
+            if state in STOPPED_STATES:
+                outcome.notes.append(f"the job ended {state}")
+                return
+            next_check = time.time() + 1.0
+        time.sleep(POLL_S)
+    outcome.notes.append(f"still running after {settings.run_timeout_s:g} s: stopped")
+
+
+def _inject(client: PlatformClient, job: dict[str, Any], outcome: Outcome, settings: Settings) -> None:
+    victim = next(r for r in job["placement"] if r["rank"] == settings.victim_rank)
+    event = fault_event(outcome.fault, job_id=job["id"], rank=victim["rank"], gpu=victim.get("gpu") or 0)
+    # Stamped before the call: the NATS connection it opens first counts against Reprise, never for it.
+    outcome.injected_at = time.time()
+    reply = client.inject(event, node_id=victim["node_id"])
+    outcome.extra["inject_call_s"] = round(time.time() - outcome.injected_at, 3)
+    outcome.extra["injected"] = f"{victim['node_id']}: {reply.detail}"
+    if not reply.accepted:
+        outcome.notes.append(f"the fault was refused: {reply.detail}")
+
+
+def _analyse(client: PlatformClient, job_id: str, logs: RankZeroLogs, outcome: Outcome) -> None:
+    """The incident (detection), the recovery's steps, and rank 0's lines after the fault (progress)."""
+    if outcome.injected_at is None:
+        return
+    since = outcome.injected_at - 1.0  # stamps come from other processes' clocks on the same host
+    incidents = sorted(
+        (i for i in client.incidents(job_id) if _unix(i["opened_at"]) >= since), key=lambda i: i["opened_at"]
+    )
+    if incidents:
+        first = incidents[0]
+        outcome.detected_at = _unix(first["opened_at"])
+        outcome.detected_by = f"incident {first['category']}: {first['root_cause']}"[:160]
+        outcome.extra["incidents"] = len(incidents)
+    recoveries = [r for r in client.recoveries(job_id) if _unix(r["started_at"]) >= since]
+    if recoveries:
+        outcome.extra |= _recovery_figures(recoveries[-1], outcome.injected_at)  # newest first: the earliest
+        outcome.extra["recoveries"] = len(recoveries)
+    outcome.resume_from_lines(logs.lines(min_epoch=1), since=outcome.injected_at)
+
+
+def _recovery_figures(recovery: dict[str, Any], injected_at: float) -> dict[str, Any]:
+    """What the orchestrator did: outcome, placement, checkpoint, each step's seconds."""
+    data = {step["step"]: step.get("data") or {} for step in recovery["steps"]}
+    finished = recovery.get("finished_at")
+    return {
+        "recovery_outcome": recovery.get("outcome"),
+        "recovery_attempts": recovery.get("attempt"),
+        "recovery_running_after_s": round(_unix(finished) - injected_at, 2) if finished else None,
+        "placement_decision": data.get("placing", {}).get("decision"),
+        "cordoned": data.get("isolating", {}).get("cordoned"),
+        "restored_checkpoint": data.get("restoring", {}).get("checkpoint"),
+        "recovery_steps_s": {step["step"]: _rounded(step_seconds(step)) for step in recovery["steps"]},
+    }
+
+
+def _rounded(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds, 3)
+
+
+def _unix(stamp: str) -> float:
+    return datetime.fromisoformat(stamp).timestamp()
