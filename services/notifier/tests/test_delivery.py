@@ -43,6 +43,7 @@ async def test_an_incident_and_its_recovery_reach_slack_and_quiet_updates_do_not
     await notifier.publish(opened)
     await notifier.publish(make_incident("llm-7b", "updated", incident_id=opened.incident_id, seq=2))
     await notifier.publish(make_recovery(opened, "step", step="stopping_ranks", detail=""))
+    await wait_for(lambda: len(delivered_ids(receiver)) >= 1)  # sent alone, so the recovery is not coalesced with it
     await notifier.publish(make_recovery(opened))
     await wait_for(lambda: len(delivered_ids(receiver)) >= 2)
     await notifier.settled()
