@@ -1,6 +1,7 @@
 """The orchestrator's recovery speed with a simulated fleet: real nats-server, Redis, checkpoint registry and
-orchestrator processes, and one process simulating N agents (bench/orchestrator_fleet.py, the agent's real
-CommandBook, no rank processes).
+orchestrator processes, and processes simulating N agents (bench/orchestrator_fleet.py, the agent's real CommandBook,
+no rank processes; ``--fleet-processes``, default 2, split the nodes between them: real agents answer a command at
+the same time, a single simulating process one after the other).
 
 Run from the repository root: ``make bench-orchestrator`` (or ``.venv/bin/python -m bench.bench_orchestrator``;
 ``--quick`` for a smoke run). Per fleet size N (16, 256, 2,048 nodes; a fresh job of N nodes per iteration), prints
@@ -33,7 +34,7 @@ from typing import Any
 import httpx
 
 from bench.common import latency_summary, write_result
-from bench.orchestrator_fleet import ACKS_SUBJECT, LaunchAcks, LaunchAcksQuery
+from bench.orchestrator_fleet import LaunchAcks, LaunchAcksQuery, acks_subject, shard_nodes
 from reprise_cli.servers import ManagedProcess, NatsServer, RedisServer, free_port, wait_until
 from reprise_cli.topology import ROLE_COMMANDS
 from reprise_common import subjects
@@ -54,6 +55,7 @@ from reprise_common.events import (
 REPO = Path(__file__).resolve().parents[1]
 RECOVERY_TIMEOUT_S = 120.0
 MAX_FAILED_IN_A_ROW = 3
+FLEET_PROCESSES = 2  # real agents answer at once, each on its machine: the fleet's own queue should not be the figure
 SHM = Path("/dev/shm")  # noqa: S108 - a directory of our own is made inside it
 
 
@@ -64,12 +66,13 @@ def summary_ms(samples_s: list[float]) -> dict[str, float]:
 
 
 class OrchestratorStack:
-    """nats-server, Redis, the checkpoint registry, one orchestrator and the simulated fleet, all as processes."""
+    """nats-server, Redis, the checkpoint registry, one orchestrator and the simulated fleet's shards, as processes."""
 
-    def __init__(self, root: Path, *, nodes: int, ranks_per_node: int, api_key: str) -> None:
+    def __init__(self, root: Path, *, nodes: int, ranks_per_node: int, api_key: str, fleet_processes: int = 1) -> None:
         self.root = root
         self.nodes = nodes
         self.ranks_per_node = ranks_per_node
+        self.fleet_processes = fleet_processes
         self.api_key = api_key
         self.nats = NatsServer(free_port(), free_port(), root / "nats", root / "logs" / "nats.log")
         self.redis = RedisServer(free_port(), root / "redis", root / "logs" / "redis.log")
@@ -119,11 +122,13 @@ class OrchestratorStack:
         )
         _wait_ready(registry, f"http://127.0.0.1:{self.registry_port}")
         _wait_ready(orchestrator, self.orchestrator_url)
-        argv = [sys.executable, "-m", "bench.orchestrator_fleet", "--nats-url", self.nats.url,
-                "--nodes", str(self.nodes), "--state-dir", str(self.fleet_state)]  # fmt: skip
-        fleet = ManagedProcess("fleet", argv, self.root / "logs" / "fleet.log", cwd=REPO)
-        fleet.start()
-        self.processes.append(fleet)
+        for shard in range(self.fleet_processes):
+            argv = [sys.executable, "-m", "bench.orchestrator_fleet", "--nats-url", self.nats.url,
+                    "--nodes", str(self.nodes), "--state-dir", str(self.fleet_state),
+                    "--shards", str(self.fleet_processes), "--shard", str(shard)]  # fmt: skip
+            fleet = ManagedProcess(f"fleet-{shard}", argv, self.root / "logs" / f"fleet-{shard}.log", cwd=REPO)
+            fleet.start()
+            self.processes.append(fleet)
         if not wait_until(self.fleet_placeable, timeout_s=60, interval_s=0.5):
             raise ConfigError(f"the fleet's {self.nodes} nodes did not all become placeable: {fleet.log_tail(5)}")
 
@@ -245,8 +250,7 @@ async def _recover(
     ended = recoveries.expect(job["id"])
     await bus.publish(subjects.incident(job["id"], "opened"), incident)
     published = incident.time.timestamp()
-    query = LaunchAcksQuery(job_id=job["id"], restart_epoch=job["restart_epoch"] + 1, nodes=stack.nodes)
-    acks = await bus.request(ACKS_SUBJECT, query, LaunchAcks, timeout=query.timeout_s + 5)
+    acks = await launch_acks(stack, bus, job_id=job["id"], restart_epoch=job["restart_epoch"] + 1)
     with contextlib.suppress(TimeoutError):  # the event only wakes us early: the record below is what counts
         await asyncio.wait_for(ended, RECOVERY_TIMEOUT_S)
     found = (await http.get(f"/v1/jobs/{job['id']}/recoveries")).raise_for_status().json()["data"]
@@ -266,6 +270,20 @@ async def _recover(
         "steps_s": steps,
         "outcome": f"{recovery['step']}: {recovery['detail'] or 'not finished after the timeout'}",
     }
+
+
+async def launch_acks(stack: OrchestratorStack, bus: Bus, *, job_id: str, restart_epoch: int) -> LaunchAcks:
+    """When each node of the fleet acknowledged the launch, from every shard of the fleet."""
+
+    async def ask(shard: int) -> LaunchAcks:
+        nodes = len(shard_nodes(stack.nodes, shard=shard, shards=stack.fleet_processes))
+        query = LaunchAcksQuery(job_id=job_id, restart_epoch=restart_epoch, nodes=nodes)
+        return await bus.request(acks_subject(shard), query, LaunchAcks, timeout=query.timeout_s + 5)
+
+    answers = await asyncio.gather(*(ask(shard) for shard in range(stack.fleet_processes)))
+    acked_at = {node: at for answer in answers for node, at in answer.acked_at.items()}
+    complete = all(answer.complete for answer in answers)
+    return LaunchAcks(job_id=job_id, restart_epoch=restart_epoch, acked_at=acked_at, complete=complete)
 
 
 def _ts(iso: str) -> float:
@@ -329,10 +347,14 @@ def _fmt(seconds: float | None) -> str:
     return "missed" if seconds is None else f"{seconds * 1000:.0f} ms"
 
 
-def run_size(nodes: int, *, ranks_per_node: int, iterations: int, warmup: int, api_key: str) -> dict[str, Any]:
+def run_size(
+    nodes: int, *, ranks_per_node: int, iterations: int, warmup: int, api_key: str, fleet_processes: int
+) -> dict[str, Any]:
     """One fleet size on a fresh stack: its figures, or the error that stopped it; logs are kept when any failed."""
     root = Path(tempfile.mkdtemp(prefix=f"bench-orchestrator-{nodes}-"))
-    stack = OrchestratorStack(root, nodes=nodes, ranks_per_node=ranks_per_node, api_key=api_key)
+    stack = OrchestratorStack(
+        root, nodes=nodes, ranks_per_node=ranks_per_node, api_key=api_key, fleet_processes=fleet_processes
+    )
     try:
         stack.start()
         print(f"{nodes} nodes: stack up, {iterations} recoveries", flush=True)
@@ -358,15 +380,21 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, nargs="*", help="fleet sizes (default 16 256 2048)")
     parser.add_argument("--iterations", type=int, help="timed recoveries per fleet size (default 100, 2,048: 30)")
     parser.add_argument("--ranks-per-node", type=int, default=1, help="ranks (GPUs used) per node (default 1)")
+    parser.add_argument(
+        "--fleet-processes",
+        type=int,
+        default=FLEET_PROCESSES,
+        help=f"processes simulating the fleet (default {FLEET_PROCESSES})",
+    )
     args = parser.parse_args()
     sizes = args.nodes or ([16, 256] if args.quick else [16, 256, 2048])
-    figures: dict[str, Any] = {"ranks_per_node": args.ranks_per_node}
+    figures: dict[str, Any] = {"ranks_per_node": args.ranks_per_node, "fleet_processes": args.fleet_processes}
     api_key = secrets.token_urlsafe(32)
     for nodes in sizes:
         iterations = args.iterations or (5 if args.quick else 30 if nodes >= 2048 else 100)
         warmup = 1 if args.quick else 3
         result = run_size(nodes, ranks_per_node=args.ranks_per_node, iterations=iterations, warmup=warmup,
-                          api_key=api_key)  # fmt: skip
+                          api_key=api_key, fleet_processes=args.fleet_processes)  # fmt: skip
         for key, value in result.items():
             print(key, value, flush=True)
         figures |= result

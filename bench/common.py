@@ -52,11 +52,18 @@ def latency_summary(samples_ns: Sequence[int]) -> dict[str, float]:
     }
 
 
-def process_cpu_s() -> float:
-    """CPU time this process has used, in seconds, from the scheduler's exact accounting where Linux has it.
+def process_cpu_s(pid: int | None = None) -> float:
+    """CPU time this process has used, in seconds, from the scheduler's exact accounting where Linux has it; with
+    `pid`, the CPU time of every thread of that process (user + system, in clock ticks), NaN once it has exited.
 
     getrusage() is sampled at the timer tick on many kernels and overcharges a process that wakes on ticks.
     """
+    if pid is not None:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text(encoding="ascii").rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, IndexError):
+            return float("nan")
     try:
         return int(Path("/proc/self/schedstat").read_text(encoding="ascii").split()[0]) / 1e9
     except (OSError, ValueError, IndexError):

@@ -1,12 +1,17 @@
-"""A simulated node fleet for the orchestrator benchmark: one asyncio process that is N agents to the platform.
+"""A simulated node fleet for the orchestrator benchmark: asyncio processes that are N agents to the platform.
 
 For each node id it publishes NodeReports (every 1 to 2 s, phases spread) and answers ``reprise.cmd.<node>`` through the
 agent's real CommandBook (fence check, at-most-once per command id, highest fence kept in a state file per node).
 Its executor starts no process: a launch is recorded, the launched ranks appear in the node's next reports (with
 their restart epoch and step = resume step + 1, so the orchestrator can verify the recovery), and the time each
-node acknowledged each launch is kept. The benchmark asks for those times on ``bench.fleet.launch-acks``.
+node acknowledged each launch is kept. The benchmark asks for those times on ``bench.fleet.launch-acks.<shard>``.
 
-Run by bench/bench_orchestrator.py as ``python -m bench.orchestrator_fleet --nats-url ... --nodes N --state-dir D``.
+The fleet may be split into shards, one process each (``--shards S --shard k`` takes every S-th node from the k-th):
+real agents answer a command at the same time on their own machines, one process answers them one after the other.
+Each shard publishes the reports that are due every 0.1 s in one write, not one write per report.
+
+Run by bench/bench_orchestrator.py as
+``python -m bench.orchestrator_fleet --nats-url ... --nodes N --state-dir D [--shards S --shard k]``.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import random
 import signal
 import time
@@ -45,12 +51,22 @@ from reprise_common.events import (
 from reprise_common.logging import configure_logging, get_logger
 
 log = get_logger("bench.fleet")
-ACKS_SUBJECT = "bench.fleet.launch-acks"
+REPORT_TICK_S = 0.1
 
 
 def node_names(count: int) -> list[str]:
     """The fleet's node ids, sorted as the orchestrator sorts them."""
     return [f"sim-{index:04d}" for index in range(count)]
+
+
+def shard_nodes(count: int, *, shard: int, shards: int) -> list[str]:
+    """The node ids one shard of the fleet simulates: every `shards`-th, from the `shard`-th."""
+    return node_names(count)[shard::shards]
+
+
+def acks_subject(shard: int) -> str:
+    """Where one shard answers the benchmark's LaunchAcksQuery."""
+    return f"bench.fleet.launch-acks.{shard}"
 
 
 class LaunchAcksQuery(Wire):
@@ -79,19 +95,23 @@ class SimNode:
     book: CommandBook
     ranks: dict[tuple[str, int], RankStatus] = field(default_factory=dict)
     report: bytes | None = None  # the serialised report with placeholders for its id and time; None: rebuild
+    report_due: float = 0.0  # monotonic time of its next report
 
 
 class Fleet:
     """N simulated agents on one NATS connection."""
 
-    def __init__(self, bus: Bus, node_ids: list[str], *, state_dir: Path, gpus: int, seed: int = 1) -> None:
+    def __init__(
+        self, bus: Bus, node_ids: list[str], *, state_dir: Path, gpus: int, shard: int = 0, seed: int = 1
+    ) -> None:
         self.bus = bus
+        self.shard = shard
         self.gpus = [GpuStatus(index=g, uuid=f"GPU-sim-{g}", temperature_c=55.0) for g in range(gpus)]
         self.nodes = {
             node_id: SimNode(node_id, CommandBook(node_id=node_id, state_file=state_dir / node_id / "fences.json"))
             for node_id in node_ids
         }
-        self.random = random.Random(seed)  # noqa: S311 - report jitter, not a secret
+        self.random = random.Random(seed + shard)  # noqa: S311 - report jitter, not a secret
         self._acks: dict[tuple[str, int], dict[str, float]] = {}
         self._acked = asyncio.Condition()
         self._tasks: list[asyncio.Task[None]] = []
@@ -100,9 +120,8 @@ class Fleet:
         """Answer every node's commands and the benchmark's queries, then start reporting."""
         for node in self.nodes.values():
             await self.bus.serve(subjects.node_command(node.node_id), self._answerer(node))
-        await self.bus.serve(ACKS_SUBJECT, self._on_query)
-        for node in self.nodes.values():
-            self._tasks.append(asyncio.create_task(self._report_loop(node), name=f"report:{node.node_id}"))
+        await self.bus.serve(acks_subject(self.shard), self._on_query)
+        self._tasks.append(asyncio.create_task(self._report_loop(), name="reports"))
 
     async def stop(self) -> None:
         """Stop reporting."""
@@ -167,21 +186,31 @@ class Fleet:
             job_id=query.job_id, restart_epoch=query.restart_epoch, acked_at=acked, complete=len(acked) >= query.nodes
         )
 
-    async def _report_loop(self, node: SimNode) -> None:
-        await asyncio.sleep(self.random.uniform(0.0, 1.0))  # spread the fleet's reports over time
+    async def _report_loop(self) -> None:
+        start = time.monotonic()
+        for node in self.nodes.values():  # spread the fleet's reports over time
+            node.report_due = start + self.random.uniform(0.0, 1.0)
         while True:
-            if node.report is None:
-                node.report = self._report_template(node)
-            # Only the id and the time change between reports: patch them into the serialised template, which
-            # costs the fleet's one core a fraction of serialising N reports a second.
-            data = node.report.replace(_SENTINEL_ID, new_id().encode()).replace(_SENTINEL_TIME, _json_time(utcnow()))
-            try:
-                # A report is a snapshot: core publish (the AGENT stream still stores it) keeps the fleet's one
-                # core for answering commands rather than waiting for N publish acknowledgements a second.
-                await self.bus.nc.publish(subjects.node_report(node.node_id), data)
-            except (BusError, nats.errors.Error):
-                log.warning("report not sent", extra={"node_id": node.node_id})
-            await asyncio.sleep(self.random.uniform(1.0, 2.0))
+            now = time.monotonic()
+            for node in self.nodes.values():
+                if node.report_due <= now:
+                    await self._publish_report(node)
+                    node.report_due = now + self.random.uniform(1.0, 2.0)
+            await asyncio.sleep(REPORT_TICK_S)
+
+    async def _publish_report(self, node: SimNode) -> None:
+        if node.report is None:
+            node.report = self._report_template(node)
+        # Only the id and the time change between reports: patch them into the serialised template, which
+        # costs the fleet a fraction of serialising N reports a second.
+        data = node.report.replace(_SENTINEL_ID, new_id().encode()).replace(_SENTINEL_TIME, _json_time(utcnow()))
+        try:
+            # A report is a snapshot: core publish, as agents do, keeps the fleet's time for
+            # answering commands rather than waiting for N publish acknowledgements a second. The client buffers
+            # it; the tick's reports leave in one write.
+            await self.bus.nc.publish(subjects.node_report(node.node_id), data)
+        except (BusError, nats.errors.Error):
+            log.warning("report not sent", extra={"node_id": node.node_id})
 
     def _report_template(self, node: SimNode) -> bytes:
         report = NodeReport(
@@ -208,13 +237,16 @@ _SENTINEL_ID = b"f" * 32
 _SENTINEL_TIME = _json_time(SENTINEL_TIME)
 
 
-async def run(nats_url: str, count: int, state_dir: Path, gpus: int) -> None:
-    """Be the fleet until SIGTERM."""
-    bus = Bus(url=nats_url, service="bench-fleet", provision=False)
+async def run(nats_url: str, node_ids: list[str], state_dir: Path, gpus: int, shard: int) -> None:
+    """Be the fleet (or one shard of it) until SIGTERM."""
+    bus = Bus(url=nats_url, service=f"bench-fleet-{shard}", provision=False)
     await bus.connect(attempts=40)
-    fleet = Fleet(bus, node_names(count), state_dir=state_dir, gpus=gpus)
+    fleet = Fleet(bus, node_ids, state_dir=state_dir, gpus=gpus, shard=shard)
     await fleet.start()
-    log.info("fleet up", extra={"nodes": count})
+    # A real agent's heap is small; one process holding N agents would pause for full collections N times larger.
+    gc.collect()
+    gc.freeze()
+    log.info("fleet up", extra={"nodes": len(node_ids), "shard": shard})
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -228,12 +260,15 @@ def main() -> None:
     """Parse the command line and run the fleet."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nats-url", required=True)
-    parser.add_argument("--nodes", type=int, required=True)
+    parser.add_argument("--nodes", type=int, required=True, help="the whole fleet's size")
     parser.add_argument("--state-dir", type=Path, required=True)
     parser.add_argument("--gpus", type=int, default=8)
+    parser.add_argument("--shards", type=int, default=1, help="processes the fleet is split into")
+    parser.add_argument("--shard", type=int, default=0, help="which of them this is (0-based)")
     args = parser.parse_args()
     configure_logging("bench-fleet", level="WARNING", fmt="text")
-    asyncio.run(run(args.nats_url, args.nodes, args.state_dir, args.gpus))
+    node_ids = shard_nodes(args.nodes, shard=args.shard, shards=args.shards)
+    asyncio.run(run(args.nats_url, node_ids, args.state_dir, args.gpus, args.shard))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ import pytest
 
 from reprise_cli.demo.models import Fault, FaultPlan
 from reprise_cli.demo.report import fault_numbers, goodput
-from reprise_cli.demo.run import client_for
 from reprise_cli.demo.scenario import Scenario
 from reprise_cli.demo.timeline import draw
 from reprise_cli.demo.training import ReferenceRun, Training
@@ -35,7 +34,7 @@ def test_a_ddp_job_survives_a_crash_and_an_xid79_and_ends_with_the_reference_par
     stack = Stack(config)
     try:
         stack.start(timeout_s=90)
-        with closing(client_for(stack)) as client:
+        with closing(stack.client()) as client:
             scenario = Scenario(stack, client, training, say=print, work_dir=tmp_path / "job")
             faults = [FaultPlan(Fault.RANK_CRASH, rank=1), FaultPlan(Fault.XID79, rank=1)]
             run = scenario.run(faults, reference=reference)

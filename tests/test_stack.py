@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from reprise_cli.client import PlatformClient, poll
+from reprise_cli.client import poll
 from reprise_cli.creds import read_admin_api_key
 from reprise_cli.servers import free_stack_ports
 from reprise_cli.stack import Stack
@@ -39,19 +39,8 @@ def stack(tmp_path: Path) -> Iterator[Stack]:
     running.stop()
 
 
-def _client(stack: Stack) -> PlatformClient:
-    return PlatformClient(
-        orchestrator=stack.url("orchestrator"),
-        detector=stack.url("detector"),
-        registry=stack.url("checkpoint-registry"),
-        nats_url=stack.config.nats_url,
-        nkey_seed_file=stack.platform_seed,
-        api_key=read_admin_api_key(stack.config.state_dir),
-    )
-
-
 def test_walking_skeleton_xid79_to_fenced_recovery(stack: Stack) -> None:
-    client = _client(stack)
+    client = stack.client()
     try:
         nodes = poll(client.nodes, lambda n: len(n) == 3, timeout_s=15)
         assert {n["node_id"] for n in nodes} == {"node-1", "node-2", "spare-1"}
@@ -88,8 +77,8 @@ def test_walking_skeleton_xid79_to_fenced_recovery(stack: Stack) -> None:
             "running",
         ], json.dumps(recovery, indent=1)
         assert recovery["outcome"] == "recovered" and recovery["attempt"] == 1
-        stop_answers = {a["node"]: a["result"] for a in steps["stopping_ranks"]["data"]["answers"]}
-        assert stop_answers == {"node-1": "done", "node-2": "done"}
+        stop_answers = steps["stopping_ranks"]["data"]["answers"]
+        assert stop_answers == {"nodes": 2, "results": {"done": 2}, "duplicates": 0, "not_done": []}, stop_answers
         assert steps["isolating"]["data"]["cordoned"] == "node-2"  # XID 79: the GPU fell off the bus
         placing = steps["placing"]["data"]
         assert (placing["decision"], placing["replaced"]) == ("spares", {"node-2": "spare-1"})
@@ -119,7 +108,7 @@ def test_walking_skeleton_xid79_to_fenced_recovery(stack: Stack) -> None:
 
 
 def test_drills_from_the_cli_and_a_cancel_that_stops_everything(stack: Stack) -> None:
-    client = _client(stack)
+    client = stack.client()
     try:
         poll(client.nodes, lambda n: len(n) == 3, timeout_s=15)
         job = client.submit(
@@ -277,7 +266,7 @@ time.sleep(600)
 
 
 def test_checkpoint_from_a_real_job_becomes_the_validated_restore_point(stack: Stack, tmp_path: Path) -> None:
-    client = _client(stack)
+    client = stack.client()
     try:
         poll(client.nodes, lambda n: len(n) == 3, timeout_s=15)
         command = [sys.executable, "-c", SAVER, str(tmp_path / "ckpt")]

@@ -78,9 +78,11 @@ class PlatformClient:
         job: dict[str, Any] = self._orchestrator("POST", "/v1/jobs", json=spec)
         return job
 
-    def jobs(self, *, state: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
-        """Jobs, newest first, optionally in one state."""
-        params: dict[str, Any] = {"limit": limit} | ({"state": state} if state else {})
+    def jobs(
+        self, *, state: str | None = None, labels: list[str] | None = None, limit: int = 100
+    ) -> list[dict[str, Any]]:
+        """Jobs, newest first, optionally in one state and carrying every `key=value` label given."""
+        params: dict[str, Any] = {"limit": limit} | ({"state": state} if state else {}) | {"label": labels or []}
         return list(self._orchestrator("GET", "/v1/jobs", params=params)["data"])
 
     def job(self, job_id: str) -> dict[str, Any]:

@@ -121,9 +121,9 @@ def cmd_list(args: argparse.Namespace) -> int:
     """Jobs, newest first."""
 
     def show(client: PlatformClient) -> int:
-        jobs = client.jobs(state=args.state, limit=args.limit)
+        jobs = client.jobs(state=args.state, labels=args.label, limit=args.limit)
         if not jobs:
-            print("no jobs" + (f" in state {args.state}" if args.state else ""))
+            print("no jobs" + (f" in state {args.state}" if args.state else "") + _labelled(args.label))
             return 0
         print(f"{'ID':<18} {'NAME':<24} {'STATE':<11} {'RESTARTS':>8}  {'CREATED':<20} NODES")
         for job in jobs:
@@ -135,6 +135,15 @@ def cmd_list(args: argparse.Namespace) -> int:
         return 0
 
     return _run(args, show)
+
+
+def _labelled(selectors: list[str]) -> str:
+    return f" labelled {', '.join(selectors)}" if selectors else ""
+
+
+def _labels_line(labels: dict[str, str]) -> str:
+    """A job's labels as `key=value` pairs sorted by key, or "-" when it has none."""
+    return " ".join(f"{key}={value}" for key, value in sorted(labels.items())) or "-"
 
 
 def _print_recovery(recovery: dict[str, Any]) -> None:
@@ -158,6 +167,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         print(f"job {job['id']}  {job['name']}  {job['state']}")
         if job.get("detail"):
             print(f"  detail     {job['detail']}")
+        print(f"  labels     {_labels_line(job.get('labels') or {})}")
         print(f"  restarts   {job['restarts']} (restart epoch {job['restart_epoch']})")
         print(f"  created    {job['created_at']}   updated {job['updated_at']}")
         for rank in job.get("placement", []):
@@ -220,6 +230,9 @@ def add_job_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
 
     listing = actions.add_parser("list", parents=[flags], help="jobs, newest first")
     listing.add_argument("--state", default=None, help="only jobs in this state (running, failed, cancelled, ...)")
+    listing.add_argument(
+        "--label", action="append", default=[], metavar="KEY=VALUE", help="only jobs with this label (repeatable: all)"
+    )
     listing.add_argument("--limit", type=int, default=100)
     listing.set_defaults(func=cmd_list)
 

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import httpx
 
-from reprise_cli.creds import PLATFORM, init_credentials
+from reprise_cli.client import PlatformClient
+from reprise_cli.creds import PLATFORM, init_credentials, read_admin_api_key
 from reprise_cli.servers import (
     ManagedProcess,
     NatsServer,
@@ -139,6 +140,17 @@ class Stack:
         """Base URL of a service by name."""
         spec = next(s for s in self.specs if s.name == name)
         return self.config.http_url(spec.http_port)
+
+    def client(self) -> PlatformClient:
+        """A client of this stack's public interfaces, with its NATS identity and admin API key (close it after)."""
+        return PlatformClient(
+            orchestrator=self.url("orchestrator"),
+            detector=self.url("detector"),
+            registry=self.url("checkpoint-registry"),
+            nats_url=self.config.nats_url,
+            nkey_seed_file=self.platform_seed,
+            api_key=read_admin_api_key(self.config.state_dir),
+        )
 
     def wait_ready(self, *, timeout_s: float) -> None:
         """Poll every /readyz until all answer 200; a service that dies or stays unready is named with its log."""

@@ -13,8 +13,10 @@ import pytest
 from reprise_cli.creds import Identity, init_credentials
 from reprise_cli.servers import NatsServer, deploy_dir, free_port
 from reprise_common import subjects
+from reprise_common.aio import poll_until
 from reprise_common.bus import Bus, Delivery, Outcome
-from reprise_common.events import Event, NodeReport
+from reprise_common.errors import BusError
+from reprise_common.events import Event, GpuXid, NodeReport
 
 
 @pytest.fixture
@@ -72,24 +74,36 @@ def test_seeds_are_private_and_config_holds_only_public_keys(identities: tuple[I
 async def test_node_a_cannot_publish_as_node_b(
     secured_nats: NatsServer, platform_bus: Bus, identities: tuple[Identity, dict[str, Identity]]
 ) -> None:
-    seen: list[str] = []
+    reports: list[str] = []
+    events: list[str] = []
 
-    async def record(event: Event, delivery: Delivery) -> Outcome:
-        seen.append(delivery.subject)
+    async def record_reports(batch: dict[str, bytes]) -> None:
+        reports.extend(batch)
+
+    async def record_event(event: Event, delivery: Delivery) -> Outcome:
+        events.append(delivery.subject)
         return Outcome.ACK
 
+    await platform_bus.follow(subjects.AGENT_REPORTS, handler=record_reports).open()
     platform_bus.consumer(
-        stream="AGENT", durable="watch", filter_subject=subjects.AGENT_REPORTS, handler=record
+        stream="AGENT", durable="watch", filter_subject=subjects.AGENT_EVENTS, handler=record_event
     ).start()
     node_a = _agent_bus(secured_nats, identities[1]["node-a"], "node-a")
     await node_a.connect(attempts=5)
     report = NodeReport(source="node-a", node_id="node-b", interval_s=1.0, gpu_backend="sim")
-    # Its own subject is stored; node B's subject is refused by the server (no JetStream ack comes back).
-    await node_a.publish(subjects.node_report("node-a"), report, timeout=2.0)
-    with pytest.raises(Exception, match=r"publish to reprise\.agent\.node-b\.report failed"):
-        await node_a.publish(subjects.node_report("node-b"), report.model_copy(update={"event_id": "x"}), timeout=1.0)
-    await asyncio.sleep(1.0)
-    assert seen == [subjects.node_report("node-a")]
+    # Reports (core NATS): the server drops node B's subject and delivers node A's own, sent after it on the same
+    # connection; had B's passed, it would have arrived first.
+    await node_a.publish_snapshot(subjects.node_report("node-b"), report)
+    await node_a.publish_snapshot(subjects.node_report("node-a"), report)
+    assert await poll_until(lambda: reports, timeout_s=5)
+    assert reports == [subjects.node_report("node-a")]
+    # Events (JetStream): node B's subject is refused by the server (no JetStream ack comes back).
+    xid = GpuXid(source="node-a", node_id="node-b", gpu=0, xid=79)
+    with pytest.raises(BusError, match=r"publish to reprise\.agent\.node-b\.event\.gpu\.xid failed"):
+        await node_a.publish(subjects.node_event("node-b", xid.type), xid, timeout=1.0)
+    await node_a.publish(subjects.node_event("node-a", xid.type), xid.model_copy(update={"event_id": "a"}))
+    assert await poll_until(lambda: events, timeout_s=5)
+    assert events == [subjects.node_event("node-a", xid.type)]
     await node_a.close()
 
 

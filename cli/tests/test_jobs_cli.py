@@ -232,3 +232,28 @@ def test_unknown_job_and_unreachable_api(platform: Platform, capsys: pytest.Capt
     nowhere = f"http://127.0.0.1:{free_port()}"
     assert main(["job", "list", "--api-url", nowhere, "--api-key", "k"]) == 2
     assert f"cannot reach the orchestrator at {nowhere}" in capsys.readouterr().err
+
+
+def test_labels_in_a_job_file_are_shown_and_filter_the_list(
+    platform: Platform, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    labelled = tmp_path / "labelled.yaml"
+    labelled.write_text(EXAMPLE.read_text() + "labels:\n  team: ml\n  example.com/tier: gold\n")
+    assert main(_job(platform, "submit", str(labelled))) == 0
+    job_id = capsys.readouterr().out.split()[1]
+    try:
+        assert main(_job(platform, "show", job_id)) == 0
+        assert "\n  labels     example.com/tier=gold team=ml\n" in capsys.readouterr().out
+
+        assert main(_job(platform, "list", "--label", "team=ml", "--label", "example.com/tier=gold")) == 0
+        assert [line.split()[0] for line in capsys.readouterr().out.splitlines()[1:]] == [job_id]
+        assert main(_job(platform, "list", "--label", "team=web")) == 0
+        assert capsys.readouterr().out.strip() == "no jobs labelled team=web"
+        assert main(_job(platform, "list", "--label", "team")) == 1
+        assert "label selector 'team': expected key=value" in capsys.readouterr().err
+    finally:
+        assert main(_job(platform, "cancel", job_id)) == 0
+
+    labelled.write_text(EXAMPLE.read_text() + "labels:\n  team x: ml\n")
+    assert main(_job(platform, "submit", str(labelled))) == 1
+    assert "\n  labels.team x.[key]: Value error, label key 'team x'" in capsys.readouterr().err

@@ -10,7 +10,6 @@ from contextlib import closing
 from types import FrameType
 
 from reprise_cli.client import PlatformClient
-from reprise_cli.creds import read_admin_api_key
 from reprise_cli.demo import report, timeline
 from reprise_cli.demo.models import DemoFailure, DemoRun, demo_faults
 from reprise_cli.demo.scenario import Scenario
@@ -29,18 +28,6 @@ class Narrator:
     def __call__(self, text: str) -> None:
         """Print one line at once."""
         print(f"[{time.monotonic() - self.began:6.1f}s] {text}", flush=True)
-
-
-def client_for(stack: Stack) -> PlatformClient:
-    """A client of the started stack's public interfaces, with its admin key."""
-    return PlatformClient(
-        orchestrator=stack.url("orchestrator"),
-        detector=stack.url("detector"),
-        registry=stack.url("checkpoint-registry"),
-        nats_url=stack.config.nats_url,
-        nkey_seed_file=stack.platform_seed,
-        api_key=read_admin_api_key(stack.config.state_dir),
-    )
 
 
 def _interrupt(_signum: int, _frame: FrameType | None) -> None:
@@ -66,7 +53,7 @@ def run_demo(config: StackConfig, *, keep: bool = False) -> int:
         say(f"starting the platform: {config.nodes} nodes + {config.spares} spare (logs in {stack.log_dir})")
         stack.start(timeout_s=90)
         say("every service ready")
-        with closing(client_for(stack)) as client:
+        with closing(stack.client()) as client:
             code = _run(stack, client, training, reference, say)
             if keep:
                 _keep(stack, say)

@@ -1,11 +1,12 @@
 """The one NATS/JetStream wrapper: connect and reconnect, provision streams, publish with dedup ids, durable pull
-consumers with explicit ack / nak-with-delay / term, dead letters, and request/reply for commands."""
+consumers with explicit ack / nak-with-delay / term, dead letters, request/reply for commands, and snapshots (node
+reports) published and followed on core NATS."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -27,12 +28,15 @@ from reprise_common.consumer import (  # Delivery, Handler and Outcome are part 
 )
 from reprise_common.errors import BusError
 from reprise_common.events import DeadLetter, Event, Wire
+from reprise_common.fanout import request_many
+from reprise_common.follow import PENDING_MSGS, Follower, SnapshotHandler
 from reprise_common.logging import get_logger
 from reprise_common.metrics import (
     BUS_CONNECTED,
     BUS_RECONNECTS,
     DEAD_LETTERS,
     EVENTS_PUBLISHED,
+    SLOW_CONSUMER_DROPS,
     subject_kind,
 )
 from reprise_common.settings import ServiceSettings
@@ -43,6 +47,7 @@ log = get_logger("reprise.bus")
 W = TypeVar("W", bound=Wire)
 _MAX_DEAD_PAYLOAD = 64 * 1024
 _STREAM_EXISTS_DIFFERENTLY = 10058
+_SLOW_CONSUMER_LOG_EVERY_S = 60.0
 
 
 def stream_config(spec: StreamSpec) -> StreamConfig:
@@ -63,9 +68,11 @@ class Bus:
     """One connection to NATS for one service; safe to use from many tasks."""
 
     @classmethod
-    def for_service(cls, settings: ServiceSettings, service: str) -> Bus:
+    def for_service(cls, settings: ServiceSettings, service: str, *, provision: bool = True) -> Bus:
         """The bus of a platform service, with its NATS identity from its settings."""
-        return cls(url=settings.nats_url, service=service, nkey_seed_file=settings.nats_nkey_seed_file)
+        return cls(
+            url=settings.nats_url, service=service, nkey_seed_file=settings.nats_nkey_seed_file, provision=provision
+        )
 
     def __init__(
         self,
@@ -86,6 +93,8 @@ class Bus:
         self._nc: Client | None = None
         self._js: JetStreamContext | None = None
         self._consumers: list[Consumer] = []
+        self._followers: list[Follower] = []
+        self._slow_logged: dict[str, float] = {}  # subject kind -> when a drop was last logged (loop time)
         self.generation = 0  # bumped on every (re)connect so consumers know to rebuild subscriptions
         self.dead_letter_count = 0
         self._closing = False
@@ -102,6 +111,11 @@ class Bus:
         if self._nc is None:
             raise BusError("not connected to NATS: call connect() first")
         return self._nc
+
+    @property
+    def max_payload(self) -> int:
+        """The largest message the server accepts (its max_payload, as it announced it); BusError before connect()."""
+        return int(self.nc.max_payload)
 
     @property
     def js(self) -> JetStreamContext:
@@ -170,10 +184,29 @@ class Bus:
         self.generation += 1
 
     async def _on_error(self, exc: Exception) -> None:
+        if isinstance(exc, nats.errors.SlowConsumerError):
+            self._slow_consumer(exc)
+            return
         log.debug("nats client error", extra={"error": repr(exc)})
 
+    def _slow_consumer(self, exc: nats.errors.SlowConsumerError) -> None:
+        """Count a message nats-py dropped for a full subscription; log it at most once a minute per subject kind."""
+        kind = subject_kind(exc.subject)
+        SLOW_CONSUMER_DROPS.labels(self.service, kind).inc()
+        for follower in self._followers:
+            if follower.subscription is exc.sub:
+                follower.dropped += 1
+        now = asyncio.get_running_loop().time()
+        if now - self._slow_logged.get(kind, -_SLOW_CONSUMER_LOG_EVERY_S) >= _SLOW_CONSUMER_LOG_EVERY_S:
+            self._slow_logged[kind] = now
+            log.warning("slow consumer: dropping messages", extra={"subject": exc.subject, "kind": kind})
+
     async def ensure_streams(self) -> None:
-        """Create each stream, or update it to the wanted configuration; safe to call any number of times."""
+        """Create each stream, or update it to the wanted configuration; safe to call any number of times.
+
+        An update also purges what an older release stored under subjects the stream no longer takes (node reports
+        in AGENT): they would otherwise hold the server's disk until they age out.
+        """
         for spec in self.streams:
             config = stream_config(spec)
             try:
@@ -182,12 +215,16 @@ class Bus:
                 if exc.err_code != _STREAM_EXISTS_DIFFERENTLY:
                     raise BusError(f"cannot provision stream {spec.name}: {exc}") from exc
                 await self.js.update_stream(config)
+                for subject in spec.retired_subjects:
+                    await self.js.purge_stream(spec.name, subject=subject)
+                    log.info("purged a retired subject", extra={"stream": spec.name, "subject": subject})
 
     async def close(self) -> None:
         """Stop consumers (each finishes its in-flight message), then drain the connection."""
         self._closing = True
-        await asyncio.gather(*(c.stop() for c in self._consumers))
+        await asyncio.gather(*(c.stop() for c in self._consumers), *(f.stop() for f in self._followers))
         self._consumers.clear()
+        self._followers.clear()
         if self._nc is not None and not self._nc.is_closed:
             with contextlib.suppress(nats.errors.Error, TimeoutError):
                 await self._nc.drain()
@@ -207,6 +244,20 @@ class Bus:
         EVENTS_PUBLISHED.labels(self.service, subject_kind(subject)).inc()
         return int(ack.seq)
 
+    async def publish_snapshot(self, subject: str, event: Event) -> None:
+        """Publish a snapshot (a node report) on core NATS: not stored, not confirmed; only the latest one counts.
+
+        Raises BusError when not connected (the caller skips this snapshot: the next one comes soon) or when the
+        client cannot take it.
+        """
+        if not self.connected:
+            raise BusError(f"not connected: snapshot on {subject} skipped")
+        try:
+            await self.nc.publish(subject, event.to_bytes())
+        except nats.errors.Error as exc:
+            raise BusError(f"publish to {subject} failed: {exc!r}") from exc
+        EVENTS_PUBLISHED.labels(self.service, subject_kind(subject)).inc()
+
     async def request(self, subject: str, message: Wire, reply_type: type[W], *, timeout: float = 5.0) -> W:
         """Send a request over core NATS and parse the reply; raises BusError on no responder or timeout."""
         try:
@@ -216,6 +267,15 @@ class Bus:
         except (nats.errors.Error, TimeoutError) as exc:
             raise BusError(f"request to {subject} failed: {exc!r}") from exc
         return reply_type.model_validate_json(msg.data)
+
+    async def request_many(
+        self, messages: Mapping[str, Wire], reply_type: type[W], *, timeout: float = 5.0
+    ) -> dict[str, W | BusError]:
+        """Send one request per subject at once; each subject's parsed reply, or the BusError saying why none came.
+
+        The errors read as `request()`'s do ("no responder on <subject>" when nothing listens); see fanout.py.
+        """
+        return await request_many(self.nc, messages, reply_type, timeout=timeout)
 
     async def serve(self, subject: str, handler: Callable[[bytes], Awaitable[Wire]]) -> Any:
         """Answer requests on a subject; a handler's error is answered as such, never crashes the service."""
@@ -263,6 +323,7 @@ class Bus:
         handler: BatchHandler,
         batch: int = 64,
         parse: bool = True,
+        prefetch: bool = False,
         max_deliver: int = 5,
         ack_wait_s: float = 30.0,
         retry_delay_s: float = 0.5,
@@ -277,6 +338,7 @@ class Bus:
             handler=handler,
             batch=batch,
             parse=parse,
+            prefetch=prefetch,
             max_deliver=max_deliver,
             ack_wait_s=ack_wait_s,
             retry_delay_s=retry_delay_s,
@@ -284,6 +346,22 @@ class Bus:
         )
         self._consumers.append(consumer)
         return consumer
+
+    def follow(
+        self,
+        subject: str,
+        *,
+        handler: SnapshotHandler,
+        batch: int = 512,
+        linger_s: float = 0.005,
+        pending_msgs: int = PENDING_MSGS,
+    ) -> Follower:
+        """Follow snapshots on core NATS: the latest message per subject, in batches; ``await open()`` starts it."""
+        follower = Follower(
+            bus=self, subject=subject, handler=handler, batch=batch, linger_s=linger_s, pending_msgs=pending_msgs
+        )
+        self._followers.append(follower)
+        return follower
 
     async def dead_letter(
         self, *, consumer: str, subject: str, data: bytes, reason: str, key: str, delivered: int

@@ -8,6 +8,7 @@ single events.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -85,6 +86,7 @@ class Consumer:
         handler: BatchHandler,
         batch: int,
         parse: bool = True,
+        prefetch: bool = False,
         max_deliver: int = 5,
         ack_wait_s: float = 30.0,
         retry_delay_s: float = 0.5,
@@ -97,10 +99,14 @@ class Consumer:
         self.handler = handler
         self.batch = batch
         self.parse = parse  # a handler that filters on the subject first parses only what it keeps
+        # Fetch the next batch while the handler works on one: for a handler that is quick next to the ack wait, as
+        # the fetched batch's ack wait runs while it waits its turn.
+        self.prefetch = prefetch
         self.max_deliver = max_deliver
         self.ack_wait_s = ack_wait_s
         self.retry_delay_s = retry_delay_s
         self.deliver_policy = deliver_policy
+        self.acked = 0  # messages acknowledged after the handler's work, since the start
         self._stopping = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -116,7 +122,7 @@ class Consumer:
         return self._task
 
     async def stop(self) -> None:
-        """Stop fetching; the batch being handled is finished and settled first."""
+        """Stop fetching; the batch being handled is finished and settled first, one fetched ahead is given back."""
         self._stopping.set()
         if self._task is not None:
             with contextlib.suppress(asyncio.CancelledError):
@@ -139,15 +145,18 @@ class Consumer:
     async def _run(self, first: JetStreamContext.PullSubscription | None) -> None:
         sub = first
         generation = self.bus.generation
+        ahead: asyncio.Future[list[Msg]] | None = None  # the next batch, fetched while the handler works
         while not self._stopping.is_set():
             try:
-                if sub is None or generation != self.bus.generation:
-                    if sub is not None:  # a stale subscription would hold up the connection's drain at shutdown
-                        with contextlib.suppress(nats.errors.Error, TimeoutError):
-                            await sub.unsubscribe()
-                    generation = self.bus.generation
-                    sub = await self._subscribe()
-                msgs = await self._fetch(sub)
+                if ahead is None:  # else it was fetched on the subscription of the batch before
+                    if sub is None or generation != self.bus.generation:
+                        if sub is not None:  # a stale subscription would hold up the connection's drain at shutdown
+                            with contextlib.suppress(nats.errors.Error, TimeoutError):
+                                await sub.unsubscribe()
+                        generation = self.bus.generation
+                        sub = await self._subscribe()
+                    ahead = asyncio.ensure_future(self._fetch(sub))
+                msgs = await ahead
             except TimeoutError:
                 continue
             except (nats.errors.Error, BusError) as exc:
@@ -155,11 +164,25 @@ class Consumer:
                 sub = None
                 await asyncio.sleep(0.5)
                 continue
+            finally:
+                ahead = None
             if msgs:
+                if self.prefetch:  # acknowledged only after their own batch: the fetch overlaps the handler's work
+                    assert sub is not None  # the batch came through it
+                    ahead = asyncio.ensure_future(self._fetch(sub))
                 await self._dispatch(msgs)
+        if ahead is not None:
+            with contextlib.suppress(TimeoutError, nats.errors.Error, BusError):
+                await self._give_back(await ahead)
         if sub is not None:
             with contextlib.suppress(nats.errors.Error, TimeoutError):
                 await sub.unsubscribe()
+
+    async def _give_back(self, msgs: list[Msg]) -> None:
+        """Messages fetched ahead but not handled (the consumer stops): redelivered now, not after the ack wait."""
+        for msg in msgs:
+            with contextlib.suppress(nats.errors.Error):
+                await msg.nak()
 
     async def _fetch(self, sub: JetStreamContext.PullSubscription) -> list[Msg]:
         fetch = asyncio.ensure_future(self._fetch_batch(sub))
@@ -210,12 +233,14 @@ class Consumer:
             verdicts = [Verdict(Outcome.RETRY, "handler error")] * len(items)
         for msg, item, verdict in zip(kept, items, verdicts, strict=True):
             await self._settle(msg, item.delivery, verdict)
+        for outcome, count in collections.Counter(v.outcome for v in verdicts).items():
+            EVENTS_CONSUMED.labels(self.bus.service, self.durable, outcome.value).inc(count)
 
     async def _settle(self, msg: Msg, delivery: Delivery, verdict: Verdict) -> None:
-        EVENTS_CONSUMED.labels(self.bus.service, self.durable, verdict.outcome.value).inc()
         try:
             if verdict.outcome is Outcome.ACK:
                 await msg.ack()
+                self.acked += 1
             elif verdict.outcome is Outcome.RETRY and delivery.num_delivered < self.max_deliver:
                 await msg.nak(delay=self.retry_delay_s * delivery.num_delivered)
             else:

@@ -7,7 +7,6 @@ schema version newer than the reader knows is rejected (dead-lettered) rather th
 
 from __future__ import annotations
 
-import json
 from datetime import datetime
 from enum import StrEnum
 from typing import Annotated, Any, ClassVar, Literal
@@ -114,6 +113,10 @@ class RankStatus(Wire):
     step_time_last_s: float | None = None
     alive: bool = True
     exit_code: int | None = Field(default=None, description="how the process ended, once it has (negative: signal)")
+    proc_state: str = Field(
+        default="", max_length=1, description="scheduler state of a live rank: R, S, D, T (stopped), ...; '' unknown"
+    )
+    cpu_s: float | None = Field(default=None, ge=0, description="CPU seconds the live rank used so far")
 
 
 class NodeReport(Event):
@@ -196,6 +199,7 @@ class DependencyFailed(Event):
     node_id: str
     dependency: str
     detail: str = ""
+    job_id: str | None = Field(default=None, description="the job the dependency belongs to (its rendezvous master)")
 
 
 class AgentLifecycle(Event):
@@ -260,6 +264,9 @@ class IncidentChange(Event):
     recommended_action: RecommendedAction
     symptom_count: int = Field(default=1, ge=0)
     first_symptom_at: AwareDatetime
+    labels: dict[str, str] = Field(
+        default_factory=dict, description="the job's labels, as the detector learned them from its placement"
+    )
 
 
 # --- orchestrator -------------------------------------------------------------------------------------------
@@ -282,6 +289,7 @@ class JobPlacement(Event):
     ranks: list[RankAssignment] = Field(default_factory=list)
     active: bool = True
     hang_timeout_s: float | None = Field(default=None, gt=0, description="the job's fixed hang limit, if it set one")
+    labels: dict[str, str] = Field(default_factory=dict, description="the job's labels, from its spec")
 
     def nodes(self) -> list[str]:
         """The distinct nodes of the placement, in rank order."""
@@ -302,6 +310,7 @@ class RecoveryChange(Event):
     attempt: int = Field(default=1, ge=1, description="which attempt of the recovery the step belongs to")
     outcome: str = Field(default="", description="why it ended (succeeded/failed only): a reason code")
     step_started_at: AwareDatetime | None = Field(default=None, description="when the step began")
+    labels: dict[str, str] = Field(default_factory=dict, description="the job's labels, from its spec")
 
 
 # --- node reputation ----------------------------------------------------------------------------------------
@@ -388,13 +397,11 @@ EVENT_TYPES: tuple[type[Event], ...] = (
 def parse_event(data: bytes) -> Event:
     """Parse any event by its ``type`` field, or raise MalformedEventError with a one-line reason."""
     try:
-        raw = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise MalformedEventError(f"not JSON: {exc}") from exc
-    try:
-        event: Event = _ANY_EVENT.validate_python(raw)
+        event: Event = _ANY_EVENT.validate_json(data)  # in one pass: no dict of the JSON first
     except ValidationError as exc:
         first = exc.errors()[0]
+        if first["type"] == "json_invalid":
+            raise MalformedEventError(f"not JSON: {first['msg']}") from exc
         where = ".".join(str(p) for p in first["loc"]) or "(root)"
         raise MalformedEventError(f"invalid event at {where}: {first['msg']}") from exc
     return event

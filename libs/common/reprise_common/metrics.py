@@ -5,7 +5,9 @@ from __future__ import annotations
 from prometheus_client import Counter, Gauge
 
 EVENTS_PUBLISHED = Counter(
-    "reprise_events_published_total", "Events published to JetStream", ["service", "subject_kind"]
+    "reprise_events_published_total",
+    "Events published (JetStream, or core NATS for snapshots)",
+    ["service", "subject_kind"],
 )
 EVENTS_CONSUMED = Counter(
     "reprise_events_consumed_total",
@@ -16,6 +18,17 @@ DEAD_LETTERS = Counter(
     "reprise_dead_letters_total",
     "Messages dead-lettered instead of processed",
     ["service", "consumer", "reason_kind"],
+)
+SNAPSHOTS = Counter(
+    "reprise_snapshots_total",
+    "Snapshots (e.g. node reports) from a core NATS subscription: handled, or superseded by a newer one of the same"
+    " subject before the handler got to it",
+    ["service", "subject_kind", "outcome"],
+)
+SLOW_CONSUMER_DROPS = Counter(
+    "reprise_bus_slow_consumer_dropped_total",
+    "Core NATS messages the client dropped because a subscription's pending limits were reached",
+    ["service", "subject_kind"],
 )
 BUS_CONNECTED = Gauge("reprise_bus_connected", "1 while connected to NATS", ["service"])
 BUS_RECONNECTS = Counter("reprise_bus_reconnects_total", "Reconnections to NATS", ["service"])

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import signal
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
@@ -41,6 +43,26 @@ def oom_kill_count(vmstat: Path = Path("/proc/vmstat")) -> int | None:
     except (OSError, ValueError):
         return None
     return None
+
+
+@dataclass(frozen=True)
+class ProcessSample:
+    """A process as /proc/<pid>/stat shows it at one moment."""
+
+    state: str  # R running, S sleeping, D uninterruptible sleep, T stopped, t traced, Z zombie
+    cpu_s: float  # user + system CPU seconds so far, every thread included
+
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def sample_process(pid: int, proc: Path = Path("/proc")) -> ProcessSample | None:
+    """The process's scheduler state and CPU time, or None when it is gone or /proc cannot say."""
+    try:
+        fields = (proc / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+        return ProcessSample(state=fields[0], cpu_s=(int(fields[11]) + int(fields[12])) / _CLOCK_TICKS)
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def process_alive(pid: int) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 from collections.abc import Awaitable, Callable, Mapping
 
 import uvicorn
@@ -19,6 +20,16 @@ from reprise_common.settings import ServiceSettings
 log = get_logger("reprise.service")
 ReadinessCheck = Callable[[], Awaitable[bool]]
 READINESS_TIMEOUT_S = 1.0
+
+
+def freeze_startup_objects() -> None:
+    """Keep what start-up built (modules, routes, schemas, rules) out of every later garbage collection.
+
+    Those objects live as long as the process; a full collection scans them all and pauses the event loop meanwhile
+    (100-500 ms in a service under load), so a service calls this once its start-up is done.
+    """
+    gc.collect()
+    gc.freeze()
 
 
 def add_ops_routes(app: FastAPI, *, checks: Mapping[str, ReadinessCheck]) -> None:

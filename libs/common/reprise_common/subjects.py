@@ -20,9 +20,9 @@ def token(value: str) -> str:
     return value
 
 
-# --- agents -> platform (JetStream, stream AGENT) -------------------------------------------------------------
+# --- agents -> platform (reports: core NATS, not stored; events: JetStream, stream AGENT) ---------------------
 def node_report(node_id: str) -> str:
-    """The per-interval compact report of one node."""
+    """The per-interval compact report of one node: a snapshot, published on core NATS (only the latest counts)."""
     return f"{PREFIX}.agent.{token(node_id)}.report"
 
 
@@ -125,14 +125,16 @@ class StreamSpec:
     duplicate_window_s: float = 120.0
     description: str = ""
     extra: dict[str, object] = field(default_factory=dict)
+    retired_subjects: tuple[str, ...] = ()  # once stored here, no longer: purged when an older stream is updated
 
 
 STREAMS: tuple[StreamSpec, ...] = (
     StreamSpec(
         name="AGENT",
-        subjects=(AGENT_REPORTS, AGENT_EVENTS),
+        subjects=(AGENT_EVENTS,),
         max_age_s=3600.0,
-        description="Node reports and discrete node events (XIDs, rank exits, dependency failures).",
+        description="Discrete node events (XIDs, rank exits, dependency failures); node reports are core NATS.",
+        retired_subjects=(AGENT_REPORTS,),
     ),
     StreamSpec(
         name="INCIDENTS",

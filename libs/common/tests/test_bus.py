@@ -1,15 +1,21 @@
-"""The bus against a real nats-server: streams, dedup, consumers, dead letters, reconnects."""
+"""The bus against a real nats-server: streams, dedup, consumers, dead letters, reconnects, followed snapshots."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable
+
+import nats
+import pytest
+from nats.js.api import StreamConfig
+from prometheus_client import REGISTRY
 
 from reprise_cli.servers import NatsServer
 from reprise_common import subjects
 from reprise_common.aio import poll_until
 from reprise_common.bus import Bus, Delivery, Outcome
-from reprise_common.errors import MalformedEventError
+from reprise_common.errors import BusError, MalformedEventError
 from reprise_common.events import DeadLetter, Event, GpuXid, NodeReport, parse_event
 
 
@@ -86,9 +92,8 @@ async def test_consumer_resumes_after_server_restart(nats_server: NatsServer) ->
         seen.append(event.event_id)
         return Outcome.ACK
 
-    bus.consumer(stream="AGENT", durable="c", filter_subject=subjects.AGENT_REPORTS, handler=handle).start()
-    report = NodeReport(source="node-1", node_id="node-1", interval_s=1.0, gpu_backend="sim")
-    await bus.publish(subjects.node_report("node-1"), report)
+    bus.consumer(stream="AGENT", durable="c", filter_subject=subjects.AGENT_EVENTS, handler=handle).start()
+    await bus.publish(subjects.node_event("node-1", "gpu.xid"), GpuXid(source="n", node_id="node-1", gpu=0, xid=79))
     assert await _wait_for(lambda: len(seen) == 1)
 
     await asyncio.to_thread(nats_server.stop)
@@ -96,8 +101,8 @@ async def test_consumer_resumes_after_server_restart(nats_server: NatsServer) ->
     await asyncio.to_thread(nats_server.start)
     assert await _wait_for(lambda: bus.connected, timeout=15)
 
-    later = NodeReport(source="node-1", node_id="node-1", interval_s=1.0, gpu_backend="sim")
-    await bus.publish(subjects.node_report("node-1"), later)
+    later = GpuXid(source="n", node_id="node-1", gpu=1, xid=79)
+    await bus.publish(subjects.node_event("node-1", "gpu.xid"), later)
     assert await _wait_for(lambda: later.event_id in seen, timeout=15)
     await bus.close()
 
@@ -117,4 +122,137 @@ async def test_handler_can_reject_with_a_reason(nats_server: NatsServer) -> None
     letter = parse_event(msg.data)
     assert isinstance(letter, DeadLetter)
     assert letter.reason == "unusable: job id missing" and letter.original_subject.endswith("node-3.event.gpu.xid")
+    await bus.close()
+
+
+def _report(node: str) -> NodeReport:
+    return NodeReport(source=node, node_id=node, interval_s=1.0, gpu_backend="sim")
+
+
+async def test_reports_are_not_stored_and_an_older_agent_stream_drops_them(nats_server: NatsServer) -> None:
+    nc = await nats.connect(nats_server.url)  # an older release stored reports and events in AGENT
+    js = nc.jetstream()
+    await js.add_stream(StreamConfig(name="AGENT", subjects=[subjects.AGENT_REPORTS, subjects.AGENT_EVENTS]))
+    await js.publish(subjects.node_report("node-1"), _report("node-1").to_bytes())
+    await js.publish(
+        subjects.node_event("node-1", "gpu.xid"), GpuXid(source="n", node_id="node-1", gpu=0, xid=79).to_bytes()
+    )
+    await nc.close()
+
+    bus = Bus(url=nats_server.url, service="test")
+    await bus.connect(attempts=5)  # provisions: the stream is updated, its stored reports purged
+    info = await bus.js.stream_info("AGENT")
+    assert info.config.subjects == [subjects.AGENT_EVENTS]
+    assert info.state.messages == 1  # the event stays
+    await bus.publish_snapshot(subjects.node_report("node-1"), _report("node-1"))
+    await bus.nc.flush()
+    assert (await bus.js.stream_info("AGENT")).state.messages == 1
+    await bus.close()
+
+
+async def test_a_follower_gets_the_latest_report_per_node_and_resumes_after_a_restart(
+    nats_server: NatsServer,
+) -> None:
+    bus = Bus(url=nats_server.url, service="test")
+    await bus.connect(attempts=5)
+    batches: list[dict[str, NodeReport]] = []
+    release = asyncio.Event()
+
+    async def handle(reports: dict[str, bytes]) -> None:
+        batches.append({s: NodeReport.model_validate_json(d) for s, d in reports.items()})
+        await release.wait()  # the first batch holds the handler while more reports arrive
+
+    follower = bus.follow(subjects.AGENT_REPORTS, handler=handle)
+    await follower.open()
+    await bus.publish_snapshot(subjects.node_report("node-0"), _report("node-0"))
+    assert await _wait_for(lambda: len(batches) == 1)
+    older, newer, other = _report("node-1"), _report("node-1"), _report("node-2")
+    for report in (older, newer, other):
+        await bus.publish_snapshot(subjects.node_report(report.node_id), report)
+    assert await _wait_for(lambda: follower.received == 4)
+    release.set()
+    assert await _wait_for(lambda: follower.idle and len(batches) == 2)
+    assert {s: r.event_id for s, r in batches[1].items()} == {
+        subjects.node_report("node-1"): newer.event_id,  # the older report of node-1 was superseded, not handled
+        subjects.node_report("node-2"): other.event_id,
+    }
+    assert (follower.handled, follower.superseded) == (3, 1)
+
+    await asyncio.to_thread(nats_server.stop)
+    assert await _wait_for(lambda: not bus.connected)
+    await asyncio.to_thread(nats_server.start)
+    assert await _wait_for(lambda: bus.connected, timeout=15)
+    later = _report("node-1")
+    await bus.publish_snapshot(subjects.node_report("node-1"), later)
+    assert await _wait_for(lambda: any(r.event_id == later.event_id for b in batches for r in b.values()), timeout=15)
+    await bus.close()
+
+
+async def test_a_snapshot_is_skipped_not_queued_while_disconnected(nats_server: NatsServer) -> None:
+    bus = Bus(url=nats_server.url, service="test")
+    await bus.connect(attempts=5)
+    await asyncio.to_thread(nats_server.stop)
+    assert await _wait_for(lambda: not bus.connected)
+    with pytest.raises(BusError, match="not connected"):  # nats-py would otherwise send it late, after reconnecting
+        await bus.publish_snapshot(subjects.node_report("node-1"), _report("node-1"))
+    await asyncio.to_thread(nats_server.start)
+    await bus.close()
+
+
+async def test_a_follower_that_falls_behind_drops_and_counts_and_keeps_following(nats_server: NatsServer) -> None:
+    bus = Bus(url=nats_server.url, service="test-slow")
+    await bus.connect(attempts=5)
+    seen: list[str] = []
+
+    async def handle(reports: dict[str, bytes]) -> None:
+        seen.extend(reports)
+
+    follower = bus.follow(subjects.AGENT_REPORTS, handler=handle, pending_msgs=5)
+    await follower.open()
+    labels = {"service": "test-slow", "subject_kind": "reprise.agent.report"}
+    before = REGISTRY.get_sample_value("reprise_bus_slow_consumer_dropped_total", labels) or 0.0
+    sent = threading.Event()
+
+    def burst() -> None:  # another client publishes while this process's event loop is busy
+        async def run() -> None:
+            nc = await nats.connect(nats_server.url)
+            for n in range(50):
+                await nc.publish(subjects.node_report(f"node-{n}"), b"{}")
+            await nc.flush()
+            await nc.close()
+
+        asyncio.run(run())
+        sent.set()
+
+    threading.Thread(target=burst).start()
+    assert sent.wait(timeout=10)  # blocks the loop: the 50 reports wait in the socket, then arrive at once
+    await asyncio.sleep(0)
+    assert await _wait_for(lambda: follower.received + follower.dropped == 50 and follower.idle)
+    assert follower.dropped > 0
+    assert REGISTRY.get_sample_value("reprise_bus_slow_consumer_dropped_total", labels) == before + follower.dropped
+    await bus.publish_snapshot(subjects.node_report("node-late"), _report("node-late"))
+    assert await _wait_for(lambda: subjects.node_report("node-late") in seen)
+    await bus.close()
+
+
+async def test_a_follower_hands_over_at_most_a_batch_at_a_time_longest_waiting_first(nats_server: NatsServer) -> None:
+    bus = Bus(url=nats_server.url, service="test")
+    await bus.connect(attempts=5)
+    batches: list[list[str]] = []
+    release = asyncio.Event()
+
+    async def handle(reports: dict[str, bytes]) -> None:
+        batches.append([s.split(".")[2] for s in reports])
+        await release.wait()
+
+    follower = bus.follow(subjects.AGENT_REPORTS, handler=handle, batch=2)
+    await follower.open()
+    await bus.publish_snapshot(subjects.node_report("node-0"), _report("node-0"))
+    assert await _wait_for(lambda: len(batches) == 1)
+    for n in range(1, 6):
+        await bus.publish_snapshot(subjects.node_report(f"node-{n}"), _report(f"node-{n}"))
+    assert await _wait_for(lambda: follower.received == 6)
+    release.set()
+    assert await _wait_for(lambda: follower.idle and follower.handled == 6)
+    assert batches == [["node-0"], ["node-1", "node-2"], ["node-3", "node-4"], ["node-5"]]
     await bus.close()

@@ -11,7 +11,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from reprise_agent.commands import CommandBook
-from reprise_agent.depchecks import CheckResult, DependencyChecker
+from reprise_agent.depchecks import CheckResult, DependencyChecker, rendezvous_job
 from reprise_agent.gpu.base import GpuBackend, SignalKind
 from reprise_agent.gpu.factory import open_backend
 from reprise_agent.gpu.sim import SimulatedGpus
@@ -168,13 +168,10 @@ class Agent:
 
     async def _report_loop(self) -> None:
         while not self.node_lost:
-            if self.bus.connected:
-                try:
-                    await self.bus.publish(subjects.node_report(self.node_id), await self.report(), timeout=1.0)
-                except BusError:
-                    self.reports_skipped += 1
-            else:
-                self.reports_skipped += 1  # a report is a snapshot: a stale one is worth nothing later
+            try:  # core NATS, fire and forget: a lost report is replaced by the next one
+                await self.bus.publish_snapshot(subjects.node_report(self.node_id), await self.report())
+            except BusError:  # not connected: skipped, as a stale snapshot is worth nothing later
+                self.reports_skipped += 1
             await asyncio.sleep(self.settings.report_interval_s)
 
     async def _gpu_loop(self) -> None:
@@ -211,7 +208,11 @@ class Agent:
             return
         log.warning("dependency failed", extra={"dependency": result.name, "detail": result.detail})
         event = DependencyFailed(
-            source=self.node_id, node_id=self.node_id, dependency=result.name, detail=result.detail
+            source=self.node_id,
+            node_id=self.node_id,
+            dependency=result.name,
+            detail=result.detail,
+            job_id=rendezvous_job(result.name),
         )
         self.outbox.put(subjects.node_event(self.node_id, "dependency.failed"), event)
 

@@ -400,6 +400,14 @@ class DependencyChecker:
         self._latest.pop(name, None)
 
 
+_RENDEZVOUS = "rendezvous:"
+
+
 def rendezvous_name(job_id: str) -> str:
     """The dependency name of a job's rendezvous master, as it appears in events."""
-    return f"rendezvous:{job_id}"
+    return f"{_RENDEZVOUS}{job_id}"
+
+
+def rendezvous_job(name: str) -> str | None:
+    """The job whose rendezvous master a dependency name stands for; None for any other dependency."""
+    return name.removeprefix(_RENDEZVOUS) if name.startswith(_RENDEZVOUS) else None

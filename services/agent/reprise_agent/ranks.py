@@ -14,7 +14,7 @@ from typing import IO
 
 from reprise_common.events import RankAssignment, RankStatus
 from reprise_common.logging import get_logger
-from reprise_common.procs import describe_exit, die_with_parent, oom_kill_count
+from reprise_common.procs import describe_exit, die_with_parent, oom_kill_count, sample_process
 
 log = get_logger("reprise.agent.ranks")
 
@@ -68,7 +68,8 @@ class RankProcess:
         return not self.done.is_set()
 
     def status(self) -> RankStatus:
-        """This rank as a node report shows it."""
+        """This rank as a node report shows it; a live one with its scheduler state and CPU time."""
+        sample = sample_process(self.proc.pid) if self.alive else None
         return RankStatus(
             job_id=self.job_id,
             rank=self.rank,
@@ -77,6 +78,8 @@ class RankProcess:
             gpu=self.gpu,
             alive=self.alive,
             exit_code=self.exit_code,
+            proc_state=sample.state if sample else "",
+            cpu_s=sample.cpu_s if sample else None,
         )
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from reprise_agent.agent import Agent
 from reprise_agent.settings import AgentSettings
-from reprise_cli.servers import NatsServer
+from reprise_cli.servers import NatsServer, free_port
 from reprise_common import subjects
 from reprise_common.aio import poll_until
 from reprise_common.bus import Bus, Delivery, Outcome
@@ -23,6 +23,7 @@ from reprise_common.events import (
     CommandAction,
     CommandReply,
     CommandResult,
+    DependencyFailed,
     Event,
     FaultKind,
     GpuHealth,
@@ -53,6 +54,9 @@ class Harness:
     async def record(self, event: Event, delivery: Delivery) -> Outcome:
         self.events.append(event)
         return Outcome.ACK
+
+    async def record_reports(self, reports: dict[str, bytes]) -> None:
+        self.events.extend(NodeReport.model_validate_json(data) for data in reports.values())
 
     async def command(self, action: CommandAction, *, fence: int, command_id: str, **args: object) -> CommandReply:
         cmd = AgentCommand(command_id=command_id, job_id="job-1", fence=fence, action=action, args=dict(args))
@@ -90,6 +94,7 @@ async def harness(nats_server: NatsServer, tmp_path: Path) -> AsyncIterator[Harn
     await client.connect(attempts=10)
     h = Harness(agent, client)
     client.consumer(stream="AGENT", durable="test", filter_subject="reprise.agent.n1.>", handler=h.record).start()
+    await client.follow(subjects.node_report("n1"), handler=h.record_reports).open()  # reports: core NATS
     yield h
     await agent.stop()
     await bus.close()
@@ -338,3 +343,14 @@ async def test_stopped_rank_shows_a_growing_heartbeat_age(harness: Harness) -> N
         assert after[-1].alive
     finally:
         os.kill(reply.data["pids"][0], signal.SIGCONT)
+
+
+async def test_an_unreachable_rendezvous_master_is_reported_for_its_job_only(harness: Harness) -> None:
+    harness.agent.depchecks.rendezvous_grace_s = 0  # watched as if the job had trained past its rendezvous long ago
+    harness.agent.depchecks.set_rendezvous("job-1", "127.0.0.1", free_port())  # nothing listens there
+
+    def failed() -> list[DependencyFailed]:
+        return [e for e in harness.events if isinstance(e, DependencyFailed)]
+
+    assert await wait_for(failed, timeout_s=15)  # the dependency loop runs every 5 s
+    assert {(e.dependency, e.job_id, e.node_id) for e in failed()} == {("rendezvous:job-1", "job-1", "n1")}

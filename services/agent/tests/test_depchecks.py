@@ -27,6 +27,7 @@ from reprise_agent.depchecks import (
     HttpCheck,
     StorageCheck,
     TcpCheck,
+    rendezvous_job,
     rendezvous_name,
 )
 from reprise_common.clock import ManualClock
@@ -355,3 +356,10 @@ def test_the_checker_refuses_duplicate_names() -> None:
     spec = TcpCheck(host="h", port=1)
     with pytest.raises(ConfigError, match="tcp:h:1"):
         DependencyChecker([spec, spec], clock=ManualClock())
+
+
+@pytest.mark.parametrize(("name", "job"), [("rendezvous:job-1", "job-1"), ("storage", None), ("tcp:rendezvous", None)])
+def test_a_dependency_name_tells_the_job_of_a_rendezvous_master(name: str, job: str | None) -> None:
+    assert rendezvous_job(name) == job
+    if job is not None:
+        assert rendezvous_name(job) == name

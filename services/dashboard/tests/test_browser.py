@@ -20,7 +20,6 @@ import httpx
 import pytest
 
 from reprise_cli.client import PlatformClient, poll
-from reprise_cli.creds import read_admin_api_key
 from reprise_cli.servers import free_port, free_stack_ports
 from reprise_cli.stack import Stack
 from reprise_cli.topology import DEFAULT_PORTS, SLACK_RECEIVER_WEBHOOK, StackConfig
@@ -81,14 +80,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 @pytest.fixture
 def client(stack: Stack) -> Iterator[PlatformClient]:
     """The platform's REST client with the stack's admin key."""
-    found = PlatformClient(
-        orchestrator=stack.url("orchestrator"),
-        detector=stack.url("detector"),
-        registry=stack.url("checkpoint-registry"),
-        nats_url=stack.config.nats_url,
-        nkey_seed_file=stack.platform_seed,
-        api_key=read_admin_api_key(stack.config.state_dir),
-    )
+    found = stack.client()
     yield found
     found.close()
 

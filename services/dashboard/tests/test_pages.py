@@ -13,7 +13,7 @@ import pytest
 from pydantic import ValidationError
 
 from reprise_dashboard.jobs.models import JobRecord
-from reprise_dashboard.render import format_duration, hide_urls
+from reprise_dashboard.render import TEMPLATES, format_duration, hide_urls
 from reprise_dashboard.settings import DashboardSettings
 from reprise_dashboard.upstreams import Fetched, Service
 
@@ -97,3 +97,15 @@ def test_settings_refuse_a_url_without_scheme_and_trim_slashes() -> None:
 )
 def test_durations_for_people(seconds: float | None, shown: str) -> None:
     assert format_duration(seconds) == shown
+
+
+def test_job_labels_show_sorted_and_escaped() -> None:
+    job = JobRecord.model_validate(
+        {"id": "job-1", "name": "a", "state": "running", "created_at": "2026-01-01T00:00:00Z",
+         "updated_at": "2026-01-01T00:00:00Z", "labels": {"team": "ml", "example.com/tier": "<gold>"}}
+    )  # fmt: skip
+    html = str(TEMPLATES.env.get_template("_macros.html").module.labels(job.labels))  # type: ignore[attr-defined]
+    chips = re.findall(r'<span class="badge job-label">([^<]*)</span>', html)
+    assert chips == ["example.com/tier=&lt;gold&gt;", "team=ml"]
+    older = JobRecord.model_validate({k: v for k, v in job.model_dump(mode="json").items() if k != "labels"})
+    assert older.labels == {}  # an orchestrator from before labels

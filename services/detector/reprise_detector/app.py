@@ -11,7 +11,13 @@ from fastapi import FastAPI
 from reprise_common.bus import Bus
 from reprise_common.clock import Clock, SystemClock
 from reprise_common.db import db_check, make_engine
-from reprise_common.service import Background, add_error_handlers, add_ops_routes, nats_check
+from reprise_common.service import (
+    Background,
+    add_error_handlers,
+    add_ops_routes,
+    freeze_startup_objects,
+    nats_check,
+)
 from reprise_detector.classify import load_rules
 from reprise_detector.incidents import views as incident_views
 from reprise_detector.nodes import views as node_views
@@ -69,6 +75,7 @@ def build_runtime(settings: DetectorSettings, clock: Clock) -> Runtime:
         ),
         engine=engine,
         clock=clock,
+        hang_check_interval_s=settings.hang_check_interval_s,
     )
     return Runtime(settings, engine, bus, clock, placements, detector, Background(bus), partition, watcher)
 
@@ -81,6 +88,7 @@ def create_app(settings: DetectorSettings, *, clock: Clock | None = None) -> Fas
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         await asyncio.to_thread(create_tables, runtime.engine)
         runtime.background.start(runtime.start_consumers)
+        freeze_startup_objects()
         try:
             yield
         finally:

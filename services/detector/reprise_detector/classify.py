@@ -6,7 +6,7 @@ import functools
 import re
 import signal
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
@@ -20,6 +20,7 @@ from reprise_detector.derived import JobHung, NodeLost, RankStraggling
 from reprise_detector.observe import SymptomEvent
 
 BUILTIN_RULES = "rules.yaml"
+EXIT_RULE_CACHE = 4096  # distinct rank exits (by what the rules look at) whose rule is remembered
 
 
 @dataclass(frozen=True)
@@ -56,11 +57,9 @@ class TemplateRule(_Rule):
             raise ValueError(f"reason template {value!r} is not valid: {exc}") from exc
         return value
 
-    def apply(self, facts: Mapping[str, Any]) -> Classification:
+    def apply(self, facts: _Facts) -> Classification:
         """The classification this rule gives, its reason filled in from facts."""
-        return Classification(
-            self.category, self.severity, self.action, self.root_cause, self.reason.format_map(_Facts(facts))
-        )
+        return Classification(self.category, self.severity, self.action, self.root_cause, self.reason.format_map(facts))
 
 
 class XidRule(_Rule):
@@ -121,6 +120,7 @@ class RulesFile(BaseModel):
     unknown_xid: TemplateRule | None = None
     gpu_lost: TemplateRule | None = None
     dependency_failed: TemplateRule | None = None
+    rendezvous_unreachable: TemplateRule | None = None
     rank_exited: list[ExitRule] = Field(default_factory=list)
     node_lost: TemplateRule | None = None
     job_hung: TemplateRule | None = None
@@ -135,10 +135,15 @@ class RuleBook:
     unknown_xid: TemplateRule
     gpu_lost: TemplateRule
     dependency_failed: TemplateRule
+    rendezvous_unreachable: TemplateRule
     rank_exited: tuple[ExitRule, ...]
     node_lost: TemplateRule
     job_hung: TemplateRule
     rank_straggling: TemplateRule
+    # The rule each rank exit chose, by what the rules look at: a storm's peers fail alike, so they match once.
+    _exit_rules: dict[tuple[bool, str | None, int | None, tuple[str, ...]], ExitRule | None] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     def classify(self, event: SymptomEvent) -> Classification:
         """Classify one symptom event."""
@@ -146,9 +151,11 @@ class RuleBook:
             case GpuXid():
                 return self._xid(event)
             case GpuLost():
-                return self.gpu_lost.apply({**event.model_dump(), "reason": event.reason or "no reason given"})
+                return self.gpu_lost.apply(_Facts.of(event, reason=event.reason or "no reason given"))
+            case DependencyFailed(job_id=str()):
+                return self.rendezvous_unreachable.apply(_Facts.of(event))
             case DependencyFailed():
-                return self.dependency_failed.apply(event.model_dump())
+                return self.dependency_failed.apply(_Facts.of(event))
             case RankExited():
                 return self._rank_exited(event)
             case NodeLost() | JobHung() | RankStraggling():
@@ -157,31 +164,46 @@ class RuleBook:
     def _derived(self, event: NodeLost | JobHung | RankStraggling) -> Classification:
         match event:
             case NodeLost():
-                return self.node_lost.apply({**event.model_dump(), "silent_s": f"{event.silent_s:.1f}"})
+                return self.node_lost.apply(_Facts.of(event, silent_s=f"{event.silent_s:.1f}"))
             case JobHung():
-                facts = {**event.model_dump(), "stalled_s": f"{event.stalled_s:.1f}", "limit_s": f"{event.limit_s:.1f}"}
+                facts = _Facts.of(event, stalled_s=f"{event.stalled_s:.1f}", limit_s=f"{event.limit_s:.1f}")
                 return self.job_hung.apply(facts)
             case RankStraggling():
                 ratio = f"{event.step_time_s / event.median_s:.1f}" if event.median_s > 0 else "?"
-                return self.rank_straggling.apply({**event.model_dump(), "ratio": ratio})
+                return self.rank_straggling.apply(_Facts.of(event, ratio=ratio))
 
     def _xid(self, event: GpuXid) -> Classification:
         rule = self.xids.get(event.xid)
         if rule is None:
-            return self.unknown_xid.apply(event.model_dump())
+            return self.unknown_xid.apply(_Facts.of(event))
         reason = f"XID {event.xid} on GPU {event.gpu}: {rule.meaning}"
         return Classification(rule.category, rule.severity, rule.action, rule.root_cause, reason)
 
     def _rank_exited(self, event: RankExited) -> Classification:
         sig = normalise_signal(event.signal, event.exit_code)
         how = f"signal {sig}" if sig else f"exit code {event.exit_code}"
-        facts = {**event.model_dump(), "signal": sig, "how": how}
+        key = (event.oom_killed, sig, event.exit_code, tuple(event.log_tail))
+        if key in self._exit_rules:
+            rule = self._exit_rules[key]
+        else:
+            rule = self._exit_rule(*key)
+            if len(self._exit_rules) >= EXIT_RULE_CACHE:
+                self._exit_rules.clear()
+            self._exit_rules[key] = rule
+        if rule is None:
+            return Classification(
+                Category.UNKNOWN, Severity.WARNING, RecommendedAction.NONE, False, f"rank exit: {how}"
+            )
+        return rule.apply(_Facts.of(event, signal=sig, how=how))
+
+    def _exit_rule(
+        self, oom_killed: bool, signal: str | None, exit_code: int | None, log_tail: tuple[str, ...]
+    ) -> ExitRule | None:
+        lines = list(log_tail)
         for rule in self.rank_exited:
-            if rule.when.matches(
-                oom_killed=event.oom_killed, signal=sig, exit_code=event.exit_code, log_tail=event.log_tail
-            ):
-                return rule.apply(facts)
-        return Classification(Category.UNKNOWN, Severity.WARNING, RecommendedAction.NONE, False, f"rank exit: {how}")
+            if rule.when.matches(oom_killed=oom_killed, signal=signal, exit_code=exit_code, log_tail=lines):
+                return rule
+        return None
 
 
 def normalise_signal(value: str | None, exit_code: int | None) -> str | None:
@@ -218,14 +240,15 @@ def load_rules(path: Path | None = None) -> RuleBook:
     unknown = operator.unknown_xid or builtin.unknown_xid
     lost = operator.gpu_lost or builtin.gpu_lost
     dependency = operator.dependency_failed or builtin.dependency_failed
+    rendezvous = operator.rendezvous_unreachable or builtin.rendezvous_unreachable
     node_lost = operator.node_lost or builtin.node_lost
     hung = operator.job_hung or builtin.job_hung
     straggling = operator.rank_straggling or builtin.rank_straggling
-    if None in (unknown, lost, dependency, node_lost, hung, straggling):
+    if None in (unknown, lost, dependency, rendezvous, node_lost, hung, straggling):
         raise ConfigError(f"built-in {BUILTIN_RULES} lacks a required section")
-    assert unknown and lost and dependency and node_lost and hung and straggling  # for the type checker
+    assert unknown and lost and dependency and rendezvous and node_lost and hung and straggling  # for the type checker
     exits = (*operator.rank_exited, *builtin.rank_exited)
-    return RuleBook(xids, unknown, lost, dependency, exits, node_lost, hung, straggling)
+    return RuleBook(xids, unknown, lost, dependency, rendezvous, exits, node_lost, hung, straggling)
 
 
 def _read(text: str, where: str) -> RulesFile:
@@ -242,5 +265,16 @@ def _read(text: str, where: str) -> RulesFile:
 class _Facts(dict[str, Any]):
     """Template values; a field a template names but the event lacks renders as '?' instead of failing."""
 
-    def __missing__(self, key: str) -> str:
+    event: BaseModel | None = None
+
+    @classmethod
+    def of(cls, event: BaseModel, **extra: Any) -> _Facts:
+        """The event's fields (read when a template names them: dumping them all costs more) and extra values."""
+        facts = cls(extra)
+        facts.event = event
+        return facts
+
+    def __missing__(self, key: str) -> Any:
+        if self.event is not None and key in type(self.event).model_fields:
+            return getattr(self.event, key)
         return "?"

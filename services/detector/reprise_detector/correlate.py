@@ -45,13 +45,17 @@ class Target:
 
 
 def targets(observation: Observation, placements: PlacementMap) -> list[Target]:
-    """The affected jobs: the exiting rank's job, or every job placed on the node for GPU and node symptoms."""
+    """The affected jobs: the exiting rank's job, the job a dependency belongs to, or every job placed on the node for
+    GPU, node and node-wide dependency symptoms."""
     node_id = observation.node_id
     if observation.job_id is not None and observation.rank is not None:
         gpu = placements.gpu_of(job_id=observation.job_id, node_id=node_id, rank=observation.rank)
         exit_code = observation.event.exit_code if isinstance(observation.event, RankExited) else None
         culprit = Culprit(node_id=node_id, gpu=gpu, rank=observation.rank, exit_code=exit_code)
         return [Target(observation.job_id, culprit)]
+    if observation.job_id is not None:  # a job's own dependency (its rendezvous master): that job only
+        placed_here = observation.job_id in placements.jobs_on(node_id)
+        return [Target(observation.job_id, Culprit(node_id=node_id))] if placed_here else []
     return [
         Target(
             job_id,

@@ -30,13 +30,14 @@ class NodeLost(Derived):
 
 
 class JobHung(Derived):
-    """A job's step progress stopped for longer than its limit; node_id and rank name the rank that stopped first."""
+    """A job's step progress stopped for longer than its limit; node_id and rank name the rank to blame."""
 
     type: Literal["job.hung"] = "job.hung"
     job_id: str
     rank: int
     stalled_ranks: list[int]
     lagging_ranks: list[int]
+    culprit_reason: str = "stopped first"
     step: int | None
     phase: str
     stalled_s: float

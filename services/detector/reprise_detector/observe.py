@@ -62,6 +62,7 @@ def observe(event: Event, subject: str) -> Observation | None:
             job_id, rank, detail = _job_token(event.job_id), event.rank, "\n".join(event.log_tail[-_LOG_TAIL_LINES:])
         case DependencyFailed():
             detail = f"{event.dependency}: {event.detail}"
+            job_id = _job_token(event.job_id) if event.job_id is not None else None
     return Observation(
         event=event, node_id=node_id, kind=event.type, time=event.time, detail=detail, gpu=gpu, job_id=job_id, rank=rank
     )
@@ -82,7 +83,8 @@ def derived(symptom: DerivedSymptom) -> Observation:
             detail = (
                 f"no step progress for {symptom.stalled_s:.1f} s "
                 f"(limit {symptom.limit_s:.1f} s, {symptom.limit_reason}); "
-                f"stopped first: ranks {symptom.stalled_ranks}; lagging: ranks {symptom.lagging_ranks}"
+                f"stopped together: ranks {symptom.stalled_ranks}; lagging: ranks {symptom.lagging_ranks}; "
+                f"blamed: rank {symptom.rank} ({symptom.culprit_reason})"
             )
             return Observation(
                 event=symptom,
@@ -110,4 +112,4 @@ def _job_token(job_id: str) -> str:
     try:
         return subjects.token(job_id)
     except ValueError as exc:
-        raise IngestError(f"rank.exited with an unusable job id: {exc}") from exc
+        raise IngestError(f"an unusable job id: {exc}") from exc

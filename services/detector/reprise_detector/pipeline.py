@@ -7,6 +7,8 @@ batch (a storm of 16,384 peers failing after one crash is one incident and a han
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
@@ -56,6 +58,8 @@ class Changes:
     updated: dict[str, int] = field(default_factory=dict)
     active: dict[tuple[str, bool], Incident] = field(default_factory=dict)  # (job, warning) -> incident, this batch
     rows: list[dict[str, Any]] = field(default_factory=list)  # symptoms to insert at once
+    counts: dict[str, int] = field(default_factory=dict)  # incident -> its symptom count, written once at the end
+    decisions: Counter[str] = field(default_factory=Counter)  # how many symptoms got each decision
 
     def note(self, incident: Incident, kind: IncidentChangeKind, seq: int) -> None:
         """Remember a change an incident went through."""
@@ -63,16 +67,29 @@ class Changes:
         target = self.opened if kind is IncidentChangeKind.OPENED else self.updated
         target[incident.id] = max(seq, target.get(incident.id, 0))
 
-    def pending(self, now: datetime) -> list[PendingChange]:
-        """The messages to publish, opened before updated for each incident."""
+    def join(self, incident: Incident, kind: IncidentChangeKind) -> int:
+        """Count one more symptom for an incident and remember the change; its count now (the change's number)."""
+        count = self.counts.get(incident.id, incident.symptom_count) + 1
+        self.counts[incident.id] = count
+        self.note(incident, kind, count)
+        return count
+
+    def write_counts(self, now: datetime) -> None:
+        """Put the symptom counts of this batch on the incidents."""
+        for incident_id, count in self.counts.items():
+            service.set_symptom_count(self.incidents[incident_id], count=count, now=now)
+
+    def pending(self, now: datetime, placements: PlacementMap) -> list[PendingChange]:
+        """The messages to publish, opened before updated for each incident, with the labels of its job."""
         out: list[PendingChange] = []
         for incident_id, incident in self.incidents.items():
+            labels = placements.labels_of(incident.job_id)
             opened = self.opened.get(incident_id)
             if opened is not None:
-                out.append(pending_change(incident, IncidentChangeKind.OPENED, seq=opened, now=now))
+                out.append(pending_change(incident, IncidentChangeKind.OPENED, seq=opened, now=now, labels=labels))
             updated = self.updated.get(incident_id)
             if updated is not None and (opened is None or updated > opened):
-                out.append(pending_change(incident, IncidentChangeKind.UPDATED, seq=updated, now=now))
+                out.append(pending_change(incident, IncidentChangeKind.UPDATED, seq=updated, now=now, labels=labels))
         return out
 
 
@@ -112,6 +129,7 @@ class Detector:
 
     async def handle_batch(self, items: list[Item]) -> list[Verdict]:
         """Batch handler for agent events; every item is acknowledged only after the commit and the publish."""
+        began = self.clock.monotonic()
         verdicts: list[Verdict] = [ACK] * len(items)
         work: list[Work] = []
         for index, item in enumerate(items):
@@ -122,7 +140,19 @@ class Detector:
                 continue
             if observation is not None:
                 work.append(self.prepare(observation))
+        prepared = self.clock.monotonic()
         outcome = await self.process(work)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "agent events handled",
+                extra={
+                    "messages": len(items),
+                    "symptoms": len(work),
+                    "outcome": outcome.value,
+                    "prepare_ms": round((prepared - began) * 1000, 1),  # observe, classify, find the jobs
+                    "decide_ms": round((self.clock.monotonic() - prepared) * 1000, 1),  # persist, commit, publish
+                },
+            )
         return [v if v.outcome is Outcome.REJECT else Verdict(outcome) for v in verdicts]
 
     def prepare(self, observation: Observation) -> Work:
@@ -190,17 +220,21 @@ class Detector:
                         session, observation=item.observation, classification=item.classification, job_ids=job_ids
                     )
                     nodes.add(item.observation.node_id)
+            changes.write_counts(now)
             service.insert_symptoms(session, changes.rows)
             for node_id in sorted(nodes):
                 if reputation.recommend(session, node_id=node_id, rules=self.reputation_rules, now=now):
                     self._quarantines_pending = True
-            return changes.pending(now)
+            log.debug("batch persisted", extra={"symptoms": len(work), **changes.decisions})
+            return changes.pending(now, self.placements)
 
     def _not_yet_recorded(self, session: Session, item: Work, recorded: list[Symptom], changes: Changes) -> Work | None:
         """The part of the work not recorded yet (None: all of it was); what was recorded replays its changes.
 
         Another replica records the same event for the jobs it owns, so "recorded" is per (event, job).
         """
+        if not recorded:
+            return item
         mine = {t.job_id for t in item.targets}
         already = [s for s in recorded if (s.job_id in mine if item.targets else s.job_id is None)]
         if already:
@@ -216,7 +250,7 @@ class Detector:
         if not item.targets:
             changes.rows.append(
                 service.symptom_row(
-                    observation=observation, classification=classification, job_id=None, incident=None, now=now
+                    observation=observation, classification=classification, job_id=None, incident_id=None, now=now
                 )
             )
             return
@@ -258,26 +292,21 @@ class Detector:
                 incident, classification=classification, culprit=target.culprit, at=observation.time, now=now
             )
         joined = incident if decision is not Decision.RECORD else None
-        if joined is not None:
-            changes.active[key] = joined
         row = service.symptom_row(
             observation=observation,
             classification=classification,
             job_id=target.job_id,
-            incident=joined,
+            incident_id=joined.id if joined is not None else None,
             now=now,
             decision=decision.value,
         )
         changes.rows.append(row)
-        log.debug(
-            "symptom correlated",
-            extra={"event_id": observation.event_id, "job_id": target.job_id, "decision": decision.value},
-        )
+        changes.decisions[decision.value] += 1
         if joined is None:
             return
+        changes.active[key] = joined
         kind = IncidentChangeKind.OPENED if decision is Decision.OPEN else IncidentChangeKind.UPDATED
-        row["change"], row["change_seq"] = kind.value, joined.symptom_count
-        changes.note(joined, kind, joined.symptom_count)
+        row["change"], row["change_seq"] = kind.value, changes.join(joined, kind)
 
     def _replay(self, session: Session, existing: list[Symptom], changes: Changes) -> None:
         for symptom in existing:

@@ -31,6 +31,9 @@ class PlacementMap:
         self._epochs: dict[str, int] = {}
         self.hang_timeouts: dict[str, float] = {}  # job -> the fixed hang limit its placement carries
         self.relaunched_at: dict[str, datetime] = {}  # job -> when its current epoch was placed (after a recovery)
+        # job -> its labels; kept after the job stops (a late resolve still routes by them), as the stream keeps
+        # the last placement of every job and a restart would load them all again anyway
+        self.labels: dict[str, dict[str, str]] = {}
         self.last_seq = 0
         self._advanced = asyncio.Event()
 
@@ -42,6 +45,7 @@ class PlacementMap:
         if placement.restart_epoch > self._epochs.get(job_id, 0):
             self.relaunched_at[job_id] = placement.time
         self._epochs[job_id] = placement.restart_epoch
+        self.labels[job_id] = dict(placement.labels)
         if placement.active and placement.hang_timeout_s is not None:
             self.hang_timeouts[job_id] = placement.hang_timeout_s
         else:
@@ -57,6 +61,10 @@ class PlacementMap:
                 placed = PlacedRank(job_id=job_id, rank=assignment.rank, gpu=assignment.gpu)
                 self._by_node.setdefault(assignment.node_id, []).append(placed)
         return True
+
+    def labels_of(self, job_id: str) -> dict[str, str]:
+        """The job's labels from its latest placement; none for a job never placed."""
+        return dict(self.labels.get(job_id, {}))
 
     def on_node(self, node_id: str) -> list[PlacedRank]:
         """The ranks placed on a node, every job."""

@@ -34,6 +34,9 @@ class RankTrack:
     alive: bool
     slow_streak: int = 0
     straggling: bool = False
+    proc_state: str = ""  # the process's scheduler state in the latest report ("" unknown)
+    cpu_s: float | None = None  # its CPU seconds in the latest report
+    cpu_at_advance: float | None = None  # its CPU seconds when the step last changed
 
 
 @dataclass
@@ -45,6 +48,8 @@ class JobTrack:
     updates: int = 0  # rank statuses folded in so far
     median_s: float | None = None  # the job's median step time, refreshed about once per round of reports
     median_updates: int = -1
+    next_check: float = 0.0  # monotonic time before which no rank can pass its limit (0: check at the next pass)
+    limits: HangLimits | None = None  # the limits next_check was computed with
 
 
 class ProgressBook:
@@ -61,29 +66,33 @@ class ProgressBook:
         job.updates += 1
         track = job.ranks.get(status.rank)
         phase_since = now - (status.phase_age_s or 0.0)
+        step_time = status.step_time_last_s or status.step_time_p50_s
         if track is None or track.step != status.step:
             advanced = now - (status.heartbeat_age_s or 0.0) if status.step is not None else phase_since
-            if track is not None:
+            if track is None:
+                track = RankTrack(node_id, status.step, advanced, status.phase, phase_since, None, None, status.alive)
+                job.ranks[status.rank] = track
+                job.next_check = 0.0
+            else:
                 job.hung = False
-            track = RankTrack(
-                node_id=node_id,
-                step=status.step,
-                advanced_at=advanced,
-                phase=status.phase,
-                phase_since=phase_since,
-                p99_s=status.step_time_p99_s,
-                step_time_s=status.step_time_last_s or status.step_time_p50_s,
-                alive=status.alive,
-                slow_streak=track.slow_streak if track else 0,
-                straggling=track.straggling if track else False,
-            )
-            job.ranks[status.rank] = track
+            if track.phase != status.phase:
+                job.next_check = 0.0  # another phase, another limit: what was computed for the old one no longer holds
+            # Updated in place (a report of 8 ranks a second per node must not churn objects): a new step resets the
+            # stall, the phase clock and the CPU count of the stall; straggler state carries over.
+            track.node_id, track.step, track.advanced_at, track.alive = node_id, status.step, advanced, status.alive
+            track.phase, track.phase_since = status.phase, phase_since
+            track.p99_s, track.step_time_s = status.step_time_p99_s, step_time
+            track.proc_state, track.cpu_s, track.cpu_at_advance = status.proc_state, status.cpu_s, status.cpu_s
             return track
-        track.node_id, track.alive = node_id, status.alive
+        track.node_id, track.alive, track.proc_state = node_id, status.alive, status.proc_state
+        if status.cpu_s is not None:
+            track.cpu_s = status.cpu_s
+            track.cpu_at_advance = status.cpu_s if track.cpu_at_advance is None else track.cpu_at_advance
         if track.phase != status.phase:
             track.phase, track.phase_since = status.phase, phase_since
+            job.next_check = 0.0
         track.p99_s = status.step_time_p99_s or track.p99_s
-        track.step_time_s = status.step_time_last_s or status.step_time_p50_s or track.step_time_s
+        track.step_time_s = step_time or track.step_time_s
         return track
 
     def forget(self, job_id: str) -> None:
@@ -128,6 +137,52 @@ def limit_for(track: RankTrack, job_p99_s: float | None, limits: HangLimits) -> 
     return limits.floor_s, LimitReason.FLOOR, since
 
 
+# A stalled rank whose process the kernel holds (stopped, or stuck in uninterruptible sleep) is the hang's cause, not
+# a victim: its peers wait in a collective, in ordinary sleep. Failing that, a rank burning CPU without progress
+# while its peers idle (a livelock, a spin) is. Only then does "stopped first" decide, which is a guess when every
+# rank stops at the same step.
+HELD_STATES: Mapping[str, str] = {
+    "T": "its process is stopped (state T)",
+    "t": "its process is stopped by a tracer (state t)",
+    "D": "its process is stuck in uninterruptible sleep (state D)",
+}
+MAX_SKIP_S = 5.0  # the longest a job goes without a close look at its ranks
+BUSY_SHARE = 0.5  # a spinning rank used at least this share of one core during its stall ...
+PEERS_IDLE_FACTOR = 0.25  # ... and every other stalled rank less than this fraction of its share
+
+
+@dataclass(frozen=True)
+class Stall:
+    """One rank stalled past its limit: since when (monotonic), and its track."""
+
+    since: float
+    rank: int
+    track: RankTrack
+
+
+def hang_culprit(stalls: list[Stall], now: float) -> tuple[Stall, str]:
+    """The stalled rank to blame, and why; `stalls` is sorted by when each stopped (earliest first)."""
+    for stall in stalls:
+        if stall.track.proc_state in HELD_STATES:
+            return stall, HELD_STATES[stall.track.proc_state]
+    shares = {s.rank: _cpu_share(s, now) for s in stalls}
+    known = {rank: share for rank, share in shares.items() if share is not None}
+    if len(known) >= 2:
+        busiest = max(known, key=lambda rank: known[rank])
+        top = known[busiest]
+        if top >= BUSY_SHARE and all(v < top * PEERS_IDLE_FACTOR for r, v in known.items() if r != busiest):
+            stall = next(s for s in stalls if s.rank == busiest)
+            return stall, f"busy without progress ({top:.0%} of a core) while its peers wait"
+    return stalls[0], "stopped first"
+
+
+def _cpu_share(stall: Stall, now: float) -> float | None:
+    track = stall.track
+    if track.cpu_s is None or track.cpu_at_advance is None or now <= stall.since:
+        return None
+    return (track.cpu_s - track.cpu_at_advance) / (now - stall.since)
+
+
 class HangWatch:
     """Stage: check() returns a JobHung for each job with a rank stalled beyond its limit (once per stall)."""
 
@@ -137,12 +192,21 @@ class HangWatch:
         self.defaults = defaults
 
     def check(self, overrides: Mapping[str, HangLimits] | None = None) -> list[JobHung]:
-        """Jobs that just became hung."""
+        """Jobs that just became hung.
+
+        A job is looked at closely only once one of its ranks can have passed its limit (the earliest
+        stall + limit seen at the last look, and at least every MAX_SKIP_S), so a pass costs O(jobs), not O(ranks).
+        """
         found: list[JobHung] = []
+        now = self.clock.monotonic()
         for job_id, job in self.book.jobs.items():
-            if job.hung or not job.ranks or not all(t.alive for t in job.ranks.values()):
+            limits = (overrides or {}).get(job_id, self.defaults)
+            if job.hung or not job.ranks or (limits == job.limits and now < job.next_check):
+                continue
+            job.limits = limits
+            if not all(t.alive for t in job.ranks.values()):
                 continue  # a dead rank is a crash, reported as such
-            hung = self._judge(job_id, job, (overrides or {}).get(job_id, self.defaults))
+            hung = self._judge(job_id, job, limits)
             if hung is not None:
                 job.hung = True
                 found.append(hung)
@@ -153,18 +217,24 @@ class HangWatch:
         p99s = [t.p99_s for t in job.ranks.values() if t.p99_s]
         job_p99 = max(p99s) if p99s else None
         over: list[tuple[float, int, RankTrack, float, LimitReason]] = []
+        due = now + MAX_SKIP_S  # a learned limit that shrinks is caught up with within this
         for rank, track in job.ranks.items():
             if not track.alive:  # an ended process is not hung: its exit is a symptom of its own (or a clean end)
                 continue
             limit, why, since = limit_for(track, job_p99, limits)
             if now - since > limit:
                 over.append((since, rank, track, limit, why))
+            due = min(due, since + limit)
+        job.next_check = due
         if not over:
             return None
         over.sort(key=lambda o: (o[0], o[2].step if o[2].step is not None else -1, o[1]))
-        since, rank, track, limit, why = over[0]
+        since, _, _, limit, why = over[0]
         grace = max(job_p99 or 0.0, 1.0)  # ranks that stopped within one step time of the first stopped together
-        first = sorted(r for s, r, *_ in over if s - since <= grace)
+        together = [Stall(s, r, t) for s, r, t, *_ in over if s - since <= grace]
+        culprit, blame = hang_culprit(together, now)
+        rank, track = culprit.rank, culprit.track
+        first = sorted(s.rank for s in together)
         steps = [t.step for t in job.ranks.values() if t.step is not None]
         top = max(steps, default=None)
         lagging = sorted(r for r, t in job.ranks.items() if top is not None and t.step is not None and t.step < top)
@@ -177,6 +247,7 @@ class HangWatch:
             rank=rank,
             stalled_ranks=first,
             lagging_ranks=lagging,
+            culprit_reason=blame,
             step=track.step,
             phase=track.phase,
             stalled_s=stalled,

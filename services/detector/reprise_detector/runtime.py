@@ -19,6 +19,7 @@ from reprise_common.bus import Bus
 from reprise_common.clock import Clock
 from reprise_common.consumer import Consumer
 from reprise_common.db import session_scope
+from reprise_common.follow import Follower
 from reprise_common.logging import get_logger
 from reprise_common.service import Background
 from reprise_detector.partition import Partition
@@ -33,7 +34,7 @@ PLACEMENTS_STREAM = "PLACEMENTS"
 AGENT_STREAM = "AGENT"
 PLACEMENTS_DURABLE = "detector-placements"
 EVENTS_DURABLE = "detector-events"
-REPORTS_DURABLE = "detector-reports"
+RETIRED_REPORTS_DURABLE = "detector-reports"  # reports were stored in AGENT until they moved to core NATS
 PLACEMENTS_CATCH_UP_S = 10.0
 
 
@@ -51,6 +52,7 @@ class Runtime:
     partition: Partition
     watcher: Watcher
     consumers: list[Consumer] = field(default_factory=list)
+    reports: Follower | None = None
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
@@ -77,6 +79,8 @@ class Runtime:
             info.state.last_seq, timeout=PLACEMENTS_CATCH_UP_S
         ):
             log.warning("placements not fully loaded before consuming events", extra={"seq": self.placements.last_seq})
+        with contextlib.suppress(nats.js.errors.NotFoundError):  # an older release's; it would only hold state
+            await self.bus.js.delete_consumer(AGENT_STREAM, self.durable(RETIRED_REPORTS_DURABLE))
         self.consumers = [
             self.bus.batch_consumer(
                 stream=AGENT_STREAM,
@@ -84,26 +88,29 @@ class Runtime:
                 filter_subject=subjects.AGENT_EVENTS,
                 handler=self.detector.handle_batch,
                 batch=self.settings.event_batch,
-            ),
-            self.bus.batch_consumer(
-                stream=AGENT_STREAM,
-                durable=self.durable(REPORTS_DURABLE),
-                filter_subject=subjects.AGENT_REPORTS,
-                handler=self.watcher.handle_reports,
-                batch=self.settings.report_batch,
-                parse=False,  # the watcher parses only the reports of nodes that run its jobs
-                deliver_policy=DeliverPolicy.NEW,  # an hour of old reports says nothing about liveness now
+                prefetch=True,  # the next batch arrives while this one is in the database
             ),
         ]
         for consumer in self.consumers:
             await consumer.open()
+        # Reports are snapshots on core NATS: every replica receives every one (liveness of all nodes); the watcher
+        # parses only the reports of nodes that run its jobs.
+        self.reports = self.bus.follow(
+            subjects.AGENT_REPORTS,
+            handler=self.watcher.handle_reports,
+            batch=self.settings.report_batch,
+            linger_s=self.settings.report_linger_s,
+        )
+        await self.reports.open()
         self.tasks.append(
             asyncio.create_task(self.watcher.run(self.settings.watch_interval_s, self.stopping), name="watch")
         )
 
     async def stop(self) -> None:
-        """Stop the watch loop and the batch consumers (each finishes what it holds)."""
+        """Stop the watch loop, the report subscription and the batch consumers (each finishes what it holds)."""
         self.stopping.set()
+        if self.reports is not None:
+            await self.reports.stop()
         await asyncio.gather(*(c.stop() for c in self.consumers))
         for task in self.tasks:
             with contextlib.suppress(asyncio.CancelledError):

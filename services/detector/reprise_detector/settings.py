@@ -28,8 +28,12 @@ class DetectorSettings(ServiceSettings, DatabaseSettings):
     node_lost_after_s: float = Field(
         default=5.0, gt=0, description="a node that has reported is lost after this many seconds without a report"
     )
-    watch_interval_s: float = Field(
-        default=0.5, gt=0, description="how often node loss, hangs and stragglers are checked"
+    watch_interval_s: float = Field(default=0.5, gt=0, description="how often node loss is checked")
+    hang_check_interval_s: float = Field(
+        default=0.5,
+        gt=0,
+        description="how often hangs are checked (a pass costs O(jobs); a job's ranks are looked at "
+        "closely only once one can have passed its limit)",
     )
     hang_floor_s: float = Field(default=60.0, gt=0, description="a training job never counts as hung sooner than this")
     hang_k: float = Field(
@@ -45,8 +49,13 @@ class DetectorSettings(ServiceSettings, DatabaseSettings):
     reputation_window_s: float = Field(default=86400.0, gt=0, description="the window both reputation rules count in")
     partition_count: int = Field(default=1, ge=1, le=64, description="detector replicas sharing the load")
     partition_index: int = Field(default=0, ge=0, description="this replica's partition, 0..partition_count-1")
-    event_batch: int = Field(default=256, ge=1, le=4096, description="agent events handled in one transaction")
-    report_batch: int = Field(default=512, ge=1, le=8192, description="node reports fetched at once")
+    event_batch: int = Field(default=2048, ge=1, le=4096, description="agent events handled in one transaction")
+    report_batch: int = Field(
+        default=512, ge=1, le=8192, description="node reports handed over at once (sooner when this many wait)"
+    )
+    report_linger_s: float = Field(
+        default=0.005, gt=0, le=0.1, description="how long a report waits for others to join its batch"
+    )
 
     @model_validator(mode="after")
     def _partition_in_range(self) -> DetectorSettings:

@@ -1,29 +1,32 @@
 """Node reports in; node loss, hangs and stragglers out, as derived symptoms through the same pipeline.
 
-Reports change only in-memory state (cheap, so one process keeps up with tens of thousands a second); a decision
-that needs the database (a derived symptom) goes through the pipeline. A replica parses a report only when the
-node runs a job it owns; every replica still notes every node's liveness from the subject alone.
+Reports arrive on core NATS in batches (the latest per node) and change only in-memory state (about 60 µs of CPU a
+report, transport included); a decision that needs the database (a derived symptom) goes through the pipeline. A
+replica parses a report only when the node runs a job it owns; every replica still notes every node's liveness from
+the subject alone. A malformed report is counted and ignored (logged once a minute per node): the next one comes an
+interval later.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import zlib
 from collections import deque
 from dataclasses import replace
 
-from pydantic import ValidationError
+from prometheus_client import Counter
+from pydantic import AwareDatetime, Field, ValidationError
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
 from reprise_common import subjects
 from reprise_common.bus import Outcome
-from reprise_common.clock import Clock
-from reprise_common.consumer import ACK, Item, Verdict
-from reprise_common.events import NodeReport
+from reprise_common.clock import Clock, utcnow
+from reprise_common.events import RankStatus, Wire
 from reprise_common.logging import get_logger
 from reprise_detector.derived import DerivedSymptom
-from reprise_detector.nodes.liveness import Liveness
+from reprise_detector.nodes.liveness import GpuSeen, Liveness
 from reprise_detector.nodes.models import HangPolicy
 from reprise_detector.partition import Partition
 from reprise_detector.pipeline import Detector
@@ -32,6 +35,19 @@ from reprise_detector.progress import HangLimits, HangWatch, ProgressBook, Strag
 
 log = get_logger("reprise.detector.watch")
 LAG_SAMPLES = 100_000
+MALFORMED_LOG_EVERY_S = 60.0
+MALFORMED_REPORTS = Counter(
+    "reprise_detector_reports_malformed_total", "Node reports ignored because their subject or payload is unusable"
+)
+
+
+class ReportView(Wire):
+    """What the watcher reads of a NodeReport, validated as NodeReport validates it; the rest (GPU readings beyond
+    health, the envelope) is skipped, which takes a third off the parsing time of each report."""
+
+    time: AwareDatetime = Field(default_factory=utcnow)
+    gpus: tuple[GpuSeen, ...] = ()
+    ranks: list[RankStatus] = Field(default_factory=list)
 
 
 class Watcher:
@@ -49,6 +65,7 @@ class Watcher:
         stragglers: StragglerWatch,
         engine: Engine,
         clock: Clock,
+        hang_check_interval_s: float,
     ) -> None:
         self.detector = detector
         self.placements = placements
@@ -59,34 +76,37 @@ class Watcher:
         self.stragglers = stragglers
         self.engine = engine
         self.clock = clock
+        self.hang_check_interval_s = hang_check_interval_s
         self.pending: list[DerivedSymptom] = []
         self.reports_seen = 0
         self.reports_parsed = 0
+        self.reports_malformed = 0
         self.lag_s: deque[float] = deque(maxlen=LAG_SAMPLES)  # report time -> decided, for the benchmark
+        self._malformed_logged: dict[str, float] = {}  # node (or subject) -> when its last bad report was logged
+        self._pruned_at = -1  # the placement sequence the book was last pruned at
+        self._hangs_checked_at = float("-inf")  # monotonic
         self._tick_lock = asyncio.Lock()
 
     # --- reports ----------------------------------------------------------------------------------------------
-    async def handle_reports(self, items: list[Item]) -> list[Verdict]:
-        """Batch handler for node reports: liveness for every node, progress for the jobs this replica owns."""
-        verdicts: list[Verdict] = []
+    async def handle_reports(self, reports: dict[str, bytes]) -> None:
+        """Batch handler for node reports (subject -> payload): liveness for every node, progress for owned jobs."""
         found: list[DerivedSymptom] = []
-        for item in items:
+        for subject, data in reports.items():
             try:
-                node_id = subjects.node_from_agent_subject(item.delivery.subject)
+                node_id = subjects.node_from_agent_subject(subject)
             except ValueError as exc:
-                verdicts.append(Verdict(Outcome.REJECT, f"unusable: {exc}"))
+                self._malformed(subject, str(exc))
                 continue
-            verdicts.append(ACK)
             self.reports_seen += 1
             owned = [j for j in self.placements.jobs_on(node_id) if self.partition.owns_job(j)]
-            report_id = f"s{item.delivery.stream_seq}"
+            report_id = f"{zlib.crc32(data):08x}"  # the same in every replica; a new report has a new id and time
             if not owned and not self.partition.owns_node(node_id):
                 self.liveness.saw(node_id, report_id)
                 continue
             try:
-                report = NodeReport.model_validate_json(item.data)
+                report = ReportView.model_validate_json(data)
             except ValidationError as exc:
-                verdicts[-1] = Verdict(Outcome.REJECT, f"malformed: {exc.errors()[0]['msg']}")
+                self._malformed(node_id, exc.errors()[0]["msg"])
                 continue
             self.reports_parsed += 1
             self.liveness.saw(node_id, report_id, report.gpus)
@@ -95,9 +115,18 @@ class Watcher:
         if found:
             self.pending.extend(found)
             await self.flush()
-        return verdicts
 
-    def _progress(self, node_id: str, report: NodeReport, owned: set[str]) -> list[DerivedSymptom]:
+    def _malformed(self, node: str, reason: str) -> None:
+        """Count a report that cannot be used; log it at most once a minute per node."""
+        self.reports_malformed += 1
+        MALFORMED_REPORTS.inc()
+        now = self.clock.monotonic()
+        last = self._malformed_logged.get(node)
+        if last is None or now - last >= MALFORMED_LOG_EVERY_S:
+            self._malformed_logged[node] = now
+            log.warning("ignoring malformed node reports", extra={"node_id": node, "reason": reason[:200]})
+
+    def _progress(self, node_id: str, report: ReportView, owned: set[str]) -> list[DerivedSymptom]:
         found: list[DerivedSymptom] = []
         placed = {(r.job_id, r.rank) for r in self.placements.on_node(node_id)}
         for status in report.ranks:
@@ -110,18 +139,37 @@ class Watcher:
 
     # --- ticks ------------------------------------------------------------------------------------------------
     async def tick(self) -> None:
-        """Check for lost nodes and hung jobs, and persist what was found (or keep it for the next tick)."""
+        """Check for lost nodes, and for hung jobs once the hang check interval has passed; persist what was found
+        (or keep it for the next tick).
+
+        A hang check passes over every tracked rank (a tenth of a second with 20,000 nodes of 8 ranks, while reports
+        wait), and hang limits are a minute or more: the hang's event time is when its limit was crossed, however
+        late the check.
+        """
         async with self._tick_lock:
-            for job_id in set(self.book.jobs) - self.placements.active_jobs():
-                self.book.forget(job_id)
-            for job_id, job in self.book.jobs.items():  # ranks a relaunch moved or dropped (a shrink) stop counting
-                for rank, track in list(job.ranks.items()):
-                    if not any(p.job_id == job_id and p.rank == rank for p in self.placements.on_node(track.node_id)):
-                        del job.ranks[rank]
-            overrides = await self.overrides() if self.book.jobs else {}
+            if self.placements.last_seq != self._pruned_at:  # reports add only placed ranks: only a placement prunes
+                self._prune()
             self.pending.extend(self.liveness.check())
-            self.pending.extend(self.hangs.check(overrides))
+            now = self.clock.monotonic()
+            if now - self._hangs_checked_at >= self.hang_check_interval_s:
+                self._hangs_checked_at = now
+                overrides = await self.overrides() if self.book.jobs else {}
+                self.pending.extend(self.hangs.check(overrides))
             await self.flush()
+
+    def _prune(self) -> None:
+        """Forget the jobs that ended and the ranks a relaunch moved or dropped (a shrink): they stop counting."""
+        self._pruned_at = self.placements.last_seq
+        for job_id in set(self.book.jobs) - self.placements.active_jobs():
+            self.book.forget(job_id)
+        placed: dict[str, set[tuple[str, int]]] = {}  # node -> (job, rank) placed on it
+        for job_id, job in self.book.jobs.items():
+            for rank, track in list(job.ranks.items()):
+                here = placed.get(track.node_id)
+                if here is None:
+                    here = placed[track.node_id] = {(p.job_id, p.rank) for p in self.placements.on_node(track.node_id)}
+                if (job_id, rank) not in here:
+                    del job.ranks[rank]
 
     async def flush(self) -> None:
         """Send pending derived symptoms through the pipeline; keep them when it cannot commit yet."""

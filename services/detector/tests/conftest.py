@@ -28,7 +28,7 @@ from reprise_common.events import (
 )
 from reprise_detector.app import create_app
 from reprise_detector.incidents.models import Symptom
-from reprise_detector.runtime import EVENTS_DURABLE, REPORTS_DURABLE, Runtime
+from reprise_detector.runtime import EVENTS_DURABLE, Runtime
 from reprise_detector.settings import DetectorSettings
 
 
@@ -44,6 +44,13 @@ async def wait_until(predicate: Callable[[], Awaitable[bool]], timeout: float = 
 
 
 @dataclass
+class Published:
+    """How many node reports the tests' agents have published: every running detector receives each one."""
+
+    reports: int = 0
+
+
+@dataclass
 class Harness:
     """A running detector, an HTTP client on it, and a bus to play the agents and the orchestrator."""
 
@@ -51,6 +58,8 @@ class Harness:
     client: httpx.AsyncClient
     agents: Bus
     stack: AsyncExitStack
+    published: Published
+    reports_before: int  # reports published before this detector subscribed: it never sees them
 
     async def stop(self) -> None:
         """Close the client and run the app's shutdown (consumers stop, NATS drains); safe to call twice."""
@@ -63,7 +72,14 @@ class Harness:
         return runtime
 
     async def place(
-        self, job_id: str, ranks: list[tuple[int, str, int]], *, epoch: int = 0, hang_timeout_s: float | None = None
+        self,
+        job_id: str,
+        ranks: list[tuple[int, str, int]],
+        *,
+        epoch: int = 0,
+        hang_timeout_s: float | None = None,
+        active: bool = True,
+        labels: dict[str, str] | None = None,
     ) -> None:
         """Publish a placement: (rank, node, gpu) per rank, and wait until the detector has applied it."""
         assignments = [RankAssignment(rank=r, node_id=n, gpu=g, local_rank=g) for r, n, g in ranks]
@@ -74,6 +90,8 @@ class Harness:
             world_size=len(ranks),
             ranks=assignments,
             hang_timeout_s=hang_timeout_s,
+            active=active,
+            labels=labels or {},
         )
         seq = await self.agents.publish(subjects.placement(job_id), placement)
         assert await self.runtime.placements.wait_for_seq(seq, timeout=10)
@@ -82,19 +100,18 @@ class Harness:
         """Publish an agent event on the node's subject, as its agent would."""
         return await self.agents.publish(subjects.node_event(node_id, event.type), event)
 
-    async def settled(self, timeout: float = 10.0, durables: tuple[str, ...] = ()) -> None:
-        """Wait until the detector has handled and acknowledged every agent event (and report) published so far."""
-        names = durables or (
-            self.runtime.durable(EVENTS_DURABLE),
-            self.runtime.durable(REPORTS_DURABLE),
-        )
+    async def settled(self, timeout: float = 10.0) -> None:
+        """Wait until the detector has acknowledged every agent event and handled every report published so far."""
+        reports = self.runtime.reports
+        assert reports is not None
+        expected = self.published.reports - self.reports_before
+        await self.agents.nc.flush()  # the server has every report published so far, and sends them in order
 
         async def done() -> bool:
-            for name in names:
-                info = await self.agents.js.consumer_info("AGENT", name)
-                if info.num_ack_pending or info.num_pending:
-                    return False
-            return True
+            info = await self.agents.js.consumer_info("AGENT", self.runtime.durable(EVENTS_DURABLE))
+            if info.num_ack_pending or info.num_pending:
+                return False
+            return reports.received >= expected and reports.idle
 
         assert await wait_until(done, timeout), "the detector did not handle every event in time"
 
@@ -103,7 +120,12 @@ class Harness:
         report = NodeReport(
             source=node_id, node_id=node_id, interval_s=1.0, gpu_backend="sim", ranks=ranks or [], **fields
         )
-        await self.agents.publish(subjects.node_report(node_id), report)
+        await self.report_bytes(node_id, report.to_bytes())
+
+    async def report_bytes(self, node_id: str, data: bytes) -> None:
+        """Publish a node report's payload, well-formed or not, on the node's report subject (core NATS)."""
+        await self.agents.nc.publish(subjects.node_report(node_id), data)
+        self.published.reports += 1
 
     async def open_incidents(self, job_id: str | None = None) -> list[dict[str, Any]]:
         """Every incident (of a job), newest first."""
@@ -159,6 +181,7 @@ async def start_detector(nats_server: NatsServer) -> AsyncIterator[StartDetector
         agents = Bus(url=nats_server.url, service="test-agents")
         await agents.connect(attempts=20)
         stack.push_async_callback(agents.close)
+        published = Published()
 
         async def start(database_url: str, clock: Clock | None = None, **overrides: Any) -> Harness:
             settings = DetectorSettings(nats_url=nats_server.url, database_url=database_url, **overrides)
@@ -169,7 +192,9 @@ async def start_detector(nats_server: NatsServer) -> AsyncIterator[StartDetector
             client = await own.enter_async_context(
                 httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://detector")
             )
-            harness = Harness(app=app, client=client, agents=agents, stack=own)
+            harness = Harness(
+                app=app, client=client, agents=agents, stack=own, published=published, reports_before=published.reports
+            )
             await harness.runtime.wait_started(timeout=15)
             return harness
 

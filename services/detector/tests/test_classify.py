@@ -97,6 +97,26 @@ def test_rank_exits(
     assert "rank 5" in got.reason and reason_has in got.reason
 
 
+def test_peers_failing_alike_each_get_their_own_reason() -> None:
+    rules = load_rules()  # one book for all: the rule a log tail chose is remembered
+    gloo = ["Traceback (most recent call last):", "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534]"]
+    nccl = ["torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1970"]
+    exits = [(3, gloo), (9, gloo), (4, nccl), (11, gloo), (12, [*gloo, "ValueError: bad batch"])]
+    reasons = [
+        rules.classify(RankExited(source="n", node_id="n", job_id="j", rank=r, exit_code=1, log_tail=t)).reason
+        for r, t in exits
+    ]
+    assert reasons == [
+        "rank 3 failed in gloo (exit code 1): a secondary symptom",
+        "rank 9 failed in gloo (exit code 1): a secondary symptom",
+        "rank 4 failed in NCCL (exit code 1): a secondary symptom",
+        "rank 11 failed in gloo (exit code 1): a secondary symptom",
+        "rank 12 failed in gloo (exit code 1): a secondary symptom",
+    ]
+    crashed = rules.classify(RankExited(source="n", node_id="n", job_id="j", rank=3, exit_code=1, log_tail=["boom"]))
+    assert crashed.root_cause_grade and crashed.reason == "rank 3 failed: exit code 1"
+
+
 def test_a_lost_gpu_is_fatal_hardware() -> None:
     got = load_rules().classify(GpuLost(source="n", node_id="n", gpu=3, reason="NVML_ERROR_GPU_IS_LOST"))
     assert got == Classification(HW, CRIT, EVICT, True, "GPU 3 lost: NVML_ERROR_GPU_IS_LOST")
@@ -106,6 +126,15 @@ def test_a_failed_dependency_is_a_dependency_root_cause() -> None:
     got = load_rules().classify(DependencyFailed(source="n", node_id="n", dependency="storage", detail="nfs timeout"))
     assert (got.category, got.action, got.root_cause_grade) == (Category.DEPENDENCY, HUMAN, True)
     assert got.reason == "dependency storage failed: nfs timeout"
+
+
+def test_a_jobs_unreachable_rendezvous_master_is_only_evidence() -> None:
+    event = DependencyFailed(
+        source="n", node_id="node-2", dependency="rendezvous:job-a", detail="connection refused", job_id="job-a"
+    )
+    got = load_rules().classify(event)
+    assert (got.category, got.action, got.root_cause_grade) == (Category.DEPENDENCY, RecommendedAction.NONE, False)
+    assert got.reason == "node node-2 cannot reach the rendezvous master of job job-a: connection refused"
 
 
 def test_an_operator_file_overrides_and_extends(tmp_path: Path) -> None:

@@ -150,6 +150,44 @@ async def test_node_identity_comes_from_the_subject(detector: Harness) -> None:
     assert incident["culprit_node_id"] == "node-1" and incident["category"] == "dependency"
 
 
+async def test_a_finished_jobs_unreachable_rendezvous_master_opens_nothing(detector: Harness) -> None:
+    h = detector
+    await h.place("job-a", [(0, "node-1", 0), (1, "node-2", 0)])
+    await h.place("job-b", [(0, "node-2", 1)])
+    done = RankExited(source="node-1", node_id="node-1", job_id="job-a", rank=0, exit_code=0, log_tail=["done"])
+    await h.emit("node-1", done)  # rank 0 finished: its rendezvous master is gone while rank 1 still tears down
+    unreachable = DependencyFailed(
+        source="node-2", node_id="node-2", dependency="rendezvous:job-a", detail="refused", job_id="job-a"
+    )
+    await h.emit("node-2", unreachable)
+    await h.settled()
+    assert (await h.incidents(job_id="job-a"))["count"] == 0
+    assert (await h.incidents(job_id="job-b"))["count"] == 0  # another job on the same node is not concerned
+    assert len(h.symptoms(unreachable.event_id)) == 1  # kept, as evidence for whatever opens next
+
+
+async def test_an_unreachable_master_after_rank_0_crashed_is_evidence_not_the_root_cause(detector: Harness) -> None:
+    h = detector
+    await h.place("job-a", [(0, "node-1", 0), (1, "node-2", 0)])
+    crash = RankExited(source="node-1", node_id="node-1", job_id="job-a", rank=0, exit_code=-9, log_tail=[])
+    await h.emit("node-1", crash)
+    await h.emit(
+        "node-2",
+        DependencyFailed(
+            source="node-2",
+            node_id="node-2",
+            dependency="rendezvous:job-a",
+            detail="refused",
+            job_id="job-a",
+            time=crash.time + timedelta(seconds=1),
+        ),
+    )
+    await h.settled()
+    [incident] = (await h.incidents(job_id="job-a"))["data"]
+    assert (incident["culprit_node_id"], incident["culprit_rank"]) == ("node-1", 0)
+    assert incident["category"] != "dependency" and incident["symptom_count"] == 2
+
+
 async def test_a_malformed_event_is_dead_lettered_and_the_detector_keeps_working(detector: Harness) -> None:
     h = detector
     await h.place("job-a", [(0, "node-1", 0)])
@@ -187,3 +225,22 @@ async def test_an_inactive_placement_removes_the_job(detector: Harness) -> None:
     seq = await h.agents.publish(subjects.placement("job-a"), ended)
     assert await h.runtime.placements.wait_for_seq(seq, timeout=10)
     assert h.runtime.placements.jobs_on("node-1") == []
+
+
+async def test_incident_changes_carry_the_labels_of_the_jobs_placement(detector: Harness) -> None:
+    h = detector
+    labels = {"team": "ml", "example.com/tier": "gold"}
+    await h.place("job-a", [(0, "node-1", 0)], labels=labels)
+    await h.place("job-b", [(0, "node-2", 0)])  # a job without labels
+    await h.emit("node-1", GpuXid(source="node-1", node_id="node-1", gpu=0, xid=79))
+    await h.emit("node-2", GpuXid(source="node-2", node_id="node-2", gpu=0, xid=79))
+    await h.settled()
+    [opened] = await h.changes("job-a")
+    assert (opened.change, opened.labels) == ("opened", labels)
+    assert [c.labels for c in await h.changes("job-b")] == [{}]
+
+    # The job ends (an inactive placement, labels and all); resolving its incident by hand still routes by them.
+    await h.place("job-a", [], active=False, labels=labels)
+    response = await h.client.post(f"/v1/incidents/{opened.incident_id}/resolve")
+    assert response.status_code == 200, response.text
+    assert [(c.change, c.labels) for c in await h.changes("job-a")] == [("opened", labels), ("resolved", labels)]

@@ -7,7 +7,12 @@ from reprise_detector.placements import PlacedRank, PlacementMap
 
 
 def _placement(
-    job_id: str, ranks: list[tuple[int, str, int | None]], *, epoch: int = 0, active: bool = True
+    job_id: str,
+    ranks: list[tuple[int, str, int | None]],
+    *,
+    epoch: int = 0,
+    active: bool = True,
+    labels: dict[str, str] | None = None,
 ) -> JobPlacement:
     assignments = [RankAssignment(rank=r, node_id=n, gpu=g, local_rank=0) for r, n, g in ranks]
     return JobPlacement(
@@ -17,6 +22,7 @@ def _placement(
         world_size=len(ranks),
         ranks=assignments,
         active=active,
+        labels=labels or {},
     )
 
 
@@ -53,3 +59,17 @@ def test_two_ranks_on_one_gpu_name_no_single_culprit() -> None:
     placements = PlacementMap()
     placements.apply(_placement("job-a", [(0, "node-1", 0), (1, "node-1", 0)]))
     assert placements.rank_on_gpu(job_id="job-a", node_id="node-1", gpu=0) is None
+
+
+def test_labels_follow_the_latest_placement_and_outlive_the_job() -> None:
+    placements = PlacementMap()
+    assert placements.labels_of("job-a") == {}  # never placed
+    placements.apply(_placement("job-a", [(0, "node-1", 0)], epoch=1, labels={"team": "ml"}))
+    placements.apply(_placement("job-b", [(0, "node-2", 0)], labels={"team": "web"}))
+    assert placements.labels_of("job-a") == {"team": "ml"}
+    assert not placements.apply(_placement("job-a", [(0, "node-1", 0)], epoch=0, labels={"team": "old"}))
+    assert placements.labels_of("job-a") == {"team": "ml"}  # a stale placement changes nothing
+    placements.apply(_placement("job-a", [], epoch=1, active=False, labels={"team": "ml", "env": "prod"}))
+    assert placements.labels_of("job-a") == {"team": "ml", "env": "prod"}  # kept once the job runs nowhere
+    assert placements.jobs_on("node-1") == []
+    assert placements.labels_of("job-b") == {"team": "web"}

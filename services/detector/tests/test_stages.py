@@ -50,7 +50,7 @@ def test_a_silent_node_is_lost_once_and_a_flapping_node_gets_a_new_id_per_silenc
 
 
 # --- hangs --------------------------------------------------------------------------------------------------------
-def _status(rank: int, step: int | None, phase: str = "training", **extra: float) -> RankStatus:
+def _status(rank: int, step: int | None, phase: str = "training", **extra: float | str | None) -> RankStatus:
     return RankStatus(job_id="job-a", rank=rank, step=step, phase=phase, heartbeat_age_s=0.0, **extra)  # type: ignore[arg-type]
 
 
@@ -106,6 +106,66 @@ def test_a_hang_names_the_ranks_that_stopped_first_and_those_that_lag() -> None:
     assert hung.step == 10 and hung.stalled_s > LIMITS.floor_s
     book.update("node-1", _status(2, 11, step_time_p99_s=0.5))  # progress resumes: a later stall is a new hang
     assert not book.jobs["job-a"].hung
+
+
+# Four ranks stop at the same step at the same time (every peer waits in the same collective); per rank: the process
+# state and the CPU seconds used during the 70 s stall, then the rank blamed and the start of the reason.
+CULPRIT_TABLE = [
+    (["S", "S", "T", "S"], [1.0, 1.0, 0.0, 1.0], 2, "its process is stopped"),  # frozen by SIGSTOP
+    (["S", "D", "S", "S"], [1.0, 0.0, 1.0, 1.0], 1, "its process is stuck in uninterruptible sleep"),
+    (["S", "S", "S", "R"], [1.0, 1.0, 1.0, 69.0], 3, "busy without progress"),  # spinning at ~100 % of a core
+    (["R", "R", "R", "R"], [60.0, 60.0, 60.0, 69.0], 0, "stopped first"),  # all busy: CPU says nothing
+    (["S", "S", "S", "S"], [1.0, 1.0, 1.0, 1.0], 0, "stopped first"),
+    (["", "", "", ""], [None, None, None, None], 0, "stopped first"),  # an agent that cannot read /proc
+]
+
+
+@pytest.mark.parametrize(("states", "cpu", "blamed", "reason"), CULPRIT_TABLE)
+def test_a_hang_blames_the_rank_the_kernel_holds_or_that_spins(
+    states: list[str], cpu: list[float | None], blamed: int, reason: str
+) -> None:
+    clock = ManualClock(T0)
+    book = ProgressBook(clock)
+    watch = HangWatch(clock=clock, book=book, defaults=LIMITS)
+    for rank in range(4):
+        book.update(
+            f"node-{rank}", _status(rank, 10, step_time_p99_s=0.5, cpu_s=100.0 if cpu[rank] is not None else None)
+        )
+    clock.advance(70)
+    for rank in range(4):
+        used = cpu[rank]
+        book.update(
+            f"node-{rank}",
+            _status(rank, 10, step_time_p99_s=0.5, proc_state=states[rank], cpu_s=None if used is None else 100 + used),
+        )
+    [hung] = watch.check()
+    assert (hung.rank, hung.node_id, hung.stalled_ranks) == (blamed, f"node-{blamed}", [0, 1, 2, 3])
+    assert hung.culprit_reason.startswith(reason), hung.culprit_reason
+
+
+def test_a_pass_looks_closely_only_at_jobs_that_can_be_due_and_finds_a_hang_at_the_first_pass_past_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = ManualClock(T0)
+    book = ProgressBook(clock)
+    watch = HangWatch(clock=clock, book=book, defaults=LIMITS)  # floor 10 s
+    looks: list[str] = []
+    judge = watch._judge
+    monkeypatch.setattr(watch, "_judge", lambda job_id, job, limits: looks.append(job_id) or judge(job_id, job, limits))
+    for job in ("job-a", "job-b"):
+        for rank in range(4):
+            book.update("node-1", RankStatus(job_id=job, rank=rank, step=10, phase="training", heartbeat_age_s=0.0))
+    found = []
+    for _ in range(21):  # 10.5 s of passes every 0.5 s
+        clock.advance(0.5)
+        found += watch.check()
+        if found:
+            break
+    assert sorted(h.job_id for h in found) == ["job-a", "job-b"]
+    assert clock.monotonic() == 10.5  # the first pass after the 10 s floor
+    assert len(looks) <= 4 * 2  # the first look, one at the 5 s cap, at the limit and just past it: not 21 a job
+    book.update("node-1", RankStatus(job_id="job-a", rank=0, step=10, phase="checkpointing", heartbeat_age_s=0.0))
+    assert book.jobs["job-a"].next_check == 0.0  # a new phase, another limit: due at the next pass
 
 
 def test_a_job_with_a_dead_rank_is_not_called_hung() -> None:

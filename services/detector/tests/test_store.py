@@ -4,15 +4,17 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from datetime import UTC, datetime, timedelta, timezone
+from typing import Any
 
 import pytest
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session
 
+from reprise_common import subjects
 from reprise_common.bus import Bus
 from reprise_common.clock import ManualClock
 from reprise_common.db import make_engine, session_scope
-from reprise_common.events import Culprit, GpuXid
+from reprise_common.events import Culprit, GpuXid, RankExited
 from reprise_detector.classify import load_rules
 from reprise_detector.correlate import Target
 from reprise_detector.incidents import service
@@ -97,6 +99,47 @@ async def test_the_database_refuses_a_second_symptom_for_one_event(database_url:
             service.add_symptom(
                 session, observation=observation, classification=classification, job_id=job_id, incident=None, now=now
             )
+
+
+async def test_a_storm_in_one_batch_is_one_incident_that_counts_each_symptom_once(database_url: str) -> None:
+    clock = ManualClock()
+    detector = _detector(database_url, clock)
+    rules = load_rules()
+
+    def exit_work(rank: int, **fields: Any) -> Work:
+        event = RankExited(source="node-1", node_id="node-1", job_id="job-a", rank=rank, time=clock.now(), **fields)
+        observation = observe(event, subjects.node_event("node-1", event.type))
+        assert observation is not None
+        return Work(observation, rules.classify(event), [Target("job-a", Culprit(node_id="node-1", rank=rank))])
+
+    peer = {"exit_code": 1, "log_tail": ["RuntimeError: [gloo/transport/tcp/pair.cc:534] Connection closed by peer"]}
+    # Two peers fail before the crash that caused them, two after, all in one batch; then two more in the next.
+    batch = [
+        exit_work(1, **peer),
+        exit_work(2, **peer),
+        exit_work(0, signal="SIGKILL"),
+        exit_work(3, **peer),
+        exit_work(4, **peer),
+    ]
+    first = detector.persist(batch)
+    assert [(c.event.change, c.event.symptom_count) for c in first] == [("opened", 3), ("updated", 5)]
+    assert [c.msg_id for c in detector.persist(batch)] == [c.msg_id for c in first]  # redelivered: the same changes
+    later = detector.persist([exit_work(5, **peer), exit_work(6, **peer)])
+    assert [(c.event.change, c.event.symptom_count) for c in later] == [("updated", 7)]
+
+    with Session(detector.engine) as session:
+        [incident], count = service.get_all(session)
+        assert count == 1 and incident.symptom_count == 7 and incident.culprit_rank == 0
+        symptoms = service.get_symptoms(session, incident_id=incident.id)
+        assert sorted((s.rank, s.decision, s.change, s.change_seq) for s in symptoms) == [
+            (0, "open", "opened", 3),
+            (1, "suppress", None, None),  # adopted when the crash opened the incident
+            (2, "suppress", None, None),
+            (3, "suppress", "updated", 4),
+            (4, "suppress", "updated", 5),
+            (5, "suppress", "updated", 6),
+            (6, "suppress", "updated", 7),
+        ]
 
 
 async def test_resolve_sets_the_state_once(sqlite_url: str) -> None:

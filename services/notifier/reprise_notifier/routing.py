@@ -1,4 +1,4 @@
-"""Routing rules as data: which destinations an alert goes to, by job, team, severity, category and kind.
+"""Routing rules as data: which destinations an alert goes to, by job, team, label, severity, category and kind.
 
 A routes file (REPRISE_NOTIFIER_ROUTES_FILE, format in docs/notifier.md) names destinations, whose URLs and secrets
 come from an environment variable or a file, never from the file itself, and rules that send matching alerts to
@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, f
 
 from reprise_common.errors import ConfigError
 from reprise_common.events import Category, Severity
+from reprise_common.labels import LabelKey
 from reprise_common.subjects import token
 from reprise_notifier.alerts.models import LOUD_KINDS, Alert, AlertKind
 from reprise_notifier.settings import NotifierSettings
@@ -50,9 +51,21 @@ class Destination:
     min_interval_s: float = 1.0
 
 
+Selector = tuple[tuple[str, str], ...]  # (label key, value glob) pairs, every one must match
+
+
+def selector_matches(selector: Selector, labels: Mapping[str, str]) -> bool:
+    """True when the labels have every key of the selector with a value its glob matches (a missing key: no)."""
+    return all(key in labels and fnmatch.fnmatchcase(labels[key], glob) for key, glob in selector)
+
+
 # --- the file's schema -----------------------------------------------------------------------------------------
 def _as_list(value: Any) -> Any:
     return [value] if isinstance(value, str) else value
+
+
+def _selector(labels: Mapping[str, str]) -> Selector:
+    return tuple(sorted(labels.items()))
 
 
 class _Strict(BaseModel):
@@ -78,11 +91,39 @@ class DestinationSpec(_Strict):
         return self
 
 
+class TeamSpec(_Strict):
+    """A team's jobs: by label selector (recommended), by job id globs, or both (either one makes a job the team's)."""
+
+    labels: dict[LabelKey, str] = Field(
+        default_factory=dict, description="label key -> value glob, every one must match"
+    )
+    jobs: list[str] = Field(default_factory=list, description="job id globs")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _globs_alone(cls, value: Any) -> Any:
+        return {"jobs": value} if isinstance(value, str | list) else value  # the short form: a list of job id globs
+
+    @field_validator("jobs", mode="before")
+    @classmethod
+    def _one_or_many(cls, value: Any) -> Any:
+        return _as_list(value)
+
+    @model_validator(mode="after")
+    def _names_some_jobs(self) -> TeamSpec:
+        if not self.labels and not self.jobs:
+            raise ValueError("a team needs labels (a label selector) or jobs (job id globs)")
+        return self
+
+
 class MatchSpec(_Strict):
-    """What an alert must be for a rule to take it; an empty list matches anything."""
+    """What an alert must be for a rule to take it; an empty field matches anything."""
 
     job: list[str] = Field(default_factory=list, description="job id globs; a prefix is written `prefix*`")
     team: list[str] = Field(default_factory=list, description="team names of the teams: section")
+    labels: dict[LabelKey, str] = Field(
+        default_factory=dict, description="label key -> value glob, every one must match"
+    )
     severity: list[Severity] = Field(default_factory=list)
     category: list[Category] = Field(default_factory=list)
     kind: list[AlertKind] = Field(default_factory=lambda: list(LOUD_KINDS))
@@ -111,18 +152,20 @@ class RoutesFile(_Strict):
 
     version: Literal[1] = 1
     destinations: dict[str, DestinationSpec] = Field(default_factory=dict)
-    teams: dict[str, list[str]] = Field(default_factory=dict, description="team name -> job id globs")
+    teams: dict[str, TeamSpec] = Field(default_factory=dict, description="team name -> its label selector or job globs")
     routes: list[RouteSpec] = Field(default_factory=list)
 
 
 # --- matching --------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Route:
-    """A rule ready to match: job globs (teams resolved), severities, categories, kinds, destination names."""
+    """A rule ready to match: which jobs (globs and team selectors), labels, severities, categories, kinds."""
 
     name: str
     destinations: tuple[str, ...]
     job_globs: tuple[str, ...] = ()
+    job_selectors: tuple[Selector, ...] = ()  # the label selectors of the rule's teams
+    labels: Selector = ()
     severities: frozenset[Severity] = frozenset()
     categories: frozenset[Category] = frozenset()
     kinds: frozenset[AlertKind] = frozenset(LOUD_KINDS)
@@ -131,11 +174,19 @@ class Route:
         """True when the alert passes every filter of the rule (an alert without a severity passes no severity)."""
         if self.kinds and alert.kind not in self.kinds:
             return False
-        if self.job_globs and not any(fnmatch.fnmatchcase(alert.job_id, glob) for glob in self.job_globs):
+        if (self.job_globs or self.job_selectors) and not self._is_one_of_its_jobs(alert):
+            return False
+        if not selector_matches(self.labels, alert.labels):
             return False
         if self.severities and alert.severity not in self.severities:
             return False
         return not self.categories or alert.category in self.categories
+
+    def _is_one_of_its_jobs(self, alert: Alert) -> bool:
+        """The job filter: `job` globs and the rule's teams together name the jobs the rule is about."""
+        return any(fnmatch.fnmatchcase(alert.job_id, glob) for glob in self.job_globs) or any(
+            selector_matches(selector, alert.labels) for selector in self.job_selectors
+        )
 
 
 @dataclass(frozen=True)
@@ -235,14 +286,20 @@ def _route(spec: RouteSpec, routes_file: RoutesFile, destinations: dict[str, Des
     if unknown:
         raise ConfigError(f"route {spec.name!r} sends to unknown destinations {unknown}")
     globs = list(spec.match.job)
+    selectors: list[Selector] = []
     for team in spec.match.team:
         if team not in routes_file.teams:
             raise ConfigError(f"route {spec.name!r} names team {team!r}, which the teams: section does not define")
-        globs += routes_file.teams[team]
+        members = routes_file.teams[team]
+        globs += members.jobs
+        if members.labels:
+            selectors.append(_selector(members.labels))
     return Route(
         name=spec.name,
         destinations=tuple(spec.to),
         job_globs=tuple(globs),
+        job_selectors=tuple(selectors),
+        labels=_selector(spec.match.labels),
         severities=frozenset(spec.match.severity),
         categories=frozenset(spec.match.category),
         kinds=frozenset(spec.match.kind),

@@ -51,6 +51,7 @@ def _incident(
     culprit: Culprit | None = None,
     seq: int = 1,
     time: datetime | None = None,
+    labels: dict[str, str] | None = None,
 ) -> IncidentChange:
     """An incident change as the detector publishes it."""
     incident_id = incident_id or f"inc-{new_id()[:10]}"
@@ -69,13 +70,19 @@ def _incident(
         recommended_action=RecommendedAction.RESTART_EXCLUDE_NODE,
         symptom_count=seq,
         first_symptom_at=now - timedelta(seconds=2),
+        labels=labels or {},
     )
 
 
 def _recovery(
-    of: IncidentChange, change: str = "succeeded", *, step: str = "running", detail: str = "training relaunched"
+    of: IncidentChange,
+    change: str = "succeeded",
+    *,
+    step: str = "running",
+    detail: str = "training relaunched",
+    labels: dict[str, str] | None = None,
 ) -> RecoveryChange:
-    """A recovery change for an incident, as the orchestrator publishes it."""
+    """A recovery change for an incident, as the orchestrator publishes it (with its job's labels: the incident's)."""
     return RecoveryChange(
         source="orchestrator",
         time=of.time + timedelta(seconds=40),
@@ -86,6 +93,7 @@ def _recovery(
         step=step,
         fence=2,
         detail=detail,
+        labels=of.labels if labels is None else labels,
     )
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -175,3 +176,54 @@ async def test_a_redelivered_event_adds_no_second_delivery(
 
     assert (await notifier.get("/v1/deliveries"))["count"] == 1
     assert len(receiver.messages()) == 1
+
+
+async def test_alerts_reach_the_team_their_job_labels_name(
+    *,
+    start_notifier: Any,
+    receiver: SlackReceiver,
+    slack_url: str,
+    make_incident: Any,
+    make_recovery: Any,
+    wait_for: Any,
+    tmp_path: Path,
+) -> None:
+    routes = tmp_path / "routes.yaml"
+    routes.write_text(
+        """
+version: 1
+destinations:
+  ml-hook: {kind: webhook, url_env: ML_URL, secret_env: ML_SECRET}
+teams:
+  ml: {labels: {team: ml}}
+routes:
+  - {name: ml-team, match: {team: ml}, to: ml-hook}
+"""
+    )
+    environ = {"ML_URL": f"{receiver.url}/hooks/ml", "ML_SECRET": "a-signing-secret-of-some-length"}
+    notifier = await start_notifier(
+        notifier_routes_file=routes, environ=environ, notifier_slack_url=SecretStr(slack_url)
+    )
+    labels = {"team": "ml", "example.com/tier": "gold"}
+    ml = make_incident("job-7", labels=labels)  # the job id says nothing of its team: the labels do
+    await notifier.publish(ml)
+    await notifier.publish(make_incident("job-8"))  # no labels: no team takes it, the default route does
+    await wait_for(lambda: len(receiver.messages("/hooks/ml")) == 1)  # the recovery is sent on its own
+    await notifier.publish(make_recovery(ml, "failed", step="launching", detail="launch not confirmed"))
+    await wait_for(lambda: sum(len(m.payload()["alerts"]) for m in receiver.messages("/hooks/ml")) == 2)
+    await wait_for(lambda: len(delivered_ids(receiver)) == 1)
+    await notifier.settled()
+
+    alerts = [a for m in receiver.messages("/hooks/ml") for a in m.payload()["alerts"]]
+    assert [(a["kind"], a["job_id"], a["labels"]) for a in alerts] == [
+        ("opened", "job-7", labels),
+        ("failed", "job-7", labels),
+    ]
+    [slack_message] = [m for m in receiver.messages() if m.path != "/hooks/ml"]
+    assert "job-8" in slack_message.body and "job-7" not in slack_message.body
+    queued = (await notifier.get("/v1/deliveries"))["data"]
+    assert sorted((d["destination"], d["job_id"], d["kind"]) for d in queued) == [
+        ("default-slack", "job-8", "opened"),
+        ("ml-hook", "job-7", "failed"),
+        ("ml-hook", "job-7", "opened"),
+    ]

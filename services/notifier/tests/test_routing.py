@@ -1,4 +1,5 @@
-"""Routing rules as data: matching by job glob, team, severity, category and kind; secrets from env or files only."""
+"""Routing rules as data: matching by job glob, team, label, severity, category and kind; secrets from env or files
+only."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ ENV = {
     "LLM_URL": "https://hooks.slack.example/services/T1/B2/llmsecret",
     "PAGER_URL": "https://pager.example/hook",
     "PAGER_SECRET": "a-signing-secret-of-some-length",
+    "VISION_URL": "https://hooks.slack.example/services/T1/B3/visionsecret",
 }
 ROUTES = """
 version: 1
@@ -28,8 +30,11 @@ destinations:
   ops: {kind: slack, url_env: OPS_URL}
   llm-team: {kind: slack, url_env: LLM_URL, min_interval_s: 2}
   pager: {kind: webhook, url_env: PAGER_URL, secret_env: PAGER_SECRET}
+  vision: {kind: slack, url_env: VISION_URL}
 teams:
   llm: ["llm-*", "pretrain-*"]
+  vision: {labels: {team: vision}}
+  research: {labels: {team: research}, jobs: "exp-*"}
 routes:
   - name: llm-to-its-team
     match: {team: llm}
@@ -40,7 +45,17 @@ routes:
   - name: all-updates-of-debug-jobs
     match: {job: "debug-*", kind: [opened, updated, recovery_step, recovered, failed]}
     to: ops
+  - name: vision-to-its-team
+    match: {team: vision}
+    to: vision
+  - name: research-to-ops
+    match: {team: research}
+    to: ops
+  - name: gold-production-failures-page
+    match: {labels: {env: prod, "example.com/tier": "gold*"}, kind: failed}
+    to: pager
 """
+PROD_GOLD = {"env": "prod", "example.com/tier": "gold-2"}
 
 OPS = "destinations:\n  ops: {kind: slack, url_env: OPS_URL}\n"
 WEAK_SECRET_ROUTES = "destinations:\n  ops: {kind: webhook, url_env: PAGER_URL, secret_env: WEAK}\n"
@@ -70,6 +85,20 @@ def _alert(job_id: str, kind: AlertKind = AlertKind.OPENED, **fields: Any) -> Al
         (_alert("job-1", category=None, severity=None), []),  # unknown severity matches no severity filter
         (_alert("debug-3", AlertKind.RECOVERY_STEP), ["ops"]),
         (_alert("xdebug-3", AlertKind.RECOVERY_STEP), []),  # a glob, not a substring
+        # by label: a team's selector, and a rule's own labels
+        (_alert("vit-1", labels={"team": "vision"}), ["vision"]),
+        (_alert("vit-1", labels={"team": "visionary"}), []),  # the whole value must match the glob
+        (_alert("vit-1", labels={"team": "Vision"}), []),  # case-sensitive
+        (_alert("vit-1", labels={"owner": "vision"}), []),  # the key must be the selector's
+        (_alert("vit-1"), []),  # no labels (an event from before labels): no label selector matches
+        (_alert("exp-1"), ["ops"]),  # a team of both: its job globs ...
+        (_alert("job-9", labels={"team": "research"}), ["ops"]),  # ... or its labels
+        (_alert("job-1", AlertKind.FAILED, labels=PROD_GOLD), ["pager"]),
+        (_alert("job-1", AlertKind.OPENED, labels=PROD_GOLD), []),  # the rule wants failures only
+        (_alert("job-1", AlertKind.FAILED, labels={**PROD_GOLD, "example.com/tier": "silver"}), []),  # glob value
+        (_alert("job-1", AlertKind.FAILED, labels={"env": "prod"}), []),  # a missing key does not match
+        (_alert("job-1", AlertKind.FAILED, labels={**PROD_GOLD, "team": "x"}), ["pager"]),  # more labels are fine
+        (_alert("llm-7b", AlertKind.FAILED, labels={**PROD_GOLD, "team": "vision"}), ["llm-team", "vision", "pager"]),
     ],
 )
 def test_rules_match_table(tmp_path: Path, alert: Alert, destinations: list[str]) -> None:
@@ -115,7 +144,14 @@ def test_a_url_file_is_read(tmp_path: Path) -> None:
         ("destinations:\n  ops: {kind: email, url_env: OPS_URL}\n", ENV, "destinations.ops.kind"),
         ("routes:\n  - {name: r, to: [ghost]}\n", ENV, "unknown destinations \\['ghost'\\]"),
         (OPS + "routes:\n  - {name: r, to: ops, match: {team: x}}\n", ENV, "team 'x'"),
-        (OPS + "routes:\n  - {name: r, to: ops, match: {labels: a}}\n", ENV, "routes.0.match.labels: Extra inputs"),
+        (OPS + "routes:\n  - {name: r, to: ops, match: {labels: a}}\n", ENV, "routes.0.match.labels: Input should be"),
+        (OPS + "routes:\n  - {name: r, to: ops, match: {labels: {team x: ml}}}\n", ENV, "label key 'team x'"),
+        (OPS + "routes:\n  - {name: r, to: ops, match: {labels: {Ex.com/t: ml}}}\n", ENV, "prefix before '/'"),
+        (OPS + "routes:\n  - {name: r, to: ops, match: {labels: {gpus: 8}}}\n", ENV, "match.labels.gpus: Input should"),
+        (OPS + "routes:\n  - {name: r, to: ops, match: {label: {team: ml}}}\n", ENV, "match.label: Extra inputs"),
+        (OPS + "teams: {t: {}}\n", ENV, "teams.t: Value error, a team needs labels"),
+        (OPS + "teams: {t: {labels: {team: ml}, owner: x}}\n", ENV, "teams.t.owner: Extra inputs"),
+        (OPS + "teams: {t: {labels: {team x: ml}}}\n", ENV, "teams.t.labels.team x.\\[key\\]: Value error"),
         ("destinations:\n  default-slack: {kind: slack, url_env: OPS_URL}\n", ENV, "reserved"),
         ("routes: [", ENV, "not valid YAML"),
     ],

@@ -130,3 +130,22 @@ def test_a_single_alert_reads_well(
 )
 def test_durations(seconds: float, text: str) -> None:
     assert slack.duration_text(seconds) == text
+
+
+def test_labels_show_briefly_in_the_context_sorted_escaped_and_cut() -> None:
+    plain = slack.render([("d1", _alert())])
+    [context] = [b for b in plain["blocks"] if b["type"] == "context"]
+    assert len(context["elements"]) == 1  # no labels, no labels line
+
+    labelled = slack.render([("d1", _alert(labels={"team": "ml", "example.com/tier": "gold", "x": "<b>"}))])
+    _assert_within_limits(labelled)
+    [context] = [b for b in labelled["blocks"] if b["type"] == "context"]
+    assert context["elements"][1]["text"] == "labels `example.com/tier=gold` `team=ml` `x=&lt;b&gt;`"
+
+    many = {f"example.com/key-{i:02}": "v" * 63 for i in range(64)}
+    payload = slack.render([("d1", _alert(labels=many))])
+    _assert_within_limits(payload)
+    [context] = [b for b in payload["blocks"] if b["type"] == "context"]
+    shown = context["elements"][1]["text"]
+    assert len(shown) == slack.LABELS_TEXT and shown.endswith(slack.ELLIPSIS)
+    assert shown.startswith("labels `example.com/key-00=")

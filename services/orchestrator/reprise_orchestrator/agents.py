@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from reprise_common import subjects
 from reprise_common.bus import Bus
+from reprise_common.clock import utcnow
 from reprise_common.errors import BusError
 from reprise_common.events import AgentCommand, CommandAction, CommandReply, CommandResult
 
@@ -43,6 +44,19 @@ class NodeAnswer:
         return {"node": self.node_id, "result": self.reply.result.value, "duplicate": self.reply.duplicate}
 
 
+def answers_record(answers: Sequence[NodeAnswer]) -> dict[str, Any]:
+    """What a step records of a command's answers: how many nodes answered how, and each node that did not execute it.
+
+    Counts rather than one entry per node: the record is rewritten with every later step of the recovery.
+    """
+    return {
+        "nodes": len(answers),
+        "results": dict(Counter(a.reply.result.value if a.reply else "no_answer" for a in answers)),
+        "duplicates": sum(a.reply is not None and a.reply.duplicate for a in answers),
+        "not_done": [a.summary() for a in answers if not a.ok],
+    }
+
+
 async def command_nodes(
     bus: Bus,
     *,
@@ -54,15 +68,25 @@ async def command_nodes(
     timeout_s: float,
 ) -> list[NodeAnswer]:
     """Send one command per node with the id `<operation>:<action>:<node>` so a resend is executed once."""
-
-    async def one(node_id: str, args: dict[str, Any]) -> NodeAnswer:
-        command = AgentCommand(
-            command_id=f"{operation_id}:{action.value}:{node_id}", job_id=job_id, fence=fence, action=action, args=args
+    issued_at = utcnow()
+    subject_of = {node_id: subjects.node_command(node_id) for node_id in args_by_node}
+    commands = {
+        subject_of[node_id]: AgentCommand(
+            command_id=f"{operation_id}:{action.value}:{node_id}",
+            job_id=job_id,
+            fence=fence,
+            action=action,
+            args=args,
+            issued_at=issued_at,
         )
-        try:
-            reply = await bus.request(subjects.node_command(node_id), command, CommandReply, timeout=timeout_s)
-        except BusError as exc:
-            return NodeAnswer(node_id=node_id, reply=None, error=str(exc))
-        return NodeAnswer(node_id=node_id, reply=reply)
-
-    return list(await asyncio.gather(*(one(node, args) for node, args in args_by_node.items())))
+        for node_id, args in args_by_node.items()
+    }
+    replies = await bus.request_many(commands, CommandReply, timeout=timeout_s)
+    answers = []
+    for node_id, subject in subject_of.items():
+        reply = replies[subject]
+        if isinstance(reply, BusError):
+            answers.append(NodeAnswer(node_id=node_id, reply=None, error=str(reply)))
+        else:
+            answers.append(NodeAnswer(node_id=node_id, reply=reply))
+    return answers

@@ -15,7 +15,13 @@ from reprise_common import subjects
 from reprise_common.bus import Bus
 from reprise_common.clock import SystemClock
 from reprise_common.db import db_check, make_engine
-from reprise_common.service import Background, add_error_handlers, add_ops_routes, nats_check
+from reprise_common.service import (
+    Background,
+    add_error_handlers,
+    add_ops_routes,
+    freeze_startup_objects,
+    nats_check,
+)
 from reprise_orchestrator.auth import flows as auth_flows
 from reprise_orchestrator.auth import views as auth_views
 from reprise_orchestrator.auth.audit import AuditMiddleware
@@ -67,7 +73,7 @@ def create_app(settings: OrchestratorSettings) -> FastAPI:
     tasks: list[asyncio.Task[None]] = []
 
     async def on_connected() -> None:
-        await deps.inventory.start(bus)
+        await deps.inventory.start(Bus.for_service(settings, "orchestrator-reports", provision=False))
         bus.consumer(
             stream="INCIDENTS",
             durable=INCIDENTS_DURABLE,
@@ -89,6 +95,7 @@ def create_app(settings: OrchestratorSettings) -> FastAPI:
         SQLModel.metadata.create_all(engine)
         auth_flows.bootstrap(deps)
         background.start(on_connected)
+        freeze_startup_objects()
         yield
         await drills.stop()
         for task in tasks:
@@ -96,6 +103,7 @@ def create_app(settings: OrchestratorSettings) -> FastAPI:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await background.stop()
+        await deps.inventory.stop()
         await deps.registry.close()
         await redis.aclose()
         engine.dispose()

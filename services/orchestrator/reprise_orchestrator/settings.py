@@ -29,7 +29,9 @@ class OrchestratorSettings(ServiceSettings, DatabaseSettings):
     command_timeout_s: float = Field(default=15.0, gt=0)
     stop_grace_s: float = Field(default=5.0, gt=0)
     node_stale_s: float = Field(default=5.0, gt=0, description="a node without a report for this long is not placeable")
-    master_port_base: int = Field(default=29500, ge=1024, le=65000)
+    master_port_base: int = Field(
+        default=29500, ge=1024, le=64535, description="rendezvous ports are drawn from this and the 999 above it"
+    )
     http_timeout_s: float = Field(default=5.0, gt=0)
     reconcile_interval_s: float = Field(default=1.0, gt=0, description="how often orphaned recoveries are looked for")
     auth_enabled: bool = Field(default=True, description="require an API key on /v1 routes (false: open, audited)")

@@ -28,7 +28,18 @@ from reprise_cli.servers import ManagedProcess, NatsServer, RedisServer, free_po
 from reprise_common import subjects
 from reprise_common.bus import Bus
 from reprise_common.clock import utcnow
-from reprise_common.events import Category, Culprit, IncidentChange, RecommendedAction, Severity, new_id
+from reprise_common.events import (
+    Category,
+    Culprit,
+    Event,
+    IncidentChange,
+    JobPlacement,
+    RecommendedAction,
+    RecoveryChange,
+    Severity,
+    new_id,
+    parse_event,
+)
 from reprise_orchestrator.app import INCIDENTS_DURABLE
 
 pytestmark = pytest.mark.stack
@@ -126,7 +137,13 @@ class Cluster:
         with self.api(replica) as api:
             return sum(not n["stale"] for n in api.get("/v1/nodes").raise_for_status().json())
 
-    def submit(self, *, env: dict[str, str] | None = None, policy: dict[str, Any] | None = None) -> dict[str, Any]:
+    def submit(
+        self,
+        *,
+        env: dict[str, str] | None = None,
+        policy: dict[str, Any] | None = None,
+        labels: dict[str, str] | None = None,
+    ) -> dict[str, Any]:
         """Submit a job of one rank on each node, running the RANK script; it is running when this returns."""
         body = {
             "name": "replicas",
@@ -135,12 +152,17 @@ class Cluster:
             "command": [sys.executable, str(self.root / "rank.py")],
             "env": env or {},
             "policy": policy or {},
+            "labels": labels or {},
         }
         with self.api() as api:
             response = api.post("/v1/jobs", json=body)
         assert response.status_code == 201, response.text
         job: dict[str, Any] = response.json()
         assert job["state"] == "running", job
+        # Running means every agent spawned its rank; a rank stopped before its script starts leaves no line to
+        # count (nor a "sigterm"), so faults are injected once every rank says it started.
+        started = {node: {0: 1} for node in NODES}
+        assert wait_until(lambda: self.launches(job["id"]) == started, timeout_s=15), self.launches(job["id"])
         return job
 
     def recoveries(self, job_id: str) -> list[dict[str, Any]]:
@@ -237,6 +259,24 @@ async def _publish(url: str, incidents: list[IncidentChange]) -> None:
 def publish(cluster: Cluster, incidents: list[IncidentChange]) -> None:
     """Publish every incident at once to the INCIDENTS stream."""
     asyncio.run(_publish(cluster.nats.url, incidents))
+
+
+async def _stored(url: str, subject: str, stream: str) -> list[Event]:
+    """Every event stored on a stream under a subject, oldest first."""
+    bus = Bus(url=url, service="test-replicas", provision=False)
+    await bus.connect(attempts=10)
+    found: list[Event] = []
+    sub = await bus.js.pull_subscribe(subject, stream=stream)
+    try:
+        while True:
+            for msg in await sub.fetch(100, timeout=0.5):
+                found.append(parse_event(msg.data))
+                await msg.ack()
+    except TimeoutError:
+        return found
+    finally:
+        await sub.unsubscribe()
+        await bus.close()
 
 
 async def _incidents_pending(url: str) -> int:
@@ -357,10 +397,21 @@ def test_c_a_paused_owner_changes_nothing_when_it_wakes(cluster: Cluster) -> Non
 def test_d_a_non_retryable_exit_code_fails_the_job(cluster: Cluster) -> None:
     cluster.start("detector", "reprise_detector", {"REPRISE_DATABASE_URL": f"sqlite:///{cluster.root / 'det.db'}"})
     cluster.wait_ready("detector")
-    job = cluster.submit(env={"EXIT_CODE": "3"}, policy={"non_retryable_exit_codes": [3]})
+    labels = {"team": "ml", "example.com/tier": "gold"}
+    job = cluster.submit(env={"EXIT_CODE": "3"}, policy={"non_retryable_exit_codes": [3]}, labels=labels)
 
     ended = poll(lambda: cluster.job(job["id"]), lambda j: j["state"] not in ("running", "recovering"), timeout_s=40)
     recoveries = cluster.recoveries(job["id"])
     assert ended["state"] == "failed", (ended["state"], ended.get("detail"), [r["step"] for r in recoveries])
     assert recoveries and recoveries[0]["step"] == "failed", [(r["step"], r["detail"]) for r in recoveries]
     assert cluster.launches(job["id"]) == {node: {0: 1} for node in NODES}  # never relaunched
+
+    # The job's labels travel with every event about it: from its spec onto the placements and recovery changes,
+    # and through the detector (which learned them from the placement) onto its incident changes.
+    url = cluster.nats.url
+    placements = asyncio.run(_stored(url, subjects.placement(job["id"]), "PLACEMENTS"))
+    incidents = asyncio.run(_stored(url, f"reprise.incident.{job['id']}.>", "INCIDENTS"))
+    changes = asyncio.run(_stored(url, f"reprise.recovery.{job['id']}.>", "RECOVERIES"))
+    assert [p.active for p in placements if isinstance(p, JobPlacement)] == [False]  # the latest: the job's end
+    assert incidents and changes and any(isinstance(c, RecoveryChange) and c.change == "failed" for c in changes)
+    assert all(event.model_dump()["labels"] == labels for event in [*placements, *incidents, *changes])

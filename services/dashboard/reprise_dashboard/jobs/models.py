@@ -75,6 +75,7 @@ class JobRecord(Record):
     restarts: int = 0
     detail: str = ""
     placement: list[dict[str, Any]] = Field(default_factory=list)
+    labels: dict[str, str] = Field(default_factory=dict)
     spec: dict[str, Any] = Field(default_factory=dict)
     created_at: AwareDatetime
     updated_at: AwareDatetime

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -15,6 +16,7 @@ from reprise_common.db import session_scope
 from reprise_common.events import Category, Culprit, IncidentChange, RecommendedAction, Severity
 from reprise_detector.incidents import service
 from reprise_detector.incidents.models import Incident, IncidentChangeKind, IncidentPublic
+from reprise_detector.placements import PlacementMap
 
 SOURCE = "detector"
 
@@ -28,8 +30,10 @@ class PendingChange:
     event: IncidentChange
 
 
-def pending_change(incident: Incident, kind: IncidentChangeKind, *, seq: int, now: datetime) -> PendingChange:
-    """The change event for an incident; its id is stable per (incident, change, symptom count) so a retry dedups."""
+def pending_change(
+    incident: Incident, kind: IncidentChangeKind, *, seq: int, now: datetime, labels: Mapping[str, str]
+) -> PendingChange:
+    """The change event for an incident, with its job's labels; its id is stable per (incident, change, count)."""
     msg_id = f"{incident.id}:{kind.value}:{seq}"
     event = IncidentChange(
         event_id=msg_id,
@@ -50,6 +54,7 @@ def pending_change(incident: Incident, kind: IncidentChangeKind, *, seq: int, no
         recommended_action=RecommendedAction(incident.recommended_action),
         symptom_count=seq,
         first_symptom_at=incident.first_symptom_at,
+        labels=dict(labels),
     )
     return PendingChange(subject=subjects.incident(incident.job_id, kind.value), msg_id=msg_id, event=event)
 
@@ -60,13 +65,17 @@ async def publish_changes(bus: Bus, changes: list[PendingChange]) -> None:
         await bus.publish(change.subject, change.event, msg_id=change.msg_id)
 
 
-async def resolve(*, engine: Engine, bus: Bus, clock: Clock, incident_id: str) -> IncidentPublic:
+async def resolve(
+    *, engine: Engine, bus: Bus, clock: Clock, placements: PlacementMap, incident_id: str
+) -> IncidentPublic:
     """Resolve an incident and announce it; repeating it re-announces the same change, which the stream dedups."""
 
     def commit() -> tuple[IncidentPublic, PendingChange]:
         with session_scope(engine) as session:
             incident = service.resolve(session, incident_id=incident_id, now=clock.now())
-            change = pending_change(incident, IncidentChangeKind.RESOLVED, seq=incident.symptom_count, now=clock.now())
+            labels = placements.labels_of(incident.job_id)
+            seq = incident.symptom_count
+            change = pending_change(incident, IncidentChangeKind.RESOLVED, seq=seq, now=clock.now(), labels=labels)
             return IncidentPublic.model_validate(incident), change
 
     public, change = await asyncio.to_thread(commit)

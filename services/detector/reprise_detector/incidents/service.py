@@ -198,18 +198,15 @@ def symptom_row(
     observation: Observation,
     classification: Classification,
     job_id: str | None,
-    incident: Incident | None,
+    incident_id: str | None,
     now: datetime,
     decision: str | None = None,
 ) -> dict[str, Any]:
     """A symptom as a plain row for a bulk insert (building ORM objects costs more than the insert in a storm)."""
-    if incident is not None:
-        incident.symptom_count += 1
-        incident.updated_at = now
     return {
         "id": new_id(),
         "event_id": observation.event_id,
-        "incident_id": incident.id if incident is not None else None,
+        "incident_id": incident_id,
         "node_id": observation.node_id,
         "job_id": job_id,
         "kind": observation.kind,
@@ -229,10 +226,17 @@ def symptom_row(
     }
 
 
+def set_symptom_count(incident: Incident, *, count: int, now: datetime) -> None:
+    """Record how many symptoms an incident has (once per batch: each attribute set on a row costs)."""
+    incident.symptom_count = count
+    incident.updated_at = now
+
+
 def insert_symptoms(session: Session, rows: list[dict[str, Any]]) -> None:
     """Insert symptom rows in one statement (IntegrityError when an event was recorded for a job before)."""
     if rows:
-        session.execute(insert(Symptom), rows)
+        session.flush()  # the incidents the rows point at exist first
+        session.connection().execute(insert(Symptom), rows)  # on the connection: the ORM's bulk path costs per row
         rows.clear()
 
 

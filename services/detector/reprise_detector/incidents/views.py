@@ -73,7 +73,13 @@ async def acknowledge_incident(runtime: RuntimeDep, incident_id: str) -> Inciden
 async def resolve_incident(runtime: RuntimeDep, incident_id: str) -> IncidentPublic:
     """Mark an incident resolved and announce it; 503 when the change could not be published (safe to repeat)."""
     try:
-        return await flows.resolve(engine=runtime.engine, bus=runtime.bus, clock=runtime.clock, incident_id=incident_id)
+        return await flows.resolve(
+            engine=runtime.engine,
+            bus=runtime.bus,
+            clock=runtime.clock,
+            placements=runtime.placements,
+            incident_id=incident_id,
+        )
     except BusError as exc:
         raise HTTPException(
             status_code=503, detail=f"resolved, but not yet announced ({exc}); repeat the request"

@@ -2,13 +2,26 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from enum import StrEnum
+from typing import Literal, NotRequired
+
+from typing_extensions import TypedDict  # pydantic needs this one before Python 3.12
 
 from reprise_common.clock import Clock
-from reprise_common.events import GpuStatus
 from reprise_detector.derived import NodeLost
+
+GpuHealthValue = Literal["ok", "degraded", "failed", "lost", "unknown"]  # GpuHealth's values, as plain strings
+
+
+class GpuSeen(TypedDict):
+    """What node health shows of one GPU of the last report: a dict of plain values, which the garbage collector does
+    not track (a model per GPU of tens of thousands of nodes made each full collection pause the loop for longer)."""
+
+    index: int
+    health: NotRequired[GpuHealthValue]  # "ok" when absent, as in GpuStatus
+    last_xid: NotRequired[int | None]
 
 
 class NodeState(StrEnum):
@@ -25,7 +38,7 @@ class NodeSeen:
     last_seen: float  # the detector's monotonic clock
     last_report_id: str
     state: NodeState = NodeState.ALIVE
-    gpus: list[GpuStatus] = field(default_factory=list)
+    gpus: tuple[GpuSeen, ...] = ()
 
 
 class Liveness:
@@ -41,12 +54,12 @@ class Liveness:
         self.lost_after_s = lost_after_s
         self.nodes: dict[str, NodeSeen] = {}
 
-    def saw(self, node_id: str, report_id: str, gpus: list[GpuStatus] | None = None) -> None:
+    def saw(self, node_id: str, report_id: str, gpus: tuple[GpuSeen, ...] | None = None) -> None:
         """Record a report from a node (identity from the subject)."""
         seen = self.nodes.get(node_id)
         now = self.clock.monotonic()
         if seen is None:
-            self.nodes[node_id] = NodeSeen(now, report_id, gpus=gpus or [])
+            self.nodes[node_id] = NodeSeen(now, report_id, gpus=gpus or ())
             return
         seen.last_seen, seen.last_report_id, seen.state = now, report_id, NodeState.ALIVE
         if gpus is not None:

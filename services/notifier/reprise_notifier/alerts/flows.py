@@ -28,6 +28,7 @@ def from_incident(event: IncidentChange, *, dashboard_url: str) -> Alert:
         recommended_action=event.recommended_action,
         symptom_count=event.symptom_count,
         first_symptom_at=event.first_symptom_at,
+        labels=event.labels,
         link=incident_link(dashboard_url, event.incident_id),
     )
 
@@ -44,6 +45,7 @@ def from_recovery(event: RecoveryChange, record: IncidentRecord | None, *, dashb
         recovery_id=event.recovery_id,
         step=event.step,
         action_taken=action_taken(event),
+        labels=event.labels,
         link=incident_link(dashboard_url, event.incident_id),
     )
     if record is None:

@@ -63,6 +63,7 @@ class Alert(BaseModel):
     symptom_count: int | None = None
     first_symptom_at: AwareDatetime | None = None
     time_to_recover_s: float | None = None
+    labels: dict[str, str] = Field(default_factory=dict, description="the job's labels, as the event carried them")
     link: str = Field(default="", description="the incident on the dashboard, when REPRISE_DASHBOARD_URL is set")
 
 

@@ -24,6 +24,7 @@ MAX_BUTTON_URL = 3000
 MAX_FALLBACK_TEXT = 3000  # Slack cuts `text` at 40,000 characters; a notification needs far less
 MAX_DIGEST_ALERTS = 40  # header + context + one section per alert stays under MAX_BLOCKS
 DIGEST_ROOT_CAUSE = 300  # per alert in a coalesced message, so 40 alerts stay a readable size
+LABELS_TEXT = 500  # a job's labels in a message's context: brief, even with 64 long ones
 ELLIPSIS = "…"
 _PARTIAL_ENTITY = re.compile(r"&[a-z]{0,4}$")
 
@@ -70,7 +71,7 @@ def single(delivery_id: str, alert: Alert) -> dict[str, Any]:
         _header(f"{emoji(alert)} {TITLES[alert.kind]}: {alert.job_id}"),
         _section(f"*Root cause:* {escape(alert.root_cause) or '_not known yet_'}", block_id=delivery_id),
         {"type": "section", "fields": [_mrkdwn(fact, MAX_FIELD_TEXT) for fact in facts[:MAX_FIELDS]]},
-        {"type": "context", "elements": [_mrkdwn(_context(alert), MAX_SECTION_TEXT)]},
+        {"type": "context", "elements": _context_elements(alert)},
     ]
     if alert.link and len(alert.link) <= MAX_BUTTON_URL:
         button = {"type": "button", "text": _plain("Open incident", 75), "url": alert.link}
@@ -160,6 +161,18 @@ def _action(alert: Alert) -> str:
     if alert.recommended_action is not None:
         return f"recommended: {alert.recommended_action.value}"
     return "none yet"
+
+
+def labels_text(labels: dict[str, str]) -> str:
+    """The job's labels in one line, sorted by key: `env=prod` `team=ml`."""
+    return " ".join(f"`{escape(key)}={escape(value)}`" for key, value in sorted(labels.items()))
+
+
+def _context_elements(alert: Alert) -> list[dict[str, Any]]:
+    elements = [_mrkdwn(_context(alert), MAX_SECTION_TEXT)]
+    if alert.labels:
+        elements.append(_mrkdwn(f"labels {labels_text(alert.labels)}", LABELS_TEXT))
+    return elements
 
 
 def _context(alert: Alert) -> str:

@@ -8,7 +8,7 @@ from reprise_common.errors import ConflictError
 from reprise_common.logging import get_logger
 from reprise_orchestrator.deps import Deps
 from reprise_orchestrator.jobs import service
-from reprise_orchestrator.jobs.launch import launch, rendezvous_for
+from reprise_orchestrator.jobs.launch import check_placement_fits, launch, rendezvous_for
 from reprise_orchestrator.jobs.models import Job, JobCreate, JobState
 from reprise_orchestrator.jobs.placement import assign_ranks, choose_nodes
 from reprise_orchestrator.nodes import service as nodes_service
@@ -18,15 +18,26 @@ from reprise_orchestrator.recoveries.models import Outcome, RecoveryStep
 from reprise_orchestrator.recoveries.steps import stop_nodes
 
 log = get_logger("reprise.orchestrator.jobs")
+PLACEMENT_ATTEMPTS = 3  # a submission that loses its nodes to a concurrent one chooses again, this many times
 
 
 async def submit(deps: Deps, spec: JobCreate) -> Job:
     """Place a new job and launch it; the job is RUNNING when every node confirmed, FAILED otherwise."""
     with Session(deps.engine) as session:
-        unavailable = service.busy_nodes(session) | nodes_service.cordoned_ids(session)
-        nodes = choose_nodes(spec, deps.inventory, unavailable=unavailable)
-        ranks = assign_ranks(nodes, ranks_per_node=spec.ranks_per_node, inventory=deps.inventory)
-        job = service.create(session, spec=spec, placement=[r.model_dump(mode="json") for r in ranks])
+        for _ in range(PLACEMENT_ATTEMPTS):
+            unavailable = service.busy_nodes(session) | nodes_service.cordoned_ids(session)
+            nodes = choose_nodes(spec, deps.inventory, unavailable=unavailable)
+            ranks = assign_ranks(nodes, ranks_per_node=spec.ranks_per_node, inventory=deps.inventory)
+            check_placement_fits(deps.bus, spec, ranks)
+            job = service.create(session, spec=spec, placement=[r.model_dump(mode="json") for r in ranks])
+            earlier = service.placement_conflict(session, job)
+            if earlier is None:
+                break
+            log.info("placed at the same moment as another job; choosing again", extra={"other_job": earlier})
+            session.delete(job)  # never launched, no fence drawn: nothing else knows it
+            session.commit()
+        else:
+            raise ConflictError(f"the job's nodes were taken by other submissions {PLACEMENT_ATTEMPTS} times in a row")
         job_id = job.id
     handle = await deps.locks.acquire(job_id, owner=deps.settings.replica_id)
     if handle is None:
@@ -35,7 +46,14 @@ async def submit(deps: Deps, spec: JobCreate) -> Job:
         with Session(deps.engine) as session:
             if not service.claim_fence(session, job_id=job_id, fence=handle.fence):
                 raise ConflictError(f"job {job_id}: a newer fencing token already owns it")
-        rendezvous = rendezvous_for(ranks, epoch=0, inventory=deps.inventory, port_base=deps.settings.master_port_base)
+        rendezvous = rendezvous_for(
+            ranks,
+            job_id=job_id,
+            epoch=0,
+            inventory=deps.inventory,
+            port_base=deps.settings.master_port_base,
+            engine=deps.engine,
+        )
         answers = await launch(
             deps.bus,
             operation_id=f"{job_id}:submit",
@@ -95,7 +113,7 @@ async def cancel(deps: Deps, job_id: str) -> Job:
         job = service.get(session, job_id=job_id)
     nodes = list(dict.fromkeys(r["node_id"] for r in job.placement))
     await stop_nodes(deps, f"{job_id}:cancel:{fence}", job_id, fence, nodes)
-    await publish_inactive(deps, job_id, job.restart_epoch, msg_id=f"{job_id}:cancel:{fence}")
+    await publish_inactive(deps, job, msg_id=f"{job_id}:cancel:{fence}")
     log.info("job cancelled", extra={"job_id": job_id, "fence": fence})
     return job
 
@@ -109,10 +127,18 @@ def finished_ranks(deps: Deps, job: Job) -> bool:
     )
 
 
+def _all_seen_exited_zero(deps: Deps, job_id: str, epoch: int) -> bool:
+    statuses = deps.inventory.ranks_of(job_id, restart_epoch=epoch).values()
+    return bool(statuses) and all(not s.alive and s.exit_code == 0 for s in statuses)
+
+
 async def complete_finished(deps: Deps) -> list[str]:
     """Mark running jobs whose ranks all exited 0 completed (under the job's lock and a new fence); their ids."""
     with Session(deps.engine) as session:
-        candidates = [job for job in service.get_all(session, state=JobState.RUNNING, limit=1000)]
+        # Every second: only a job whose ranks seen so far all exited 0 is loaded whole (thousands of ranks at scale).
+        running = service.get_all_epochs(session, state=JobState.RUNNING)
+        ids = [job_id for job_id, epoch in running if _all_seen_exited_zero(deps, job_id, epoch)]
+        candidates = [service.get(session, job_id=job_id) for job_id in ids]
     done = []
     for job in candidates:
         if not finished_ranks(deps, job):
@@ -129,7 +155,7 @@ async def complete_finished(deps: Deps) -> list[str]:
                 service.update_fenced(session, job_id=job.id, fence=handle.fence, state=JobState.COMPLETED)
             nodes = list(dict.fromkeys(r["node_id"] for r in job.placement))
             await stop_nodes(deps, f"{job.id}:complete:{handle.fence}", job.id, handle.fence, nodes)
-            await publish_inactive(deps, job.id, job.restart_epoch, msg_id=f"{job.id}:complete:{handle.fence}")
+            await publish_inactive(deps, job, msg_id=f"{job.id}:complete:{handle.fence}")
             log.info("job completed", extra={"job_id": job.id})
             done.append(job.id)
         finally:

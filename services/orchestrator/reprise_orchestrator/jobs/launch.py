@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
+
+from sqlalchemy.engine import Engine
+from sqlmodel import Session
 
 from reprise_common import subjects
 from reprise_common.bus import Bus
+from reprise_common.errors import ConflictError
 from reprise_common.events import CommandAction, JobPlacement, RankAssignment
 from reprise_orchestrator.agents import NodeAnswer, command_nodes
+from reprise_orchestrator.jobs import service
 from reprise_orchestrator.jobs.models import JobCreate
 from reprise_orchestrator.nodes.inventory import Inventory
 from reprise_orchestrator.registry_client import RestorePoint
+
+PORT_SPAN = 1000  # rendezvous ports are master_port_base .. master_port_base + PORT_SPAN - 1
+PLACEMENT_HEADROOM_BYTES = 4096  # what the size check cannot know yet: the job id, the message id header
 
 
 @dataclass(frozen=True)
@@ -22,15 +31,52 @@ class Rendezvous:
     master_port: int
 
 
-def master_port_for(base: int, epoch: int) -> int:
-    """A new port every epoch, so a half-dead earlier group can never join the new one."""
-    return base + epoch % 1000
+def master_port_for(base: int, *, job_id: str, epoch: int, taken: set[int]) -> int:
+    """The job's port for an epoch: spread by job id, another one each epoch (a half-dead earlier group can never
+    join the new one), and none that another active job's master on the same host holds."""
+    start = zlib.crc32(job_id.encode()) + epoch
+    for offset in range(PORT_SPAN):
+        port = base + (start + offset) % PORT_SPAN
+        if port not in taken:
+            return port
+    raise ConflictError(f"every rendezvous port from {base} to {base + PORT_SPAN - 1} is taken on this host")
 
 
-def rendezvous_for(ranks: list[RankAssignment], *, epoch: int, inventory: Inventory, port_base: int) -> Rendezvous:
-    """Rank 0's node hosts the rendezvous, on a port of this epoch."""
+def rendezvous_for(
+    ranks: list[RankAssignment], *, job_id: str, epoch: int, inventory: Inventory, port_base: int, engine: Engine
+) -> Rendezvous:
+    """Rank 0's node hosts the rendezvous, on a port of this job and epoch that is free among the host's jobs.
+
+    The job's own current port counts as taken, so a relaunch never reuses it; a resumed launch step computes the
+    same port again (nothing it depends on changed)."""
     master = next(r for r in ranks if r.rank == 0)
-    return Rendezvous(epoch, inventory.address(master.node_id), master_port_for(port_base, epoch))
+    address = inventory.address(master.node_id)
+    with Session(engine) as session:
+        taken = service.master_ports_at(session, address=address, address_of=inventory.address)
+    return Rendezvous(epoch, address, master_port_for(port_base, job_id=job_id, epoch=epoch, taken=taken))
+
+
+def placement_event(job_id: str, spec: JobCreate, ranks: list[RankAssignment], *, restart_epoch: int) -> JobPlacement:
+    """The placement a launch announces: every rank of the job, in one message."""
+    return JobPlacement(
+        source="orchestrator",
+        job_id=job_id,
+        restart_epoch=restart_epoch,
+        world_size=len(ranks),
+        ranks=ranks,
+        hang_timeout_s=spec.policy.hang_timeout_s,
+        labels=spec.labels,
+    )
+
+
+def check_placement_fits(bus: Bus, spec: JobCreate, ranks: list[RankAssignment]) -> None:
+    """Refuse (ConflictError) a placement larger than NATS accepts: it could never be announced, so never launched."""
+    size = len(placement_event("", spec, ranks, restart_epoch=0).to_bytes()) + PLACEMENT_HEADROOM_BYTES
+    if size > bus.max_payload:
+        raise ConflictError(
+            f"the job's placement ({len(ranks)} ranks) needs a {size:,}-byte message, over the NATS server's "
+            f"max_payload of {bus.max_payload:,} bytes: run fewer ranks or raise max_payload (deploy/nats/nats.conf)"
+        )
 
 
 async def launch(
@@ -46,14 +92,7 @@ async def launch(
     timeout_s: float,
 ) -> list[NodeAnswer]:
     """Publish the placement for the detector, then launch every node's ranks; returns each node's answer."""
-    placement = JobPlacement(
-        source="orchestrator",
-        job_id=job_id,
-        restart_epoch=rendezvous.restart_epoch,
-        world_size=len(ranks),
-        ranks=ranks,
-        hang_timeout_s=spec.policy.hang_timeout_s,
-    )
+    placement = placement_event(job_id, spec, ranks, restart_epoch=rendezvous.restart_epoch)
     await bus.publish(subjects.placement(job_id), placement, msg_id=f"{operation_id}:placement")
     by_node: dict[str, list[dict[str, object]]] = {}
     for r in ranks:  # one pass: thousands of nodes times their ranks must not block the loop

@@ -12,6 +12,7 @@ from sqlmodel import Field, SQLModel
 
 from reprise_common.clock import utcnow
 from reprise_common.db import UTCDateTime
+from reprise_common.labels import MAX_LABELS, Labels
 from reprise_common.settings import IdStr
 
 
@@ -100,6 +101,9 @@ class JobCreate(JobBase):
     node_count: int | None = Field(default=None, ge=1, le=4096)
     command: list[str] = Field(min_length=1)
     env: dict[str, str] = Field(default_factory=dict)
+    labels: Labels = Field(
+        default_factory=dict, max_length=MAX_LABELS, description="key/value pairs to route alerts and filter jobs by"
+    )
     policy: RecoveryPolicy = Field(default_factory=RecoveryPolicy)
 
     @model_validator(mode="after")
@@ -141,6 +145,11 @@ class Job(JobBase, table=True):
         """The spec the job was submitted with."""
         return JobCreate.model_validate(self.spec)
 
+    @property
+    def labels(self) -> dict[str, str]:
+        """The labels of the spec (checked when the job was submitted); none for a job from before labels."""
+        return dict(self.spec.get("labels") or {})
+
 
 class JobPublic(JobBase):
     """A job as the API shows it."""
@@ -151,6 +160,7 @@ class JobPublic(JobBase):
     restarts: int
     detail: str
     placement: list[dict[str, Any]]
+    labels: dict[str, str]
     spec: dict[str, Any]
     created_at: datetime
     updated_at: datetime

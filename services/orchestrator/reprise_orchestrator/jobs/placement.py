@@ -35,7 +35,8 @@ def replan(current: list[str], *, usable: set[str], spares: list[str], policy: R
     lost = [node for node in current if node not in usable]
     if not lost:
         return Replan(PlacementDecision.SAME, list(current))
-    free = [spare for spare in spares if spare not in current] if policy.use_spares else []
+    running = set(current)  # a set: thousands of spares must not each scan thousands of nodes
+    free = [spare for spare in spares if spare not in running] if policy.use_spares else []
     replaced = dict(zip(lost, free, strict=False))
     nodes = [replaced.get(node, node) for node in current if node in usable or node in replaced]
     dropped = [node for node in lost if node not in replaced]

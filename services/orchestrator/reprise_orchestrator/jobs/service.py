@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, cast
 
 from sqlalchemy import update
@@ -13,6 +13,7 @@ from reprise_common.clock import utcnow
 from reprise_common.errors import NotFoundError
 from reprise_common.events import new_id
 from reprise_orchestrator.jobs.models import ACTIVE_STATES, Job, JobCreate, JobState
+from reprise_orchestrator.recoveries.models import Recovery, RecoveryStep
 
 
 def create(session: Session, *, spec: JobCreate, placement: list[dict[str, Any]]) -> Job:
@@ -40,12 +41,23 @@ def get(session: Session, *, job_id: str) -> Job:
     return job
 
 
-def get_all(session: Session, *, state: JobState | None = None, limit: int = 100) -> Sequence[Job]:
-    """Jobs, newest first."""
+def get_all(
+    session: Session, *, state: JobState | None = None, labels: Iterable[tuple[str, str]] = (), limit: int = 100
+) -> Sequence[Job]:
+    """Jobs, newest first; with labels (key, value), only jobs that carry every one of them."""
     query = select(Job).order_by(col(Job.created_at).desc()).limit(limit)
     if state is not None:
         query = query.where(Job.state == state)
+    for key, value in labels:
+        # A JSON path into the stored spec: JSON_EXTRACT on SQLite, #>> on PostgreSQL; a missing key is NULL.
+        query = query.where(col(Job.spec)[("labels", key)].as_string() == value)
     return session.exec(query).all()
+
+
+def get_all_epochs(session: Session, *, state: JobState) -> list[tuple[str, int]]:
+    """(id, restart epoch) of every job in a state, without loading their specs and placements."""
+    query = select(Job.id, Job.restart_epoch).where(Job.state == state)
+    return [(job_id, epoch) for job_id, epoch in session.exec(query).all()]
 
 
 def claim_fence(session: Session, *, job_id: str, fence: int) -> bool:
@@ -67,6 +79,42 @@ def update_fenced(session: Session, *, job_id: str, fence: int, **values: Any) -
 
 
 def busy_nodes(session: Session, *, except_job: str | None = None) -> set[str]:
-    """Nodes that active jobs (other than `except_job`) run on."""
+    """Nodes that active or pending jobs (other than `except_job`) run on, or that their running recoveries chose."""
     query = select(Job).where(col(Job.state).in_(list(ACTIVE_STATES | {JobState.PENDING})))
-    return {rank["node_id"] for job in session.exec(query).all() if job.id != except_job for rank in job.placement}
+    placed = {rank["node_id"] for job in session.exec(query).all() if job.id != except_job for rank in job.placement}
+    return placed | reserved_nodes(session, except_job=except_job)
+
+
+def reserved_nodes(session: Session, *, except_job: str | None = None) -> set[str]:
+    """Nodes an unfinished recovery placed its job on, before its launch writes them into the job's placement."""
+    query = select(Recovery.job_id, Recovery.steps).where(col(Recovery.finished_at).is_(None))
+    return {
+        node
+        for job_id, steps in session.exec(query).all()
+        if job_id != except_job
+        for step in steps
+        if step["step"] == RecoveryStep.PLACING and step.get("ended_at")
+        for node in (step.get("data") or {}).get("nodes", [])
+    }
+
+
+def placement_conflict(session: Session, job: Job) -> str | None:
+    """Another job created before this one (by time, then id) and still pending or active that shares a node with
+    it, if any: two replicas that placed jobs at the same moment both see it, and the later one gives way."""
+    mine = {rank["node_id"] for rank in job.placement}
+    query = select(Job).where(col(Job.state).in_(list(ACTIVE_STATES | {JobState.PENDING})), col(Job.id) != job.id)
+    for other in session.exec(query).all():
+        if (other.created_at, other.id) < (job.created_at, job.id) and mine & {r["node_id"] for r in other.placement}:
+            return other.id
+    return None
+
+
+def master_ports_at(session: Session, *, address: str, address_of: Callable[[str], str]) -> set[int]:
+    """Rendezvous ports of active jobs whose master (rank 0's node) is at `address`: nodes may share a host."""
+    query = select(Job).where(col(Job.state).in_(list(ACTIVE_STATES)), col(Job.master_port) > 0)
+    return {
+        job.master_port
+        for job in session.exec(query).all()
+        for rank in job.placement
+        if rank["rank"] == 0 and address_of(rank["node_id"]) == address
+    }

@@ -5,7 +5,9 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Query
+from pydantic import AfterValidator
 
+from reprise_common.labels import check_selector, parse_selector
 from reprise_orchestrator.deps import DepsDep, SessionDep
 from reprise_orchestrator.jobs import flows, service
 from reprise_orchestrator.jobs.models import JobCreate, JobPublic, JobsPublic, JobState
@@ -13,6 +15,7 @@ from reprise_orchestrator.recoveries import service as recoveries
 from reprise_orchestrator.recoveries.models import RecoveriesPublic, RecoveryPublic
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+LabelSelector = Annotated[str, AfterValidator(check_selector)]
 
 
 def _public(job: object) -> JobPublic:
@@ -27,10 +30,16 @@ async def submit_job(body: JobCreate, deps: DepsDep) -> JobPublic:
 
 @router.get("", response_model=JobsPublic)
 def list_jobs(
-    session: SessionDep, state: JobState | None = None, limit: Annotated[int, Query(ge=1, le=1000)] = 100
+    session: SessionDep,
+    state: JobState | None = None,
+    label: Annotated[
+        list[LabelSelector] | None, Query(description="key=value; repeated, a job must carry every label given")
+    ] = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
 ) -> JobsPublic:
-    """Jobs, newest first, optionally by state."""
-    data = [_public(job) for job in service.get_all(session, state=state, limit=limit)]
+    """Jobs, newest first, optionally by state and by labels."""
+    labels = [parse_selector(selector) for selector in label or []]
+    data = [_public(job) for job in service.get_all(session, state=state, labels=labels, limit=limit)]
     return JobsPublic(data=data, count=len(data))
 
 

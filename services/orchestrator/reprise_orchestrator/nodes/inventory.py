@@ -1,28 +1,76 @@
-"""Node inventory: what each agent last reported, kept live from the report subjects."""
+"""Node inventory: what each agent last reported, kept live from the report subjects.
+
+Thousands of nodes report every second. The inventory follows them on a NATS connection of its own, so that a burst
+of reports can never make nats-server drop the connection that carries the recovery's commands. A report only
+matters until the next one: arriving reports are kept raw (the newest per node wins) and parsed when the inventory
+is next asked something, and then only for the fields it uses. The ranks are indexed by job and restart epoch, so
+following a job's ranks costs the ranks of that job, not a scan of every node.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
 
-from pydantic import BaseModel
+from pydantic import AwareDatetime, BaseModel, Field, ValidationError
 
 from reprise_common import subjects
 from reprise_common.bus import Bus
-from reprise_common.clock import Clock
-from reprise_common.events import GpuHealth, NodeReport, RankStatus
+from reprise_common.clock import Clock, utcnow
+from reprise_common.events import GpuHealth, NodeReport, RankStatus, Wire
 from reprise_common.logging import get_logger
 
 log = get_logger("reprise.orchestrator.nodes")
+RankKey = tuple[str, int | None]  # (job id, restart epoch)
 
 
-@dataclass
+class GpuView(Wire):
+    """What the inventory reads of a GPU in a report."""
+
+    health: GpuHealth = GpuHealth.OK
+
+
+class ReportView(Wire):
+    """What the inventory reads of a NodeReport (the same field names; the rest is never parsed)."""
+
+    time: AwareDatetime = Field(default_factory=utcnow)
+    address: str = ""
+    spare: bool = False
+    gpus: list[GpuView] = Field(default_factory=list)
+    ranks: list[RankStatus] = Field(default_factory=list)
+
+
+@dataclass(slots=True)
 class NodeInfo:
-    """The latest report of one node and when it arrived."""
+    """What the inventory keeps of a node's latest report, and when it arrived.
 
-    report: NodeReport
+    A few values rather than the parsed report: thousands of nodes' GPU records kept alive would make every full
+    garbage collection, which pauses the event loop, scan them.
+    """
+
     seen_mono: float
+    time: datetime
+    address: str
+    spare: bool
+    gpus: int
+    healthy_gpus: int  # GPUs reported OK
+    gpus_usable: bool  # every GPU is OK or DEGRADED: the node can take ranks
+    ranks: list[RankStatus]
+
+    @classmethod
+    def of(cls, report: ReportView, seen_mono: float) -> NodeInfo:
+        """The values kept of one report."""
+        health = [g.health for g in report.gpus]
+        return cls(
+            seen_mono=seen_mono,
+            time=report.time,
+            address=report.address,
+            spare=report.spare,
+            gpus=len(health),
+            healthy_gpus=health.count(GpuHealth.OK),
+            gpus_usable=all(h in (GpuHealth.OK, GpuHealth.DEGRADED) for h in health),
+            ranks=report.ranks,
+        )
 
 
 class NodePublic(BaseModel):
@@ -46,44 +94,84 @@ class Inventory:
         self.clock = clock
         self.stale_s = stale_s
         self._nodes: dict[str, NodeInfo] = {}
-        self._sub: Any = None
+        self._unread: dict[str, tuple[bytes, float]] = {}  # node → its newest report not parsed yet, and its arrival
+        self._ranks: dict[RankKey, dict[str, list[RankStatus]]] = {}  # (job, epoch) → node → its ranks there
+        self._bus: Bus | None = None
 
     async def start(self, bus: Bus) -> None:
-        """Follow every node's reports (core NATS: a report is only worth its latest value)."""
+        """Connect `bus` (the inventory's own) and follow every node's reports (only the latest of each counts)."""
 
-        async def on_report(msg: Any) -> None:
-            try:
-                node_id = subjects.node_from_agent_subject(msg.subject)
-                report = NodeReport.model_validate_json(msg.data)
-            except ValueError as exc:
-                log.warning("ignoring a bad report", extra={"subject": msg.subject, "error": str(exc)[:200]})
-                return
-            self.observe(node_id, report)
+        async def on_reports(batch: dict[str, bytes]) -> None:
+            arrived = self.clock.monotonic()
+            for subject, data in batch.items():
+                try:
+                    node_id = subjects.node_from_agent_subject(subject)
+                except ValueError as exc:
+                    log.warning("ignoring a report on a bad subject", extra={"subject": subject, "error": str(exc)})
+                    continue
+                self._unread[node_id] = (data, arrived)
 
-        self._sub = await bus.nc.subscribe(subjects.AGENT_REPORTS, cb=on_report)
+        await bus.connect()
+        self._bus = bus
+        await bus.follow(subjects.AGENT_REPORTS, handler=on_reports).open()
+
+    async def stop(self) -> None:
+        """Stop following reports."""
+        if self._bus is not None:
+            await self._bus.close()
 
     def observe(self, node_id: str, report: NodeReport) -> None:
         """Record a report under the node id the subject names."""
-        self._nodes[node_id] = NodeInfo(report=report, seen_mono=self.clock.monotonic())
+        self._unread.pop(node_id, None)
+        self._store(node_id, ReportView.model_validate(report, from_attributes=True), self.clock.monotonic())
+
+    def _absorb(self) -> None:
+        """Parse the newest unread report of each node."""
+        if not self._unread:
+            return
+        unread, self._unread = self._unread, {}
+        for node_id, (data, seen_mono) in unread.items():
+            try:
+                report = ReportView.model_validate_json(data)
+            except ValidationError as exc:
+                log.warning("ignoring a bad report", extra={"node_id": node_id, "error": str(exc)[:200]})
+                continue
+            self._store(node_id, report, seen_mono)
+
+    def _store(self, node_id: str, report: ReportView, seen_mono: float) -> None:
+        previous = self._nodes.get(node_id)
+        if previous is not None:
+            for key in {(r.job_id, r.restart_epoch) for r in previous.ranks}:
+                by_node = self._ranks[key]
+                del by_node[node_id]
+                if not by_node:
+                    del self._ranks[key]
+        self._nodes[node_id] = NodeInfo.of(report, seen_mono)
+        for rank in report.ranks:
+            self._ranks.setdefault((rank.job_id, rank.restart_epoch), {}).setdefault(node_id, []).append(rank)
+
+    def _fresh(self, info: NodeInfo, now: float) -> bool:
+        return now - info.seen_mono <= self.stale_s
 
     def fresh(self, node_id: str) -> bool:
         """True when the node reported recently."""
+        self._absorb()
         info = self._nodes.get(node_id)
-        return info is not None and self.clock.monotonic() - info.seen_mono <= self.stale_s
+        return info is not None and self._fresh(info, self.clock.monotonic())
 
     def placeable(self, *, spares: bool = False, exclude: frozenset[str] | set[str] = frozenset()) -> list[str]:
         """Fresh nodes with every GPU healthy, workers (or spares), not excluded, sorted by id."""
+        self._absorb()
+        now = self.clock.monotonic()
         return sorted(
             node_id
             for node_id, info in self._nodes.items()
-            if node_id not in exclude
-            and self.fresh(node_id)
-            and info.report.spare == spares
-            and all(g.health in (GpuHealth.OK, GpuHealth.DEGRADED) for g in info.report.gpus)
+            if info.gpus_usable and info.spare == spares and node_id not in exclude and self._fresh(info, now)
         )
 
     def known(self) -> int:
         """How many nodes have ever reported (the circuit breaker's denominator)."""
+        self._absorb()
         return len(self._nodes)
 
     def ranks_of(self, job_id: str, *, restart_epoch: int) -> dict[int, RankStatus]:
@@ -91,35 +179,40 @@ class Inventory:
 
         Filtering by epoch matters: a node the job left still reports the ranks it stopped, under the same numbers.
         """
+        self._absorb()
+        now = self.clock.monotonic()
         return {
             rank.rank: rank
-            for node_id, info in self._nodes.items()
-            if self.fresh(node_id)
-            for rank in info.report.ranks
-            if rank.job_id == job_id and rank.restart_epoch == restart_epoch
+            for node_id, ranks in self._ranks.get((job_id, restart_epoch), {}).items()
+            if self._fresh(self._nodes[node_id], now)
+            for rank in ranks
         }
 
     def address(self, node_id: str) -> str:
         """Where other nodes reach this one, as it reports it (its id when it reported none)."""
+        self._absorb()
         info = self._nodes.get(node_id)
-        return info.report.address if info is not None and info.report.address else node_id
+        return info.address if info is not None and info.address else node_id
 
     def gpu_count(self, node_id: str) -> int:
         """How many GPUs a node reported."""
+        self._absorb()
         info = self._nodes.get(node_id)
-        return 0 if info is None else len(info.report.gpus)
+        return 0 if info is None else info.gpus
 
     def public(self, cordons: dict[str, str]) -> list[NodePublic]:
         """Every known node, with its cordon reason when `cordons` (node → reason) names it."""
+        self._absorb()
+        now = self.clock.monotonic()
         return [
             NodePublic(
                 node_id=node_id,
-                spare=info.report.spare,
-                healthy_gpus=sum(g.health is GpuHealth.OK for g in info.report.gpus),
-                gpus=len(info.report.gpus),
-                ranks=len(info.report.ranks),
-                last_report_at=info.report.time,
-                stale=not self.fresh(node_id),
+                spare=info.spare,
+                healthy_gpus=info.healthy_gpus,
+                gpus=info.gpus,
+                ranks=len(info.ranks),
+                last_report_at=info.time,
+                stale=not self._fresh(info, now),
                 cordoned=node_id in cordons,
                 cordon_reason=cordons.get(node_id, ""),
             )

@@ -241,9 +241,9 @@ class RecoveryFlow:
 
     def _record(
         self, run: RecoveryRun, step: RecoveryStep, started: datetime, ended: datetime | None, **kwargs: Any
-    ) -> Recovery:
+    ) -> None:
         with Session(self.deps.engine) as session:
-            return service.record_step(
+            service.record_step(
                 session,
                 recovery_id=run.recovery_id,
                 fence=run.handle.fence,
@@ -280,7 +280,7 @@ class RecoveryFlow:
         """A job that failed or waits for a human runs nothing: stop what is left and tell the detector."""
         nodes_ = list(dict.fromkeys([r["node_id"] for r in run.job.placement] + [r.node_id for r in run.ranks]))
         await stop_nodes(self.deps, f"{run.recovery_id}:end", run.job.id, run.handle.fence, nodes_)
-        await publish_inactive(self.deps, run.job.id, run.job.restart_epoch, msg_id=f"{run.recovery_id}:inactive")
+        await publish_inactive(self.deps, run.job, msg_id=f"{run.recovery_id}:inactive")
 
     async def _publish(
         self,
@@ -304,6 +304,7 @@ class RecoveryFlow:
             attempt=run.attempt,
             outcome=outcome.value if outcome else "",
             step_started_at=started,
+            labels=run.job.labels,
         )
         try:
             await self.deps.bus.publish(
@@ -315,11 +316,18 @@ class RecoveryFlow:
             log.warning("could not publish a recovery change", extra={"error": str(exc)})
 
 
-async def publish_inactive(deps: Deps, job_id: str, epoch: int, *, msg_id: str) -> None:
+async def publish_inactive(deps: Deps, job: Job, *, msg_id: str) -> None:
     """Tell the detector the job runs nowhere now (it stops expecting progress from it)."""
-    event = JobPlacement(source="orchestrator", job_id=job_id, restart_epoch=epoch, world_size=0, active=False)
+    event = JobPlacement(
+        source="orchestrator",
+        job_id=job.id,
+        restart_epoch=job.restart_epoch,
+        world_size=0,
+        active=False,
+        labels=job.labels,
+    )
     try:
-        await deps.bus.publish(subjects.placement(job_id), event, msg_id=msg_id)
+        await deps.bus.publish(subjects.placement(job.id), event, msg_id=msg_id)
     except BusError as exc:
         log.warning("could not publish the job's end", extra={"error": str(exc)})
 

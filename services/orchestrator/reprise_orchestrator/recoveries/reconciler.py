@@ -55,7 +55,8 @@ class Reconciler:
         """One pass: complete finished jobs, resume what can be taken over; returns how many recoveries it took."""
         await job_flows.complete_finished(self.deps)
         with Session(self.deps.engine) as session:
-            orphans = [(r.id, r.job_id) for r in service.get_all_active(session) if r.id not in self.flow.running]
+            active = service.get_all_active_ids(session)
+        orphans = [(recovery_id, job_id) for recovery_id, job_id in active if recovery_id not in self.flow.running]
         taken = 0
         for recovery_id, job_id in orphans:
             handle = await self.deps.locks.acquire(job_id, owner=self.deps.settings.replica_id)

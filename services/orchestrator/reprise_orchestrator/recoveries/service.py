@@ -29,17 +29,17 @@ def find_active(session: Session, *, job_id: str) -> Recovery | None:
     return session.exec(query).first()
 
 
-def get_all_active(session: Session) -> Sequence[Recovery]:
-    """Every recovery that has not ended (what the reconciler looks at)."""
-    return session.exec(select(Recovery).where(col(Recovery.step).not_in(list(TERMINAL_STEPS)))).all()
+def get_all_active_ids(session: Session) -> list[tuple[str, str]]:
+    """(recovery id, job id) of every recovery that has not ended (what the reconciler looks at)."""
+    query = select(Recovery.id, Recovery.job_id).where(col(Recovery.step).not_in(list(TERMINAL_STEPS)))
+    return [(recovery_id, job_id) for recovery_id, job_id in session.exec(query).all()]
 
 
 def knows_incident(session: Session, *, job_id: str, incident_id: str) -> bool:
     """True when a recovery of the job was started by, or has attached, this incident."""
-    return any(
-        r.incident_id == incident_id or incident_id in r.attached_incidents
-        for r in get_all_by_job(session, job_id=job_id)
-    )
+    # Only the incident columns: a recovery's steps hold its placement, thousands of ranks at scale.
+    query = select(Recovery.incident_id, Recovery.attached_incidents).where(Recovery.job_id == job_id)
+    return any(started == incident_id or incident_id in attached for started, attached in session.exec(query).all())
 
 
 def covering(session: Session, *, job_id: str, symptom_at: datetime) -> Recovery | None:
@@ -63,11 +63,11 @@ def attach(session: Session, *, recovery: Recovery, incident_id: str) -> None:
     session.commit()
 
 
-def _check_fence(session: Session, *, job_id: str, fence: int) -> Job:
-    job = session.exec(select(Job).where(Job.id == job_id).with_for_update()).one()
-    if job.max_fence != fence:
-        raise FencedOutError(f"job {job_id} is owned by fence {job.max_fence}, not {fence}")
-    return job
+def _check_fence(session: Session, *, job_id: str, fence: int) -> None:
+    # Only the fence column: the job's row holds its placement, thousands of ranks at scale.
+    highest = session.exec(select(Job.max_fence).where(Job.id == job_id).with_for_update()).one()
+    if highest != fence:
+        raise FencedOutError(f"job {job_id} is owned by fence {highest}, not {fence}")
 
 
 def create(session: Session, *, recovery: Recovery) -> Recovery:
@@ -110,7 +110,7 @@ def record_step(
     detail: str | None = None,
     finished_at: datetime | None = None,
     outcome: Outcome | None = None,
-) -> Recovery:
+) -> None:
     """Start or finish a step (same step and attempt twice updates its end); FencedOutError if fenced out."""
     recovery = _get(session, recovery_id)
     _check_fence(session, job_id=recovery.job_id, fence=fence)
@@ -137,5 +137,3 @@ def record_step(
         recovery.finished_at = finished_at
     session.add(recovery)
     session.commit()
-    session.refresh(recovery)
-    return recovery

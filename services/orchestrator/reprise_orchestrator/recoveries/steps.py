@@ -18,7 +18,7 @@ from sqlmodel import Session
 from reprise_common.errors import BusError
 from reprise_common.events import CommandAction, IncidentChange, RankAssignment
 from reprise_common.logging import get_logger
-from reprise_orchestrator.agents import command_nodes
+from reprise_orchestrator.agents import answers_record, command_nodes
 from reprise_orchestrator.deps import Deps
 from reprise_orchestrator.jobs import service as jobs
 from reprise_orchestrator.jobs.launch import launch, rendezvous_for
@@ -114,7 +114,7 @@ class RecoverySteps:
             raise FencedOutError("an agent refused our fence as stale")
         gone = sorted(a.node_id for a in answers if a.gone)
         run.exclude |= set(gone)  # no agent listens there: do not wait for the detector to call the node lost
-        return StepResult({"answers": [a.summary() for a in answers], "agents_gone": gone})
+        return StepResult({"answers": answers_record(answers), "agents_gone": gone})
 
     async def isolate(self, run: RecoveryRun) -> StepResult:
         """Cordon the culprit node of a hardware fault (within the circuit breaker); leave a lost node out."""
@@ -212,7 +212,12 @@ class RecoverySteps:
         """Publish the placement and a fenced launch with a new restart epoch and master port to every node."""
         epoch = run.job.restart_epoch + 1
         rendezvous = rendezvous_for(
-            run.ranks, epoch=epoch, inventory=self.deps.inventory, port_base=self.deps.settings.master_port_base
+            run.ranks,
+            job_id=run.job.id,
+            epoch=epoch,
+            inventory=self.deps.inventory,
+            port_base=self.deps.settings.master_port_base,
+            engine=self.deps.engine,
         )
         try:
             answers = await launch(
@@ -233,7 +238,7 @@ class RecoverySteps:
         data = {
             "restart_epoch": epoch,
             "master_port": rendezvous.master_port,
-            "answers": [a.summary() for a in answers],
+            "answers": answers_record(answers),
         }
         if not all(a.ok for a in answers):
             return StepResult(data, Then.RETRY, detail="launch not confirmed by every node")

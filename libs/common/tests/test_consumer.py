@@ -1,0 +1,72 @@
+"""The batch consumer against a real nats-server: the next batch is fetched while one is handled, and given back
+at once when the consumer stops before handling it."""
+
+from __future__ import annotations
+
+import asyncio
+
+from reprise_cli.servers import NatsServer
+from reprise_common import subjects
+from reprise_common.aio import poll_until
+from reprise_common.bus import Bus
+from reprise_common.consumer import ACK, BatchHandler, Consumer, Item, Verdict
+from reprise_common.events import GpuXid
+
+
+async def _ack_pending(bus: Bus, durable: str, count: int) -> bool:
+    for _ in range(500):
+        if (await bus.js.consumer_info("AGENT", durable)).num_ack_pending == count:
+            return True
+        await asyncio.sleep(0.02)
+    return False
+
+
+async def test_the_batch_fetched_ahead_is_given_back_at_once_when_the_consumer_stops(nats_server: NatsServer) -> None:
+    bus = Bus(url=nats_server.url, service="test")
+    await bus.connect(attempts=5)
+    events = [GpuXid(source="node-1", node_id="node-1", gpu=gpu, xid=48) for gpu in range(4)]
+    for event in events:
+        await bus.publish(subjects.node_event("node-1", event.type), event)
+    ids = [event.event_id for event in events]
+    release = asyncio.Event()
+    first_seen: list[str] = []
+    second_seen: list[tuple[str, int]] = []
+
+    async def slow(items: list[Item]) -> list[Verdict]:
+        first_seen.extend(item.event.event_id for item in items if item.event is not None)
+        await release.wait()
+        return [ACK] * len(items)
+
+    async def record(items: list[Item]) -> list[Verdict]:
+        second_seen.extend((i.event.event_id, i.delivery.num_delivered) for i in items if i.event is not None)
+        return [ACK] * len(items)
+
+    def consumer(handler: BatchHandler, batch: int) -> Consumer:
+        # an ack wait far beyond the test's patience: only a message given back can come again in time
+        return bus.batch_consumer(
+            stream="AGENT",
+            durable="t",
+            filter_subject=subjects.AGENT_EVENTS,
+            handler=handler,
+            batch=batch,
+            prefetch=True,
+            ack_wait_s=120,
+        )
+
+    first = consumer(slow, batch=2)
+    await first.open()
+    # While the first batch is in the handler, the next one is fetched: all four are out, none acknowledged.
+    assert await _ack_pending(bus, "t", 4)
+    assert first_seen == ids[:2]
+
+    stopping = asyncio.create_task(first.stop())
+    release.set()
+    await stopping
+    assert first.acked == 2 and first_seen == ids[:2]  # the batch fetched ahead was never handled here
+
+    second = consumer(record, batch=10)
+    await second.open()
+    assert await poll_until(lambda: len(second_seen) == 2, timeout_s=10)
+    assert second_seen == [(ids[2], 2), (ids[3], 2)]  # delivered a second time, each once
+    await second.stop()
+    await bus.close()

@@ -1,0 +1,35 @@
+"""Process helpers read the kernel's view of a process: state and CPU time."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from reprise_common.procs import process_alive, sample_process
+
+
+def _state_becomes(pid: int, state: str, *, min_cpu_s: float = 0.0, timeout_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        sample = sample_process(pid)
+        if sample is not None and sample.state == state and sample.cpu_s >= min_cpu_s:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_a_sample_tells_a_stopped_process_from_a_sleeping_one_and_counts_cpu() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time; sum(range(20_000_000)); time.sleep(60)"])
+    try:
+        assert _state_becomes(child.pid, "S", min_cpu_s=0.1)  # done spinning (its CPU time counted), now asleep
+        os.kill(child.pid, signal.SIGSTOP)
+        assert _state_becomes(child.pid, "T")
+        os.kill(child.pid, signal.SIGCONT)
+        assert _state_becomes(child.pid, "S")
+    finally:
+        child.kill()
+        child.wait()
+    assert sample_process(child.pid) is None and not process_alive(child.pid)

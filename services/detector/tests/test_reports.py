@@ -1,0 +1,125 @@
+"""Node reports on core NATS: malformed ones counted and ignored, GPUs for node health, an older deployment's report
+consumer and stored reports removed, and hangs checked at their own interval."""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime, timedelta
+from typing import Any, get_args
+
+import nats.js.errors
+import pytest
+from nats.js.api import ConsumerConfig
+from prometheus_client import REGISTRY
+
+from reprise_common import subjects
+from reprise_common.bus import stream_config
+from reprise_common.clock import ManualClock, utcnow
+from reprise_common.events import GpuHealth, GpuStatus, RankStatus
+from reprise_common.subjects import STREAMS
+from reprise_detector.nodes.liveness import GpuHealthValue
+from reprise_detector.runtime import AGENT_STREAM, RETIRED_REPORTS_DURABLE
+
+Harness = Any  # tests/conftest.py
+StartDetector = Any
+
+
+def _malformed_total() -> float:
+    return REGISTRY.get_sample_value("reprise_detector_reports_malformed_total") or 0.0
+
+
+async def test_a_malformed_report_is_counted_and_ignored_and_logged_once_a_minute_per_node(
+    start_detector: StartDetector, sqlite_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    clock = ManualClock(utcnow())
+    h = await start_detector(sqlite_url, clock=clock, watch_interval_s=3600)
+    await h.place("job-a", [(0, "node-1", 0)])
+    before = _malformed_total()
+    caplog.set_level(logging.WARNING, logger="reprise.detector.watch")
+    await h.report_bytes("node-1", b"{not json")
+    await h.report("node-2")
+    await h.settled()
+    await h.report_bytes("node-1", b'{"ranks": [{"rank": -1}]}')
+    await h.settled()
+    watcher = h.runtime.watcher
+    assert watcher.reports_malformed == 2 and _malformed_total() == before + 2
+    assert watcher.reports_parsed == 1  # node-2's; neither of node-1's reached the progress book
+    assert "node-1" not in watcher.liveness.nodes  # a report that cannot be read does not show the node alive
+    logged = [r for r in caplog.records if r.getMessage() == "ignoring malformed node reports"]
+    assert [r.__dict__["node_id"] for r in logged] == ["node-1"]  # the second one within the minute is only counted
+    clock.advance(61)
+    await h.report_bytes("node-1", b"[]")
+    await h.settled()
+    logged = [r for r in caplog.records if r.getMessage() == "ignoring malformed node reports"]
+    assert len(logged) == 2 and watcher.reports_malformed == 3
+
+
+async def test_node_health_shows_the_gpus_of_the_last_report(detector: Harness) -> None:
+    gpus = [GpuStatus(index=0, temperature_c=61.0), GpuStatus(index=1, health=GpuHealth.FAILED, last_xid=79)]
+    await detector.report("node-7", gpus=gpus)
+    await detector.settled()
+    body = (await detector.client.get("/v1/node-health/node-7")).json()
+    assert body["state"] == "alive"
+    assert body["gpus"] == [
+        {"index": 0, "health": "ok", "last_xid": None},
+        {"index": 1, "health": "failed", "last_xid": 79},
+    ]
+
+
+def test_the_gpu_health_a_report_may_carry_is_every_gpu_health() -> None:
+    # A value missing here would make every report of a GPU in that state malformed.
+    assert set(get_args(GpuHealthValue)) == {health.value for health in GpuHealth}
+
+
+async def test_an_older_deployments_stored_reports_and_report_consumer_are_removed(
+    start_detector: StartDetector, sqlite_url: str, nats_server: Any
+) -> None:
+    nc = await nats.connect(nats_server.url)
+    js = nc.jetstream()
+    [agent] = [spec for spec in STREAMS if spec.name == AGENT_STREAM]
+    old = stream_config(agent)
+    old.subjects = [subjects.AGENT_REPORTS, subjects.AGENT_EVENTS]  # as an older release provisioned it
+    await js.update_stream(old)  # the fixture's bus provisioned the current one
+    await js.add_consumer(
+        AGENT_STREAM, ConsumerConfig(durable_name=RETIRED_REPORTS_DURABLE, filter_subject=subjects.AGENT_REPORTS)
+    )
+    for node in ("node-1", "node-2"):
+        await js.publish(subjects.node_report(node), b"{}")
+
+    h = await start_detector(sqlite_url)
+    info = await js.stream_info(AGENT_STREAM)
+    assert info.config.subjects == [subjects.AGENT_EVENTS] and info.state.messages == 0
+    with pytest.raises(nats.js.errors.NotFoundError):
+        await js.consumer_info(AGENT_STREAM, RETIRED_REPORTS_DURABLE)
+    await h.report("node-1")  # and reports still arrive
+    await h.settled()
+    assert h.runtime.watcher.reports_seen == 1
+    await nc.close()
+
+
+async def test_hangs_are_checked_at_their_interval_and_dated_when_the_limit_passed(
+    start_detector: StartDetector, sqlite_url: str
+) -> None:
+    clock = ManualClock(utcnow())
+    h = await start_detector(
+        sqlite_url,
+        clock=clock,
+        hang_floor_s=5.0,
+        hang_k=1.0,
+        hang_check_interval_s=30,
+        watch_interval_s=3600,
+        node_lost_after_s=3600,
+    )
+    await h.place("job-h", [(0, "node-1", 0)])
+    t0 = clock.now()
+    await h.report("node-1", [RankStatus(job_id="job-h", rank=0, step=10, phase="training", heartbeat_age_s=0)])
+    await h.settled()
+    await h.runtime.watcher.tick()  # the first check: the rank has just moved
+    clock.advance(6)
+    await h.runtime.watcher.tick()  # past the 5 s limit, but the next hang check is not due yet
+    assert await h.open_incidents("job-h") == []
+    clock.advance(24)
+    await h.runtime.watcher.tick()
+    [incident] = await h.open_incidents("job-h")
+    assert "hung" in incident["root_cause"]
+    assert datetime.fromisoformat(incident["first_symptom_at"]) == t0 + timedelta(seconds=5)

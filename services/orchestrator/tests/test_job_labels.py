@@ -1,0 +1,59 @@
+"""Finding jobs by label: a JSON path into the stored spec, on SQLite and PostgreSQL alike."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import timedelta
+
+import pytest
+from sqlalchemy.engine import Engine
+from sqlmodel import Session, SQLModel
+
+from reprise_common.clock import utcnow
+from reprise_common.db import make_engine
+from reprise_orchestrator.jobs import service
+from reprise_orchestrator.jobs.models import Job, JobCreate
+
+JOBS = {
+    "a": {"team": "ml", "example.com/tier": "gold", "empty": ""},
+    "b": {"team": "web", "example.com/tier": "gold"},
+    "c": {},
+}
+
+
+@pytest.fixture
+def engine(database_url: str) -> Iterator[Engine]:
+    """The orchestrator's tables with three jobs: a and b labelled, c without labels (as before labels existed)."""
+    found = make_engine(database_url)
+    SQLModel.metadata.create_all(found, tables=[SQLModel.metadata.tables[str(Job.__tablename__)]])
+    start = utcnow()
+    with Session(found) as session:
+        for index, (name, labels) in enumerate(JOBS.items()):
+            spec = JobCreate(name=name, node_count=1, command=["true"], labels=labels).model_dump(mode="json")
+            if not labels:
+                del spec["labels"]  # a spec stored before jobs had labels
+            session.add(Job(id=f"job-{name}", name=name, spec=spec, created_at=start + timedelta(seconds=index)))
+        session.commit()
+    yield found
+    found.dispose()
+
+
+@pytest.mark.parametrize(
+    ("selectors", "names"),
+    [
+        ([], ["c", "b", "a"]),
+        ([("team", "ml")], ["a"]),
+        ([("example.com/tier", "gold")], ["b", "a"]),
+        ([("example.com/tier", "gold"), ("team", "web")], ["b"]),
+        ([("team", "ml"), ("team", "web")], []),
+        ([("team", "m")], []),  # equality, not a prefix
+        ([("team", "ML")], []),  # values are case-sensitive
+        ([("empty", "")], ["a"]),
+        ([("tier", "gold")], []),  # the prefix is part of the key
+    ],
+)
+def test_label_filter(engine: Engine, selectors: list[tuple[str, str]], names: list[str]) -> None:
+    with Session(engine) as session:
+        found = service.get_all(session, labels=selectors)
+        assert [job.name for job in found] == names
+        assert all(job.labels == JOBS[job.name] for job in found)  # a spec without labels reads as none
