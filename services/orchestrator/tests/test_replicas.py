@@ -29,7 +29,11 @@ from reprise_common import subjects
 from reprise_common.bus import Bus
 from reprise_common.clock import utcnow
 from reprise_common.events import (
+    AgentCommand,
     Category,
+    CommandAction,
+    CommandReply,
+    CommandResult,
     Culprit,
     Event,
     IncidentChange,
@@ -261,6 +265,17 @@ def publish(cluster: Cluster, incidents: list[IncidentChange]) -> None:
     asyncio.run(_publish(cluster.nats.url, incidents))
 
 
+async def _command_all(url: str, job_id: str, *, fence: int, command_id: str) -> dict[str, CommandReply]:
+    """A stop with the given fence to every node, as a replica would send it; each node's reply."""
+    bus = Bus(url=url, service="test-replicas", provision=False)
+    await bus.connect(attempts=10)
+    try:
+        command = AgentCommand(command_id=command_id, job_id=job_id, fence=fence, action=CommandAction.STOP)
+        return {node: await bus.request(subjects.node_command(node), command, CommandReply) for node in NODES}
+    finally:
+        await bus.close()
+
+
 async def _stored(url: str, subject: str, stream: str) -> list[Event]:
     """Every event stored on a stream under a subject, oldest first."""
     bus = Bus(url=url, service="test-replicas", provision=False)
@@ -331,6 +346,8 @@ def test_b_a_killed_owner_is_replaced_within_the_lease(cluster: Cluster) -> None
 
     cluster.processes[owner].signal(signal.SIGKILL)
     killed_at = time.monotonic()
+    # Until the kernel has torn it down, poll() still sees it running and the REST client would pick it.
+    assert wait_until(lambda: not cluster.processes[owner].alive(), timeout_s=10), f"{owner} survived SIGKILL"
     finished = wait_recovery(
         cluster, job["id"], lambda r: r[0]["step"] in TERMINAL, timeout_s=LOCK_TTL_S + 5
     )  # the spec's bound: another replica finishes it within the lease TTL + 5 s
@@ -389,6 +406,9 @@ def test_c_a_paused_owner_changes_nothing_when_it_wakes(cluster: Cluster) -> Non
     lock = redis.Redis.from_url(cluster.redis.url, decode_responses=True).get(f"reprise:lock:job:{job['id']}")
     assert lock is None or not str(lock).startswith(f"{owner}:"), "the woken replica holds the job's lock"
     one_launch_per_node_and_recovery(cluster, job["id"])
+    # Whatever the woken owner might still send carries its old fence: every agent refuses it as stale.
+    replies = asyncio.run(_command_all(cluster.nats.url, job["id"], fence=old_fence, command_id=f"late-{new_id()}"))
+    assert {node: r.result for node, r in replies.items()} == dict.fromkeys(NODES, CommandResult.REJECTED_STALE_FENCE)
     for node in NODES:
         status = httpx.get(cluster.url(node) + "/v1/status", timeout=5).json()
         assert status["commands_executed"] == 3, (node, status["commands_executed"])  # launch, stop, launch
