@@ -7,12 +7,13 @@ from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from sqlalchemy import DateTime, event, text
+from sqlalchemy import DateTime, event, func, text
 from sqlalchemy.engine import Dialect, Engine
 from sqlalchemy.types import TypeDecorator
-from sqlmodel import Session, create_engine
+from sqlmodel import Session, col, create_engine, select
+from sqlmodel.sql.expression import SelectOfScalar
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 
@@ -92,3 +93,15 @@ def db_check(engine: Engine) -> Callable[[], Awaitable[bool]]:
         return await asyncio.to_thread(ping)
 
     return check
+
+
+Row = TypeVar("Row")
+
+
+def page_newest_first(
+    session: Session, query: SelectOfScalar[Row], *, newest: Any, tiebreak: Any, offset: int, limit: int
+) -> tuple[list[Row], int]:
+    """One page of a filtered query, newest first (ties in a stable order), and how many rows match in all."""
+    count = session.exec(select(func.count()).select_from(query.subquery())).one()
+    page = query.order_by(col(newest).desc(), col(tiebreak)).offset(offset).limit(limit)
+    return list(session.exec(page).all()), int(count)

@@ -3,22 +3,18 @@ and reports arrive on a NATS connection other than the one that carries commands
 
 from __future__ import annotations
 
-import secrets
-from pathlib import Path
+from typing import Any
 
 import httpx
-from fastapi.testclient import TestClient
 
 from reprise_cli.client import poll
-from reprise_cli.servers import NatsServer, RedisServer
+from reprise_cli.servers import NatsServer
 from reprise_common import subjects
 from reprise_common.aio import poll_until
 from reprise_common.bus import Bus
 from reprise_common.clock import ManualClock, SystemClock
 from reprise_common.events import GpuHealth, GpuStatus, NodeReport, RankStatus
-from reprise_orchestrator.app import create_app
 from reprise_orchestrator.nodes.inventory import GpuView, Inventory, ReportView
-from reprise_orchestrator.settings import OrchestratorSettings
 
 
 def _report(node: str, *ranks: RankStatus, spare: bool = False, health: GpuHealth = GpuHealth.OK) -> NodeReport:
@@ -100,16 +96,7 @@ async def test_reports_followed_on_the_wire_keep_each_nodes_newest_and_skip_a_ba
     await inventory.stop()
 
 
-def test_reports_arrive_on_a_connection_of_their_own(
-    nats_server: NatsServer, redis_server: RedisServer, tmp_path: Path
-) -> None:
-    admin_key = secrets.token_urlsafe(32)
-    settings = OrchestratorSettings(
-        nats_url=nats_server.url,
-        redis_url=redis_server.url,
-        database_url=f"sqlite:///{tmp_path / 'o.db'}",
-        admin_api_key=admin_key,
-    )
+def test_reports_arrive_on_a_connection_of_their_own(nats_server: NatsServer, admin_client: Any) -> None:
 
     def subscriptions() -> dict[str, list[str]]:
         url = f"http://{nats_server.host}:{nats_server.monitor_port}/connz?subs=1"
@@ -117,7 +104,7 @@ def test_reports_arrive_on_a_connection_of_their_own(
             c.get("name", ""): c.get("subscriptions_list", []) for c in httpx.get(url, timeout=5).json()["connections"]
         }
 
-    with TestClient(create_app(settings), headers={"Authorization": f"Bearer {admin_key}"}) as client:
+    with admin_client(nats_server.url) as client:
         assert poll(lambda: client.get("/readyz").status_code, lambda status: status == 200, timeout_s=15) == 200
         by_connection = poll(subscriptions, lambda subs: "orchestrator-reports" in subs, timeout_s=15)
     # A burst of reports can only ever slow down the connection that carries them, not the recovery's commands.

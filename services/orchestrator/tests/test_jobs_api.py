@@ -3,35 +3,24 @@
 from __future__ import annotations
 
 import asyncio
-import secrets
 from collections.abc import Iterator
-from pathlib import Path
+from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
 from reprise_cli.client import poll
-from reprise_cli.servers import NatsServer, RedisServer
+from reprise_cli.servers import NatsServer
 from reprise_common import subjects
 from reprise_common.bus import Bus
 from reprise_common.events import Event, GpuStatus, JobPlacement, NodeReport, parse_event
-from reprise_orchestrator.app import create_app
-from reprise_orchestrator.settings import OrchestratorSettings
 
 LABELS = {"team": "ml", "example.com/tier": "gold", "empty": ""}
 
 
 @pytest.fixture
-def client(nats_server: NatsServer, redis_server: RedisServer, tmp_path: Path) -> Iterator[TestClient]:
-    admin_key = secrets.token_urlsafe(32)
-    settings = OrchestratorSettings(
-        nats_url=nats_server.url,
-        redis_url=redis_server.url,
-        database_url=f"sqlite:///{tmp_path / 'o.db'}",
-        admin_api_key=admin_key,
-        command_timeout_s=1.0,  # no agent answers here: a launch fails fast
-    )
-    with TestClient(create_app(settings), headers={"Authorization": f"Bearer {admin_key}"}) as test_client:
+def client(nats_server: NatsServer, admin_client: Any) -> Iterator[TestClient]:
+    with admin_client(nats_server.url, command_timeout_s=1.0) as test_client:  # no agent answers: a launch fails fast
         yield test_client
 
 

@@ -4,22 +4,19 @@ could not be published is refused at submit (409) and leaves nothing behind."""
 from __future__ import annotations
 
 import re
-import secrets
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
-from fastapi.testclient import TestClient
 
 from reprise_cli.client import poll
-from reprise_cli.servers import NatsServer, RedisServer, deploy_dir, free_port
+from reprise_cli.servers import NatsServer, deploy_dir, free_port
 from reprise_common.bus import Bus
 from reprise_common.errors import ConflictError
 from reprise_common.events import GpuStatus, NodeReport, RankAssignment
-from reprise_orchestrator.app import create_app
 from reprise_orchestrator.jobs.launch import PLACEMENT_HEADROOM_BYTES, check_placement_fits, placement_event
 from reprise_orchestrator.jobs.models import JobCreate
-from reprise_orchestrator.settings import OrchestratorSettings
 
 _UNITS = {"": 1, "KB": 1024, "MB": 1024**2}
 
@@ -68,18 +65,8 @@ def small_nats(tmp_path: Path) -> Iterator[NatsServer]:
     server.stop()
 
 
-def test_a_job_whose_placement_cannot_be_published_is_refused(
-    small_nats: NatsServer, redis_server: RedisServer, tmp_path: Path
-) -> None:
-    admin_key = secrets.token_urlsafe(32)
-    settings = OrchestratorSettings(
-        nats_url=small_nats.url,
-        redis_url=redis_server.url,
-        database_url=f"sqlite:///{tmp_path / 'o.db'}",
-        admin_api_key=admin_key,
-        command_timeout_s=1.0,
-    )
-    with TestClient(create_app(settings), headers={"Authorization": f"Bearer {admin_key}"}) as client:
+def test_a_job_whose_placement_cannot_be_published_is_refused(small_nats: NatsServer, admin_client: Any) -> None:
+    with admin_client(small_nats.url, command_timeout_s=1.0) as client:
         assert poll(lambda: client.get("/readyz").status_code, lambda status: status == 200, timeout_s=15) == 200
         for n in range(1200):
             node = f"node-{n:04d}"

@@ -5,9 +5,10 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import func, insert, or_
+from sqlalchemy import insert, or_
 from sqlmodel import Session, col, select
 
+from reprise_common.db import page_newest_first
 from reprise_common.errors import NotFoundError
 from reprise_common.events import Category, Culprit, Severity, new_id
 from reprise_detector.classify import Classification
@@ -50,9 +51,9 @@ def get_all(
         query = query.where(col(Incident.opened_at) >= since)
     if until is not None:
         query = query.where(col(Incident.opened_at) < until)
-    count = session.exec(select(func.count()).select_from(query.subquery())).one()
-    page = query.order_by(col(Incident.opened_at).desc(), col(Incident.id)).offset(offset).limit(limit)
-    return list(session.exec(page).all()), int(count)
+    return page_newest_first(
+        session, query, newest=Incident.opened_at, tiebreak=Incident.id, offset=offset, limit=limit
+    )
 
 
 def get_active_for_job(

@@ -7,6 +7,7 @@ from datetime import datetime
 from sqlalchemy import func
 from sqlmodel import Session, col, select
 
+from reprise_common.db import page_newest_first
 from reprise_notifier.deliveries.models import (
     DeadLetter,
     DeadLetterReason,
@@ -129,9 +130,9 @@ def get_all(
         query = query.where(Delivery.destination == destination)
     if job_id is not None:
         query = query.where(Delivery.job_id == job_id)
-    count = session.exec(select(func.count()).select_from(query.subquery())).one()
-    page = query.order_by(col(Delivery.created_at).desc(), col(Delivery.id)).offset(offset).limit(limit)
-    return list(session.exec(page).all()), int(count)
+    return page_newest_first(
+        session, query, newest=Delivery.created_at, tiebreak=Delivery.id, offset=offset, limit=limit
+    )
 
 
 def get_dead_letters(
@@ -141,9 +142,9 @@ def get_dead_letters(
     query = select(DeadLetter)
     if destination is not None:
         query = query.where(DeadLetter.destination == destination)
-    count = session.exec(select(func.count()).select_from(query.subquery())).one()
-    page = query.order_by(col(DeadLetter.dead_at).desc(), col(DeadLetter.id)).offset(offset).limit(limit)
-    return list(session.exec(page).all()), int(count)
+    return page_newest_first(
+        session, query, newest=DeadLetter.dead_at, tiebreak=DeadLetter.id, offset=offset, limit=limit
+    )
 
 
 def count_pending(session: Session) -> dict[str, int]:
