@@ -16,19 +16,23 @@ from enum import StrEnum
 from typing import TYPE_CHECKING
 
 import nats.errors
+import nats.js.errors
 from nats.aio.msg import Msg
-from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from reprise_common.errors import BusError, MalformedEventError
 from reprise_common.events import Event, parse_event
 from reprise_common.logging import get_logger
 from reprise_common.metrics import EVENTS_CONSUMED
+from reprise_common.pull import PullInbox
 
 if TYPE_CHECKING:
     from reprise_common.bus import Bus
 
 log = get_logger("reprise.consumer")
+FIRST_WAIT_S = 1.0  # how long a fetch waits (long-polls) for the first message of a batch
+MORE_WAIT_S = 0.05  # then how long it waits for each further message while the consumer has more pending
+PENDING_BYTES = 256 * 1024 * 1024  # what the inbox may hold before the client drops messages (none get near it)
 
 
 class Outcome(StrEnum):
@@ -66,6 +70,15 @@ class Verdict:
 
     outcome: Outcome
     reason: str = ""
+
+
+@dataclass(frozen=True)
+class Batch:
+    """A fetched batch: how many messages came, and the ones to hand over (malformed ones were dead-lettered)."""
+
+    fetched: int
+    msgs: list[Msg]
+    items: list[Item]
 
 
 ACK = Verdict(Outcome.ACK)
@@ -128,7 +141,8 @@ class Consumer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
 
-    async def _subscribe(self) -> JetStreamContext.PullSubscription:
+    async def _subscribe(self) -> PullInbox:
+        """Create the durable consumer if it is missing, and an inbox to pull from it."""
         config = ConsumerConfig(
             durable_name=self.durable,
             ack_policy=AckPolicy.EXPLICIT,
@@ -138,45 +152,58 @@ class Consumer:
             deliver_policy=self.deliver_policy,
             filter_subject=self.filter_subject,
         )
-        return await self.bus.js.pull_subscribe(
-            self.filter_subject, durable=self.durable, stream=self.stream, config=config
+        try:
+            await self.bus.js.consumer_info(self.stream, self.durable)
+        except nats.js.errors.NotFoundError:
+            await self.bus.js.add_consumer(self.stream, config=config)
+        inbox = PullInbox(
+            self.bus.nc,
+            stream=self.stream,
+            consumer=self.durable,
+            pending_msgs=max(10_000, self.batch * 4),
+            pending_bytes=PENDING_BYTES,
         )
+        await inbox.open()
+        return inbox
 
-    async def _run(self, first: JetStreamContext.PullSubscription | None) -> None:
+    async def _run(self, first: PullInbox | None) -> None:
         sub = first
         generation = self.bus.generation
-        ahead: asyncio.Future[list[Msg]] | None = None  # the next batch, fetched while the handler works
+        ahead: asyncio.Future[Batch] | None = None  # the next batch, fetched (and read) while the handler works
         while not self._stopping.is_set():
             try:
                 if ahead is None:  # else it was fetched on the subscription of the batch before
                     if sub is None or generation != self.bus.generation:
                         if sub is not None:  # a stale subscription would hold up the connection's drain at shutdown
                             with contextlib.suppress(nats.errors.Error, TimeoutError):
-                                await sub.unsubscribe()
+                                await sub.close()
                         generation = self.bus.generation
                         sub = await self._subscribe()
                     ahead = asyncio.ensure_future(self._fetch(sub))
-                msgs = await ahead
+                batch = await ahead
             except TimeoutError:
                 continue
             except (nats.errors.Error, BusError) as exc:
                 log.debug("fetch failed; will resubscribe", extra={"consumer": self.durable, "error": repr(exc)})
+                if sub is not None:
+                    with contextlib.suppress(nats.errors.Error, TimeoutError):
+                        await sub.close()
                 sub = None
                 await asyncio.sleep(0.5)
                 continue
             finally:
                 ahead = None
-            if msgs:
+            if batch.fetched:
                 if self.prefetch:  # acknowledged only after their own batch: the fetch overlaps the handler's work
                     assert sub is not None  # the batch came through it
                     ahead = asyncio.ensure_future(self._fetch(sub))
-                await self._dispatch(msgs)
+                await self._dispatch(batch)
         if ahead is not None:
             with contextlib.suppress(TimeoutError, nats.errors.Error, BusError):
-                await self._give_back(await ahead)
+                await self._give_back((await ahead).msgs)
         if sub is not None:
             with contextlib.suppress(nats.errors.Error, TimeoutError):
-                await sub.unsubscribe()
+                await sub.close()
 
     async def _give_back(self, msgs: list[Msg]) -> None:
         """Messages fetched ahead but not handled (the consumer stops): redelivered now, not after the ack wait."""
@@ -184,32 +211,22 @@ class Consumer:
             with contextlib.suppress(nats.errors.Error):
                 await msg.nak()
 
-    async def _fetch(self, sub: JetStreamContext.PullSubscription) -> list[Msg]:
-        fetch = asyncio.ensure_future(self._fetch_batch(sub))
+    async def _fetch(self, sub: PullInbox) -> Batch:
+        """The next batch, read; an empty one when the consumer stops first."""
+        fetch = asyncio.ensure_future(sub.fetch(self.batch, timeout=FIRST_WAIT_S, linger=MORE_WAIT_S))
         stopped = asyncio.ensure_future(self._stopping.wait())
         await asyncio.wait({fetch, stopped}, return_when=asyncio.FIRST_COMPLETED)
         if not fetch.done():
             fetch.cancel()
             with contextlib.suppress(asyncio.CancelledError, TimeoutError, nats.errors.Error):
                 await fetch
-            return []
+            return Batch(0, [], [])
         stopped.cancel()
-        return fetch.result()
+        return await self._read(fetch.result())
 
-    async def _fetch_batch(self, sub: JetStreamContext.PullSubscription) -> list[Msg]:
-        """Wait (long-poll) for one message, then take what else is already there without waiting.
-
-        A long-polling fetch of a whole batch that returns with fewer messages leaves its pull request open on the
-        server; nats-py (2.x) can then lose the messages that request receives until the ack wait redelivers them
-        (30 s). A single-message long poll is always satisfied by the message it returns.
-        """
-        msgs = await sub.fetch(1, timeout=1.0, heartbeat=0.25)
-        if self.batch > 1 and msgs and msgs[-1].metadata.num_pending:  # more is waiting: take it without a wait
-            with contextlib.suppress(TimeoutError):
-                msgs += await sub.fetch(min(self.batch - 1, msgs[-1].metadata.num_pending), timeout=0.05)
-        return msgs
-
-    async def _dispatch(self, msgs: list[Msg]) -> None:
+    async def _read(self, msgs: list[Msg]) -> Batch:
+        """Where each message came from, and its event (parsed here, while the handler may still be busy with the
+        batch before); a malformed one is dead-lettered at once."""
         items: list[Item] = []
         kept: list[Msg] = []
         for msg in msgs:
@@ -224,14 +241,17 @@ class Consumer:
                     continue
             items.append(Item(event, delivery, msg.data))
             kept.append(msg)
-        if not items:
+        return Batch(len(msgs), kept, items)
+
+    async def _dispatch(self, batch: Batch) -> None:
+        if not batch.items:
             return
         try:
-            verdicts = await self.handler(items)
+            verdicts = await self.handler(batch.items)
         except Exception:  # a handler bug must not kill the consumer; the batch is retried
-            log.exception("batch handler failed", extra={"consumer": self.durable, "size": len(items)})
-            verdicts = [Verdict(Outcome.RETRY, "handler error")] * len(items)
-        for msg, item, verdict in zip(kept, items, verdicts, strict=True):
+            log.exception("batch handler failed", extra={"consumer": self.durable, "size": len(batch.items)})
+            verdicts = [Verdict(Outcome.RETRY, "handler error")] * len(batch.items)
+        for msg, item, verdict in zip(batch.msgs, batch.items, verdicts, strict=True):
             await self._settle(msg, item.delivery, verdict)
         for outcome, count in collections.Counter(v.outcome for v in verdicts).items():
             EVENTS_CONSUMED.labels(self.bus.service, self.durable, outcome.value).inc(count)

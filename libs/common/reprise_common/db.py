@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
-from sqlalchemy import DateTime, event, func, text
-from sqlalchemy.engine import Dialect, Engine
+from sqlalchemy import DateTime, Table, event, func, text
+from sqlalchemy.engine import Connection, Dialect, Engine
 from sqlalchemy.types import TypeDecorator
-from sqlmodel import Session, col, create_engine, select
+from sqlmodel import Session, SQLModel, col, create_engine, select
 from sqlmodel.sql.expression import SelectOfScalar
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
+# Bound values per INSERT statement: SQLite allows 32,766 since 3.32 (999 before), PostgreSQL 65,535.
+MAX_BOUND_VALUES = {"sqlite": 32_766, "postgresql": 65_535}
+SQLITE_OLD_MAX_BOUND_VALUES = 999
 
 
 class UTCDateTime(TypeDecorator[datetime]):
@@ -105,3 +108,40 @@ def page_newest_first(
     count = session.exec(select(func.count()).select_from(query.subquery())).one()
     page = query.order_by(col(newest).desc(), col(tiebreak)).offset(offset).limit(limit)
     return list(session.exec(page).all()), int(count)
+
+
+def insert_rows(connection: Connection, target: Table | type[SQLModel], rows: Sequence[Mapping[str, Any]]) -> None:
+    """Insert many rows (the same keys in each) as a few multi-row INSERT statements.
+
+    Each value goes through its column type's bind processing, as SQLAlchemy's own executemany would do it, but the
+    statement is built once per chunk rather than its parameters once per row, and the driver runs one statement per
+    chunk instead of one step per row (SQLite's driver lets go of the GIL at every step: in a thread beside a busy
+    event loop each step can wait a switch interval to get it back). IntegrityError as any INSERT. Columns with a
+    default computed in Python must be given in the rows.
+    """
+    if not rows:
+        return
+    table: Table = target if isinstance(target, Table) else target.__table__  # type: ignore[attr-defined]
+    dialect = connection.dialect
+    names = list(rows[0])
+    unset = [c.name for c in table.columns if c.name not in rows[0] and c.default is not None]
+    if unset:  # SQLAlchemy fills those in Python; a hand-built statement would leave them to the database
+        raise ValueError(f"insert_rows needs a value for {', '.join(unset)} in every row (they have defaults)")
+    processors = [table.c[name].type.dialect_impl(dialect).bind_processor(dialect) for name in names]
+    marker = {"qmark": "?", "format": "%s", "pyformat": "%s"}[dialect.paramstyle or "qmark"]
+    limit = MAX_BOUND_VALUES.get(dialect.name, SQLITE_OLD_MAX_BOUND_VALUES)
+    if dialect.name == "sqlite" and dialect.dbapi is not None and dialect.dbapi.sqlite_version_info < (3, 32):
+        limit = SQLITE_OLD_MAX_BOUND_VALUES
+    per_statement = max(1, limit // len(names))
+    preparer = dialect.identifier_preparer
+    columns = ", ".join(preparer.quote(name) for name in names)
+    head = f"INSERT INTO {preparer.format_table(table)} ({columns}) VALUES "  # noqa: S608 - quoted names, bound values
+    one = "(" + ", ".join([marker] * len(names)) + ")"
+    for start in range(0, len(rows), per_statement):
+        chunk = rows[start : start + per_statement]
+        values: list[Any] = []
+        for row in chunk:
+            for name, process in zip(names, processors, strict=True):
+                value = row[name]
+                values.append(value if process is None else process(value))
+        connection.exec_driver_sql(head + ", ".join([one] * len(chunk)), tuple(values))

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 from datetime import datetime
+
+import msgspec
 
 from reprise_common.bus import Delivery, Outcome
 from reprise_common.errors import MalformedEventError
@@ -14,9 +15,8 @@ from reprise_common.logging import get_logger
 log = get_logger("reprise.detector.placements")
 
 
-@dataclass(frozen=True)
-class PlacedRank:
-    """One rank of one job on a node."""
+class PlacedRank(msgspec.Struct, frozen=True, gc=False):
+    """One rank of one job on a node (not scanned by the garbage collector: a large fleet has hundreds of thousands)."""
 
     job_id: str
     rank: int
@@ -35,6 +35,8 @@ class PlacementMap:
         # the last placement of every job and a restart would load them all again anyway
         self.labels: dict[str, dict[str, str]] = {}
         self.last_seq = 0
+        self.version = 0  # changes whenever a node's ranks change: what callers derived from the map is stale
+        self._nodes_of: dict[str, set[str]] = {}  # job -> the nodes it has ranks on
         self._advanced = asyncio.Event()
 
     def apply(self, placement: JobPlacement) -> bool:
@@ -50,16 +52,19 @@ class PlacementMap:
             self.hang_timeouts[job_id] = placement.hang_timeout_s
         else:
             self.hang_timeouts.pop(job_id, None)
-        for node_id in list(self._by_node):
+        self.version += 1
+        for node_id in self._nodes_of.pop(job_id, ()):
             kept = [placed for placed in self._by_node[node_id] if placed.job_id != job_id]
             if kept:
                 self._by_node[node_id] = kept
             else:
                 del self._by_node[node_id]
         if placement.active:
+            nodes = self._nodes_of[job_id] = set()
             for assignment in placement.ranks:
                 placed = PlacedRank(job_id=job_id, rank=assignment.rank, gpu=assignment.gpu)
                 self._by_node.setdefault(assignment.node_id, []).append(placed)
+                nodes.add(assignment.node_id)
         return True
 
     def labels_of(self, job_id: str) -> dict[str, str]:
@@ -72,7 +77,7 @@ class PlacementMap:
 
     def active_jobs(self) -> set[str]:
         """Every job with at least one placed rank."""
-        return {placed.job_id for ranks in self._by_node.values() for placed in ranks}
+        return {job_id for job_id, nodes in self._nodes_of.items() if nodes}
 
     def jobs_on(self, node_id: str) -> list[str]:
         """The distinct jobs with a rank on a node, in placement order."""

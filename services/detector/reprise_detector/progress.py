@@ -14,33 +14,61 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from enum import StrEnum
 
+import msgspec
+
 from reprise_common.clock import Clock
 from reprise_common.events import RankStatus
+from reprise_common.report_view import RankSeen
 from reprise_detector.derived import JobHung, RankStraggling
 
 STARTUP, CHECKPOINTING = "startup", "checkpointing"
+RankProgress = RankSeen | RankStatus  # a rank's status as a report read on the hot path, or as the schema builds it
 
 
-@dataclass
-class RankTrack:
-    """What the detector knows of one rank's progress."""
+class RankTrack(msgspec.Struct, gc=False):
+    """What the detector knows of one rank's progress: its latest status and what that alone does not say.
 
+    Plain values only, so that the garbage collector never scans the hundreds of thousands of them a large fleet keeps
+    (a full collection would pause the event loop for each).
+    """
+
+    status: RankProgress  # the latest status folded in
     node_id: str
-    step: int | None
     advanced_at: float  # monotonic time the step last changed (or the phase began, before any step)
-    phase: str
     phase_since: float
-    p99_s: float | None
-    step_time_s: float | None
-    alive: bool
+    cpu_at_advance: float | None  # its CPU seconds when the step last changed
+    p99_s: float | None  # the latest step-time p99 reported (a status without one keeps it)
+    step_time_s: float | None  # the latest step time reported (last, else p50)
     slow_streak: int = 0
     straggling: bool = False
-    proc_state: str = ""  # the process's scheduler state in the latest report ("" unknown)
-    cpu_s: float | None = None  # its CPU seconds in the latest report
-    cpu_at_advance: float | None = None  # its CPU seconds when the step last changed
+
+    @property
+    def step(self) -> int | None:
+        """The latest step reported."""
+        return self.status.step
+
+    @property
+    def phase(self) -> str:
+        """The latest phase reported."""
+        return self.status.phase
+
+    @property
+    def alive(self) -> bool:
+        """Whether the process was alive at the latest report."""
+        return self.status.alive
+
+    @property
+    def proc_state(self) -> str:
+        """The process's scheduler state in the latest report ("" unknown)."""
+        return self.status.proc_state
+
+    @property
+    def cpu_s(self) -> float | None:
+        """Its CPU seconds in the latest report."""
+        return self.status.cpu_s
 
 
-@dataclass
+@dataclass(slots=True)
 class JobTrack:
     """Every rank of one job, and whether a hang is already reported for the current stall."""
 
@@ -60,41 +88,43 @@ class ProgressBook:
         self.clock = clock
         self.jobs: dict[str, JobTrack] = {}
 
-    def update(self, node_id: str, status: RankStatus) -> RankTrack:
-        """Fold one rank status into the book; a step change resets the stall (and a reported hang)."""
-        now = self.clock.monotonic()
-        job = self.jobs.setdefault(status.job_id, JobTrack())
+    def update(self, node_id: str, status: RankProgress, now: float | None = None) -> tuple[JobTrack, RankTrack]:
+        """Fold one rank status into the book (`now`: the monotonic time it arrived, the clock's by default); a step
+        change resets the stall (and a reported hang)."""
+        if now is None:
+            now = self.clock.monotonic()
+        job = self.jobs.get(status.job_id)
+        if job is None:
+            job = self.jobs[status.job_id] = JobTrack()
         job.updates += 1
-        track = job.ranks.get(status.rank)
-        phase_since = now - (status.phase_age_s or 0.0)
         step_time = status.step_time_last_s or status.step_time_p50_s
-        if track is None or track.step != status.step:
+        track = job.ranks.get(status.rank)
+        if track is None:
+            phase_since = now - (status.phase_age_s or 0.0)
             advanced = now - (status.heartbeat_age_s or 0.0) if status.step is not None else phase_since
-            if track is None:
-                track = RankTrack(node_id, status.step, advanced, status.phase, phase_since, None, None, status.alive)
-                job.ranks[status.rank] = track
-                job.next_check = 0.0
-            else:
-                job.hung = False
-            if track.phase != status.phase:
-                job.next_check = 0.0  # another phase, another limit: what was computed for the old one no longer holds
-            # Updated in place (a report of 8 ranks a second per node must not churn objects): a new step resets the
-            # stall, the phase clock and the CPU count of the stall; straggler state carries over.
-            track.node_id, track.step, track.advanced_at, track.alive = node_id, status.step, advanced, status.alive
-            track.phase, track.phase_since = status.phase, phase_since
-            track.p99_s, track.step_time_s = status.step_time_p99_s, step_time
-            track.proc_state, track.cpu_s, track.cpu_at_advance = status.proc_state, status.cpu_s, status.cpu_s
-            return track
-        track.node_id, track.alive, track.proc_state = node_id, status.alive, status.proc_state
-        if status.cpu_s is not None:
-            track.cpu_s = status.cpu_s
-            track.cpu_at_advance = status.cpu_s if track.cpu_at_advance is None else track.cpu_at_advance
-        if track.phase != status.phase:
-            track.phase, track.phase_since = status.phase, phase_since
+            track = RankTrack(status, node_id, advanced, phase_since, status.cpu_s, status.step_time_p99_s, step_time)
+            job.ranks[status.rank] = track
             job.next_check = 0.0
-        track.p99_s = status.step_time_p99_s or track.p99_s
-        track.step_time_s = step_time or track.step_time_s
-        return track
+            return job, track
+        # Updated in place (a report of 8 ranks a second per node must not churn objects); straggler state carries
+        # over. A new step resets the stall, the phase clock and the CPU count of the stall.
+        seen, track.status, track.node_id = track.status, status, node_id
+        if status.step != seen.step:
+            track.phase_since = phase_since = now - (status.phase_age_s or 0.0)
+            track.advanced_at = now - (status.heartbeat_age_s or 0.0) if status.step is not None else phase_since
+            track.cpu_at_advance = status.cpu_s
+            job.hung = False
+        elif track.cpu_at_advance is None:
+            track.cpu_at_advance = status.cpu_s
+        if status.phase != seen.phase:
+            if status.step == seen.step:
+                track.phase_since = now - (status.phase_age_s or 0.0)
+            job.next_check = 0.0  # another phase, another limit: what was computed for the old one no longer holds
+        if status.step_time_p99_s:
+            track.p99_s = status.step_time_p99_s
+        if step_time:
+            track.step_time_s = step_time
+        return job, track
 
     def forget(self, job_id: str) -> None:
         """Drop a job that no longer runs here."""
@@ -278,11 +308,9 @@ class StragglerWatch:
         self.factor = factor
         self.reports = reports
 
-    def judge(self, job_id: str, rank: int) -> StragglerVerdict:
+    def judge(self, job: JobTrack, track: RankTrack) -> StragglerVerdict:
         """Update the rank's streak from its latest step time and say what it is."""
-        job = self.book.jobs[job_id]
-        track = job.ranks[rank]
-        median = self.median(job)
+        median = job.median_s if job.updates - job.median_updates < len(job.ranks) else self.median(job)
         if track.step_time_s is None or median is None:
             return StragglerVerdict.UNKNOWN
         if track.step_time_s <= self.factor * median:

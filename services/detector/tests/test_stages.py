@@ -195,9 +195,8 @@ def test_stragglers_need_n_slow_reports_in_a_row(times: list[float], verdicts: l
     watch = StragglerWatch(clock=clock, book=book, factor=1.5, reports=3)
     seen = []
     for step, slow in enumerate(times):
-        for rank in range(4):
-            book.update("node-1", _status(rank, step, step_time_last_s=slow if rank == 3 else 1.0))
-        seen.append(watch.judge("job-a", 3))
+        folded = [book.update("node-1", _status(r, step, step_time_last_s=slow if r == 3 else 1.0)) for r in range(4)]
+        seen.append(watch.judge(*folded[3]))
     assert seen == verdicts
 
 
@@ -206,8 +205,7 @@ def test_too_few_ranks_to_compare_is_unknown() -> None:
     book = ProgressBook(clock)
     watch = StragglerWatch(clock=clock, book=book, factor=1.5, reports=1)
     book.update("node-1", _status(0, 1, step_time_last_s=1.0))
-    book.update("node-1", _status(1, 1, step_time_last_s=9.0))
-    assert watch.judge("job-a", 1) is StragglerVerdict.UNKNOWN
+    assert watch.judge(*book.update("node-1", _status(1, 1, step_time_last_s=9.0))) is StragglerVerdict.UNKNOWN
 
 
 # --- root-cause order ---------------------------------------------------------------------------------------------

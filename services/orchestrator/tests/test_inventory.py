@@ -14,7 +14,7 @@ from reprise_common.aio import poll_until
 from reprise_common.bus import Bus
 from reprise_common.clock import ManualClock, SystemClock
 from reprise_common.events import GpuHealth, GpuStatus, NodeReport, RankStatus
-from reprise_orchestrator.nodes.inventory import GpuView, Inventory, ReportView
+from reprise_orchestrator.nodes.inventory import Inventory
 
 
 def _report(node: str, *ranks: RankStatus, spare: bool = False, health: GpuHealth = GpuHealth.OK) -> NodeReport:
@@ -26,11 +26,6 @@ def _report(node: str, *ranks: RankStatus, spare: bool = False, health: GpuHealt
 
 def _rank(job: str, rank: int, epoch: int, *, step: int | None = None, alive: bool = True) -> RankStatus:
     return RankStatus(job_id=job, rank=rank, restart_epoch=epoch, step=step, alive=alive)
-
-
-def test_the_view_reads_fields_a_report_has() -> None:
-    assert set(ReportView.model_fields) <= set(NodeReport.model_fields)
-    assert set(GpuView.model_fields) <= set(GpuStatus.model_fields)
 
 
 def test_ranks_are_found_by_job_and_launch_and_follow_each_nodes_latest_report() -> None:

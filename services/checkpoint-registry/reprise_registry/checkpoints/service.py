@@ -8,11 +8,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from pathlib import PurePosixPath
 
-from sqlalchemy import delete, func, insert
+from sqlalchemy import delete, func
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
 from reprise_common.clock import utcnow
+from reprise_common.db import insert_rows
 from reprise_common.errors import ConflictError, NotFoundError
 from reprise_registry.checkpoints.models import (
     DEFAULT_MARKER,
@@ -194,7 +195,7 @@ def report_rank(session: Session, *, checkpoint_id: int, rank: int, files: Seque
     )
     if rows:
         try:
-            session.execute(insert(CheckpointFile), rows)
+            insert_rows(session.connection(), CheckpointFile, rows)
         except IntegrityError as exc:
             session.rollback()
             raise ConflictError(f"a file of rank {rank} was already reported by another rank: {exc.orig}") from exc

@@ -5,10 +5,10 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import insert, or_
+from sqlalchemy import or_
 from sqlmodel import Session, col, select
 
-from reprise_common.db import page_newest_first
+from reprise_common.db import insert_rows, page_newest_first
 from reprise_common.errors import NotFoundError
 from reprise_common.events import Category, Culprit, Severity, new_id
 from reprise_detector.classify import Classification
@@ -237,7 +237,7 @@ def insert_symptoms(session: Session, rows: list[dict[str, Any]]) -> None:
     """Insert symptom rows in one statement (IntegrityError when an event was recorded for a job before)."""
     if rows:
         session.flush()  # the incidents the rows point at exist first
-        session.connection().execute(insert(Symptom), rows)  # on the connection: the ORM's bulk path costs per row
+        insert_rows(session.connection(), Symptom, rows)
         rows.clear()
 
 

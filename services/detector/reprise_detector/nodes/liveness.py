@@ -2,26 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from datetime import timedelta
 from enum import StrEnum
-from typing import Literal, NotRequired
 
-from typing_extensions import TypedDict  # pydantic needs this one before Python 3.12
+import msgspec
 
 from reprise_common.clock import Clock
+from reprise_common.report_view import GpuSeen
 from reprise_detector.derived import NodeLost
-
-GpuHealthValue = Literal["ok", "degraded", "failed", "lost", "unknown"]  # GpuHealth's values, as plain strings
-
-
-class GpuSeen(TypedDict):
-    """What node health shows of one GPU of the last report: a dict of plain values, which the garbage collector does
-    not track (a model per GPU of tens of thousands of nodes made each full collection pause the loop for longer)."""
-
-    index: int
-    health: NotRequired[GpuHealthValue]  # "ok" when absent, as in GpuStatus
-    last_xid: NotRequired[int | None]
 
 
 class NodeState(StrEnum):
@@ -31,9 +19,8 @@ class NodeState(StrEnum):
     LOST = "lost"
 
 
-@dataclass
-class NodeSeen:
-    """The last report of one node, as received."""
+class NodeSeen(msgspec.Struct, gc=False):
+    """The last report of one node, as received (not scanned by the garbage collector: see RankTrack)."""
 
     last_seen: float  # the detector's monotonic clock
     last_report_id: str

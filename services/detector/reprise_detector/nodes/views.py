@@ -36,10 +36,7 @@ def _health(runtime: Runtime, session: Session, node_id: str, *, detail: bool) -
         node_id=node_id,
         state=seen.state.value if seen else "unknown",
         last_report_age_s=runtime.watcher.liveness.age(node_id),
-        gpus=[
-            GpuHealthPublic(index=g["index"], health=g.get("health", "ok"), last_xid=g.get("last_xid"))
-            for g in seen.gpus
-        ]
+        gpus=[GpuHealthPublic(index=g.index, health=g.health.value, last_xid=g.last_xid) for g in seen.gpus]
         if seen
         else [],
         fault_count=len({f.event_id for f in faults}),

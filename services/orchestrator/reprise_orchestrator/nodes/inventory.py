@@ -12,32 +12,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
-from pydantic import AwareDatetime, BaseModel, Field, ValidationError
+from pydantic import BaseModel
 
 from reprise_common import subjects
 from reprise_common.bus import Bus
-from reprise_common.clock import Clock, utcnow
-from reprise_common.events import GpuHealth, NodeReport, RankStatus, Wire
+from reprise_common.clock import Clock
+from reprise_common.errors import MalformedEventError
+from reprise_common.events import GpuHealth, NodeReport
 from reprise_common.logging import get_logger
+from reprise_common.report_view import RankSeen, ReportSeen, read_report
 
 log = get_logger("reprise.orchestrator.nodes")
 RankKey = tuple[str, int | None]  # (job id, restart epoch)
-
-
-class GpuView(Wire):
-    """What the inventory reads of a GPU in a report."""
-
-    health: GpuHealth = GpuHealth.OK
-
-
-class ReportView(Wire):
-    """What the inventory reads of a NodeReport (the same field names; the rest is never parsed)."""
-
-    time: AwareDatetime = Field(default_factory=utcnow)
-    address: str = ""
-    spare: bool = False
-    gpus: list[GpuView] = Field(default_factory=list)
-    ranks: list[RankStatus] = Field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -55,10 +41,10 @@ class NodeInfo:
     gpus: int
     healthy_gpus: int  # GPUs reported OK
     gpus_usable: bool  # every GPU is OK or DEGRADED: the node can take ranks
-    ranks: list[RankStatus]
+    ranks: tuple[RankSeen, ...]
 
     @classmethod
-    def of(cls, report: ReportView, seen_mono: float) -> NodeInfo:
+    def of(cls, report: ReportSeen, seen_mono: float) -> NodeInfo:
         """The values kept of one report."""
         health = [g.health for g in report.gpus]
         return cls(
@@ -95,7 +81,7 @@ class Inventory:
         self.stale_s = stale_s
         self._nodes: dict[str, NodeInfo] = {}
         self._unread: dict[str, tuple[bytes, float]] = {}  # node → its newest report not parsed yet, and its arrival
-        self._ranks: dict[RankKey, dict[str, list[RankStatus]]] = {}  # (job, epoch) → node → its ranks there
+        self._ranks: dict[RankKey, dict[str, list[RankSeen]]] = {}  # (job, epoch) → node → its ranks there
         self._bus: Bus | None = None
 
     async def start(self, bus: Bus) -> None:
@@ -123,7 +109,7 @@ class Inventory:
     def observe(self, node_id: str, report: NodeReport) -> None:
         """Record a report under the node id the subject names."""
         self._unread.pop(node_id, None)
-        self._store(node_id, ReportView.model_validate(report, from_attributes=True), self.clock.monotonic())
+        self._store(node_id, read_report(report.to_bytes()), self.clock.monotonic())
 
     def _absorb(self) -> None:
         """Parse the newest unread report of each node."""
@@ -132,13 +118,13 @@ class Inventory:
         unread, self._unread = self._unread, {}
         for node_id, (data, seen_mono) in unread.items():
             try:
-                report = ReportView.model_validate_json(data)
-            except ValidationError as exc:
+                report = read_report(data)
+            except MalformedEventError as exc:
                 log.warning("ignoring a bad report", extra={"node_id": node_id, "error": str(exc)[:200]})
                 continue
             self._store(node_id, report, seen_mono)
 
-    def _store(self, node_id: str, report: ReportView, seen_mono: float) -> None:
+    def _store(self, node_id: str, report: ReportSeen, seen_mono: float) -> None:
         previous = self._nodes.get(node_id)
         if previous is not None:
             for key in {(r.job_id, r.restart_epoch) for r in previous.ranks}:
@@ -174,7 +160,7 @@ class Inventory:
         self._absorb()
         return len(self._nodes)
 
-    def ranks_of(self, job_id: str, *, restart_epoch: int) -> dict[int, RankStatus]:
+    def ranks_of(self, job_id: str, *, restart_epoch: int) -> dict[int, RankSeen]:
         """The job's ranks of one launch as fresh reports show them, by rank.
 
         Filtering by epoch matters: a node the job left still reports the ranks it stopped, under the same numbers.
