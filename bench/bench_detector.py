@@ -11,9 +11,12 @@ figures and saves bench/results/detector.json:
                            time → decision (progress, straggler and liveness state updated) median / p99 (target
                            ≤ 100 ms), and the 1-minute load average before and during the round (the machine may be
                            shared: generators and nats-server share its cores with the detector)
+                           three rounds per N, each on a fresh detector: the round with the median p99 is kept,
+                           with every round's p99 and handled rate
   ingest_sustained_reports_per_s   the highest rate handled (≥ 95% of N) with p99 ≤ 100 ms (target ≥ 20,000)
   storm                    one rank SIGKILLed and 16,383 peers failing with gloo/NCCL errors in one job, published
-                           by another process as JetStream publishes whose acks are awaited together at the end:
+                           by another process on the stream's subjects with message ids (done when the stream
+                           holds them all):
                            incidents opened (must be 1), symptoms committed (counted in SQL afterwards), the time
                            to publish them all, to the incident's `opened` change received, and until the detector
                            has acknowledged every symptom (it does so only after the commit and the publish; target
@@ -418,9 +421,20 @@ async def main(args: argparse.Namespace) -> None:
     if "ingest" in parts:
         rounds = []
         for nodes in args.nodes:
-            result = await on_fresh_stack(lambda s, n=nodes: ingest(s, n, args.seconds, args.generators))
-            print("ingest", result, flush=True)
-            rounds.append(result)
+            runs = []
+            for _ in range(args.ingest_runs):
+                runs.append(await on_fresh_stack(lambda s, n=nodes: ingest(s, n, args.seconds, args.generators)))
+                print("ingest", runs[-1], flush=True)
+            p99s = sorted(r["report_to_decision"]["p99_ms"] for r in runs)
+            kept = min(runs, key=lambda r: abs(r["report_to_decision"]["p99_ms"] - statistics.median(p99s)))
+            rounds.append(
+                kept
+                | {
+                    "runs": len(runs),
+                    "p99_ms_each": p99s,
+                    "handled_reports_per_s_each": sorted(r["handled_reports_per_s"] for r in runs),
+                }
+            )
         figures["ingest"] = rounds
         good = [
             r["handled_reports_per_s"]
@@ -446,7 +460,13 @@ async def main(args: argparse.Namespace) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--latency-runs", type=int, default=200)
-    parser.add_argument("--nodes", type=int, nargs="*", default=[2000, 5000, 10000, 15000, 20000, 25000, 30000])
+    parser.add_argument("--nodes", type=int, nargs="*", default=[2000, 10000, 15000, 20000, 25000, 30000])
+    parser.add_argument(
+        "--ingest-runs",
+        type=int,
+        default=3,
+        help="rounds per rate, each on a fresh detector; the one with the median p99 is kept",
+    )
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--generators", type=int, default=2)
     parser.add_argument("--storm-ranks", type=int, default=16384)

@@ -19,6 +19,7 @@ SQLITE_BUSY_TIMEOUT_MS = 30_000
 # Bound values per INSERT statement: SQLite allows 32,766 since 3.32 (999 before), PostgreSQL 65,535.
 MAX_BOUND_VALUES = {"sqlite": 32_766, "postgresql": 65_535}
 SQLITE_OLD_MAX_BOUND_VALUES = 999
+_UNSET = object()
 
 
 class UTCDateTime(TypeDecorator[datetime]):
@@ -137,11 +138,18 @@ def insert_rows(connection: Connection, target: Table | type[SQLModel], rows: Se
     columns = ", ".join(preparer.quote(name) for name in names)
     head = f"INSERT INTO {preparer.format_table(table)} ({columns}) VALUES "  # noqa: S608 - quoted names, bound values
     one = "(" + ", ".join([marker] * len(names)) + ")"
+    last: list[tuple[Any, Any]] = [(_UNSET, None)] * len(names)  # per column: the last value and what it became
     for start in range(0, len(rows), per_statement):
         chunk = rows[start : start + per_statement]
         values: list[Any] = []
         for row in chunk:
-            for name, process in zip(names, processors, strict=True):
+            for index, (name, process) in enumerate(zip(names, processors, strict=True)):
                 value = row[name]
-                values.append(value if process is None else process(value))
+                if process is not None:
+                    seen, converted = last[index]
+                    if value is not seen:  # rows of a batch often share a value (the time they were received)
+                        converted = process(value)
+                        last[index] = (value, converted)
+                    value = converted
+                values.append(value)
         connection.exec_driver_sql(head + ", ".join([one] * len(chunk)), tuple(values))

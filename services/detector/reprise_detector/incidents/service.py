@@ -90,11 +90,21 @@ def get_recorded_for_job(session: Session, *, job_id: str, around: datetime, win
 
 
 def get_symptoms_by_events(session: Session, *, event_ids: list[str]) -> dict[str, list[Symptom]]:
-    """The symptoms already recorded for each of these events (absent: the event is new)."""
-    found: dict[str, list[Symptom]] = {}
-    for start in range(0, len(event_ids), 500):
+    """The symptoms already recorded for each of these events (absent: the event is new).
+
+    Almost every event of a batch is new, so only their ids are looked up first (no ORM objects for rows that are
+    not there); the symptoms of the few that were recorded are loaded after.
+    """
+    recorded: set[str] = set()
+    connection = session.connection()
+    for start in range(0, len(event_ids), 500):  # within SQLite's oldest limit on bound values
         chunk = event_ids[start : start + 500]
-        for symptom in session.exec(select(Symptom).where(col(Symptom.event_id).in_(chunk))).all():
+        recorded.update(
+            connection.execute(select(col(Symptom.event_id)).where(col(Symptom.event_id).in_(chunk))).scalars()
+        )
+    found: dict[str, list[Symptom]] = {}
+    if recorded:
+        for symptom in session.exec(select(Symptom).where(col(Symptom.event_id).in_(sorted(recorded)))).all():
             found.setdefault(symptom.event_id, []).append(symptom)
     return found
 
