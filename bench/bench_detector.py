@@ -22,7 +22,7 @@ figures and saves bench/results/detector.json:
                            has acknowledged every symptom (it does so only after the commit and the publish; target
                            ≤ 2 s), all from the first symptom's publish; the detector process's CPU seconds over
                            that time and the 1-minute load average before and during (the machine may be shared);
-                           three storms, each on a fresh detector: the run with the median decision time is kept,
+                           five storms, each on a fresh detector: the run with the median decision time is kept,
                            with every run's time in `all_symptoms_decided_s_each`
 
 ``--only latency ingest storm`` runs some parts; their figures replace those of the same name in the saved results.
@@ -470,6 +470,6 @@ if __name__ == "__main__":
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--generators", type=int, default=2)
     parser.add_argument("--storm-ranks", type=int, default=16384)
-    parser.add_argument("--storm-runs", type=int, default=3, help="storms on fresh detectors; the median is kept")
+    parser.add_argument("--storm-runs", type=int, default=5, help="storms on fresh detectors; the median is kept")
     parser.add_argument("--only", nargs="+", choices=PARTS, help="run only these parts (default: all)")
     asyncio.run(main(parser.parse_args()))

@@ -53,6 +53,20 @@ class Delivery:
 
 
 Handler = Callable[[Event, Delivery], Awaitable[Outcome]]
+_V1_ACK_TOKENS = 9  # $JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>.<consumer seq>.<time>.<pending>
+
+
+def delivery_of(msg: Msg) -> Delivery:
+    """Where a JetStream message came from and how often it has been delivered, from its ack subject.
+
+    Only the two numbers needed are read: nats-py's `metadata` converts every token, a timestamp included, which was a
+    tenth of a storm's time. The newer subject form (with domain and account) has nats-py's token positions.
+    """
+    tokens = msg.reply.split(".")
+    if len(tokens) == _V1_ACK_TOKENS and tokens[0] == Msg.Ack.Prefix0 and tokens[1] == Msg.Ack.Prefix1:
+        return Delivery(subject=msg.subject, num_delivered=int(tokens[4]), stream_seq=int(tokens[5]))
+    meta = msg.metadata  # raises for a message that is not from JetStream
+    return Delivery(subject=msg.subject, num_delivered=meta.num_delivered, stream_seq=meta.sequence.stream)
 
 
 @dataclass(frozen=True)
@@ -230,8 +244,7 @@ class Consumer:
         items: list[Item] = []
         kept: list[Msg] = []
         for msg in msgs:
-            meta = msg.metadata
-            delivery = Delivery(subject=msg.subject, num_delivered=meta.num_delivered, stream_seq=meta.sequence.stream)
+            delivery = delivery_of(msg)
             event: Event | None = None
             if self.parse:
                 try:

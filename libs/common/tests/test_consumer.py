@@ -1,15 +1,19 @@
 """The batch consumer against a real nats-server: the next batch is fetched while one is handled, and given back
-at once when the consumer stops before handling it."""
+at once when the consumer stops before handling it; where a message came from is read from its ack subject."""
 
 from __future__ import annotations
 
 import asyncio
 
+import nats.errors
+import pytest
+from nats.aio.msg import Msg
+
 from reprise_cli.servers import NatsServer
 from reprise_common import subjects
 from reprise_common.aio import poll_until
 from reprise_common.bus import Bus
-from reprise_common.consumer import ACK, BatchHandler, Consumer, Item, Verdict
+from reprise_common.consumer import ACK, BatchHandler, Consumer, Delivery, Item, Verdict, delivery_of
 from reprise_common.events import GpuXid
 
 
@@ -70,3 +74,17 @@ async def test_the_batch_fetched_ahead_is_given_back_at_once_when_the_consumer_s
     assert second_seen == [(ids[2], 2), (ids[3], 2)]  # delivered a second time, each once
     await second.stop()
     await bus.close()
+
+
+def test_a_delivery_is_read_from_the_ack_subject_as_nats_py_reads_it() -> None:
+    replies = [
+        "$JS.ACK.AGENT.detector-events.3.12345.678.1764489012345678901.42",  # without domain and account
+        "$JS.ACK.hub.ACCHASH.AGENT.detector-events.2.999.17.1764489012345678901.0.rand0m",  # with them
+        "$JS.ACK._.ACCHASH.AGENT.detector-events.1.5.5.1764489012345678901.0",  # no domain, no trailing token
+    ]
+    for reply in replies:
+        msg = Msg(_client=None, subject="reprise.agent.node-1.gpu.xid", reply=reply, data=b"{}")  # type: ignore[arg-type]
+        meta = msg.metadata
+        assert delivery_of(msg) == Delivery(msg.subject, meta.num_delivered, meta.sequence.stream)
+    with pytest.raises(nats.errors.Error):  # not a JetStream message
+        delivery_of(Msg(_client=None, subject="x", reply="_INBOX.abc", data=b""))  # type: ignore[arg-type]

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 import nats
 import pytest
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
 
 from reprise_cli.servers import NatsServer
@@ -40,7 +41,7 @@ async def _inbox(nc: Client) -> PullInbox:
     return inbox
 
 
-def _numbers(msgs: list[nats.aio.msg.Msg]) -> list[int]:
+def _numbers(msgs: list[Msg]) -> list[int]:
     return [int(m.data) for m in msgs]
 
 

@@ -15,8 +15,8 @@ from reprise_common.service import (
     Background,
     add_error_handlers,
     add_ops_routes,
-    freeze_startup_objects,
     nats_check,
+    settle_garbage_collector,
 )
 from reprise_detector.classify import load_rules
 from reprise_detector.incidents import views as incident_views
@@ -88,7 +88,7 @@ def create_app(settings: DetectorSettings, *, clock: Clock | None = None) -> Fas
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         await asyncio.to_thread(create_tables, runtime.engine)
         runtime.background.start(runtime.start_consumers)
-        freeze_startup_objects()
+        settle_garbage_collector()
         try:
             yield
         finally:

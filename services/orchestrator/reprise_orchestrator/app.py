@@ -19,8 +19,8 @@ from reprise_common.service import (
     Background,
     add_error_handlers,
     add_ops_routes,
-    freeze_startup_objects,
     nats_check,
+    settle_garbage_collector,
 )
 from reprise_orchestrator.auth import flows as auth_flows
 from reprise_orchestrator.auth import views as auth_views
@@ -95,7 +95,7 @@ def create_app(settings: OrchestratorSettings) -> FastAPI:
         SQLModel.metadata.create_all(engine)
         auth_flows.bootstrap(deps)
         background.start(on_connected)
-        freeze_startup_objects()
+        settle_garbage_collector()
         yield
         await drills.stop()
         for task in tasks:
