@@ -103,7 +103,7 @@ def run_gloo_ranks(script: str, *args: str, world_size: int = 2) -> list[str]:
 
 
 PER_RANK = """
-import json, sys, torch, torch.distributed as dist
+import json, os, sys, torch, torch.distributed as dist
 from reprise_sdk.torch import save_checkpoint
 dist.init_process_group("gloo")
 files = save_checkpoint(sys.argv[1], 7, {"w": torch.full((2,), float(dist.get_rank()))})
@@ -111,6 +111,7 @@ print(json.dumps(files))
 sys.stdout.flush()
 dist.barrier()
 dist.destroy_process_group()
+os._exit(0)  # gloo's threads now and then abort the interpreter's exit (SIGABRT); not what these tests are about
 """
 
 
@@ -154,7 +155,7 @@ def test_distributed_checkpoint_round_trip_without_a_process_group(
 
 
 GLOO_RANK = """
-import json, sys, torch, torch.distributed as dist
+import json, os, sys, torch, torch.distributed as dist
 from reprise_sdk.torch import save_distributed, load_distributed
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -166,6 +167,7 @@ print(json.dumps({"rank": rank, "files": files, "own": state[own].tolist(), "sha
 sys.stdout.flush()
 dist.barrier()  # rank 0 hosts the store: nobody may tear down while a peer still talks to it
 dist.destroy_process_group()
+os._exit(0)  # gloo's threads now and then abort the interpreter's exit (SIGABRT); not what these tests are about
 """
 
 

@@ -1,6 +1,6 @@
 """Node reports in; node loss, hangs and stragglers out, as derived symptoms through the same pipeline.
 
-Reports arrive on core NATS in batches (the latest per node) and change only in-memory state (about 60 µs of CPU a
+Reports arrive on core NATS in batches (the latest per node) and change only in-memory state (35-45 µs of CPU a
 report, transport included); a decision that needs the database (a derived symptom) goes through the pipeline. A
 replica parses a report only when the node runs a job it owns; every replica still notes every node's liveness from
 the subject alone. A malformed report is counted and ignored (logged once a minute per node): the next one comes an
