@@ -13,7 +13,8 @@ figures and saves bench/results/detector.json:
                            shared: generators and nats-server share its cores with the detector)
                            three rounds per N, each on a fresh detector: the round with the median p99 is kept,
                            with every round's p99 and handled rate
-  ingest_sustained_reports_per_s   the highest rate handled (≥ 95% of N) with p99 ≤ 100 ms (target ≥ 20,000)
+  ingest_sustained_reports_per_s   the rate handled at the highest N whose kept round handled ≥ 95% of N with p99
+                           ≤ 100 ms (target ≥ 20,000), and that N as ingest_sustained_nodes
   storm                    one rank SIGKILLed and 16,383 peers failing with gloo/NCCL errors in one job, published
                            by another process on the stream's subjects with message ids (done when the stream
                            holds them all):
@@ -437,11 +438,13 @@ async def main(args: argparse.Namespace) -> None:
             )
         figures["ingest"] = rounds
         good = [
-            r["handled_reports_per_s"]
+            r
             for r in rounds
             if r["report_to_decision"]["p99_ms"] <= 100 and r["handled_reports_per_s"] >= 0.95 * r["nodes"]
         ]
-        figures["ingest_sustained_reports_per_s"] = max(good, default=0)
+        best = max(good, key=lambda r: r["nodes"], default=None)
+        figures["ingest_sustained_reports_per_s"] = best["handled_reports_per_s"] if best else 0
+        figures["ingest_sustained_nodes"] = best["nodes"] if best else 0  # reporting at 1 Hz: the rate offered
     if "storm" in parts:
         runs = []
         for _ in range(args.storm_runs):
