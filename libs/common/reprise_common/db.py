@@ -111,6 +111,20 @@ def page_newest_first(
     return list(session.exec(page).all()), int(count)
 
 
+def _converted(column: list[Any], process: Callable[[Any], Any] | None) -> list[Any]:
+    """A column's values as the driver takes them; a value shared by consecutive rows (the time a batch was received)
+    is converted once."""
+    if process is None:
+        return column
+    out: list[Any] = []
+    last, converted = _UNSET, None
+    for value in column:
+        if value is not last:
+            last, converted = value, process(value)
+        out.append(converted)
+    return out
+
+
 def insert_rows(connection: Connection, target: Table | type[SQLModel], rows: Sequence[Mapping[str, Any]]) -> None:
     """Insert many rows (the same keys in each) as a few multi-row INSERT statements.
 
@@ -135,21 +149,13 @@ def insert_rows(connection: Connection, target: Table | type[SQLModel], rows: Se
         limit = SQLITE_OLD_MAX_BOUND_VALUES
     per_statement = max(1, limit // len(names))
     preparer = dialect.identifier_preparer
-    columns = ", ".join(preparer.quote(name) for name in names)
-    head = f"INSERT INTO {preparer.format_table(table)} ({columns}) VALUES "  # noqa: S608 - quoted names, bound values
+    quoted = ", ".join(preparer.quote(name) for name in names)
+    head = f"INSERT INTO {preparer.format_table(table)} ({quoted}) VALUES "  # noqa: S608 - quoted names, bound values
     one = "(" + ", ".join([marker] * len(names)) + ")"
-    last: list[tuple[Any, Any]] = [(_UNSET, None)] * len(names)  # per column: the last value and what it became
     for start in range(0, len(rows), per_statement):
         chunk = rows[start : start + per_statement]
-        values: list[Any] = []
-        for row in chunk:
-            for index, (name, process) in enumerate(zip(names, processors, strict=True)):
-                value = row[name]
-                if process is not None:
-                    seen, converted = last[index]
-                    if value is not seen:  # rows of a batch often share a value (the time they were received)
-                        converted = process(value)
-                        last[index] = (value, converted)
-                    value = converted
-                values.append(value)
+        columns = [
+            _converted([row[name] for row in chunk], process) for name, process in zip(names, processors, strict=True)
+        ]
+        values = [value for row in zip(*columns, strict=True) for value in row]
         connection.exec_driver_sql(head + ", ".join([one] * len(chunk)), tuple(values))
