@@ -71,7 +71,8 @@ class Changes:
     def join(self, incident: Incident, kind: IncidentChangeKind) -> int:
         """Count one more symptom for an incident and remember the change; its count now (the change's number)."""
         incident_id = incident.id
-        count = (self.counts[incident_id] if incident_id in self.counts else incident.symptom_count) + 1
+        count = self.counts.get(incident_id)  # not .get(id, default): the default would read the mapped attribute
+        count = (incident.symptom_count if count is None else count) + 1
         self.counts[incident_id] = count
         self.note(incident, kind, count)
         return count
