@@ -6,6 +6,7 @@ hand, so no test sleeps through a Retry-After.
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -100,6 +101,26 @@ async def test_a_retry_after_is_honoured_across_a_restart(
     assert await restarted.step() == 0.0
     assert [m.status for m in receiver.messages()] == [429, 200]
     assert _states(engine) == {key: DeliveryState.SENT}
+
+
+async def test_a_worker_killed_with_its_request_in_flight_leaves_the_pacing_to_the_next(
+    engine: Engine, clock: ManualClock, receiver: SlackReceiver
+) -> None:
+    _queue(engine, clock, 2)
+    worker = _worker(engine, clock, receiver, coalesce_max=1)
+
+    async def killed_in_flight(*_args: object) -> None:
+        raise asyncio.CancelledError  # the process dies after the request left, before its answer is recorded
+
+    worker.transport.post = killed_in_flight  # type: ignore[method-assign,assignment]
+    with pytest.raises(asyncio.CancelledError):
+        await worker.step()
+    clock.advance(0.4)
+    restarted = _worker(engine, clock, receiver, coalesce_max=1)
+    assert await restarted.step() == pytest.approx(0.6)  # the interval runs from when the lost request left
+    assert receiver.messages() == []
+    clock.advance(0.6)
+    assert await restarted.step() == 0.0 and len(receiver.messages()) == 1
 
 
 async def test_alerts_waiting_together_go_out_together_one_message_per_interval(

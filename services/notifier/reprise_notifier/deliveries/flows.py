@@ -1,9 +1,10 @@
 """Delivery side effects: one worker per destination sends from the outbox, paced, coalesced and retried.
 
 The pacing state lives in SQL with the outbox, so a restart still honours a Retry-After and the minimum interval.
-The next request to a destination is never sent before `next_send_at`, which each answer moves forward: to the end
-of the last request plus the minimum interval (so two requests never arrive closer than that), or further for a
-429 (its Retry-After) or a failure (jittered exponential backoff, capped).
+The next request to a destination is never sent before `next_send_at`, which is moved forward before each request
+(its start plus the minimum interval, committed before it leaves, so even a process killed mid-request leaves it) and
+again by each answer: to the end of the request plus the minimum interval (so two requests never arrive closer than
+that), or further for a 429 (its Retry-After) or a failure (jittered exponential backoff, capped).
 """
 
 from __future__ import annotations
@@ -163,6 +164,11 @@ class Worker:
             if state.next_send_at is not None and state.next_send_at > now:
                 return Plan((state.next_send_at - now).total_seconds(), [])
             due = service.get_due(session, destination=self.name, limit=self.policy.coalesce_max)
+            if due:
+                # The slot is taken before the request leaves: a process killed while it is in flight leaves the
+                # pacing in place, where a quick restart would otherwise send again at once.
+                state.next_send_at = now + timedelta(seconds=self.destination.min_interval_s)
+                state.wait_reason = WaitReason.PACING
             return Plan(0.0, [(d.id, Alert.model_validate_json(d.payload)) for d in due])
 
     def _expire(self, session: Session, now: datetime) -> None:
