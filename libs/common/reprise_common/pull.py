@@ -76,17 +76,20 @@ class PullInbox:
         time for more while the consumer reports more pending; BusError when the consumer refuses requests."""
         loop = asyncio.get_running_loop()
         if not self._waiting:
+            self._arrived.clear()  # before the request: what answers while it is being sent still wakes the wait
             await self._request(batch, timeout, loop.time())
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wait_arrival(), timeout)
+            if not self._waiting and self._open_until is not None:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._arrived.wait(), timeout)
             if self._conflict:
                 raise BusError(f"pull request refused: {self._conflict}")
             if not self._waiting:
                 raise TimeoutError
         while len(self._waiting) < batch and self._waiting[-1].metadata.num_pending and self._open_until is not None:
             before = len(self._waiting)
+            self._arrived.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wait_arrival(), linger)
+                await asyncio.wait_for(self._arrived.wait(), linger)
             if len(self._waiting) == before:
                 break
         count = min(batch, len(self._waiting))
@@ -98,10 +101,6 @@ class PullInbox:
         self._open_until, self._owed, self._conflict = now + expires_s + EXPIRY_GRACE_S, batch, ""
         request = {"batch": batch, "expires": int(expires_s * 1e9)}
         await self.nc.publish(self.next_subject, json.dumps(request).encode(), reply=self._inbox)
-
-    async def _wait_arrival(self) -> None:
-        self._arrived.clear()
-        await self._arrived.wait()
 
     async def _on_msg(self, msg: Msg) -> None:
         status = msg.headers.get(Header.STATUS) if msg.headers else None
