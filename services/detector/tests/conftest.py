@@ -100,7 +100,7 @@ class Harness:
         """Publish an agent event on the node's subject, as its agent would."""
         return await self.agents.publish(subjects.node_event(node_id, event.type), event)
 
-    async def settled(self, timeout: float = 10.0) -> None:
+    async def settled(self, timeout: float = 30.0) -> None:
         """Wait until the detector has acknowledged every agent event and handled every report published so far."""
         reports = self.runtime.reports
         assert reports is not None
@@ -113,7 +113,14 @@ class Harness:
                 return False
             return reports.received >= expected and reports.idle
 
-        assert await wait_until(done, timeout), "the detector did not handle every event in time"
+        if not await wait_until(done, timeout):
+            info = await self.agents.js.consumer_info("AGENT", self.runtime.durable(EVENTS_DURABLE))
+            raise AssertionError(
+                "the detector did not handle every event in time: "
+                f"events pending {info.num_pending}, unacknowledged {info.num_ack_pending}; "
+                f"reports received {reports.received} of {expected}, handled {reports.handled}, idle {reports.idle}; "
+                f"connections made: detector {self.runtime.bus.generation}, agents {self.agents.generation}"
+            )
 
     async def report(self, node_id: str, ranks: list[RankStatus] | None = None, **fields: Any) -> None:
         """Publish a node report as the node's agent would."""
