@@ -149,3 +149,18 @@ def test_labels_show_briefly_in_the_context_sorted_escaped_and_cut() -> None:
     shown = context["elements"][1]["text"]
     assert len(shown) == slack.LABELS_TEXT and shown.endswith(slack.ELLIPSIS)
     assert shown.startswith("labels `example.com/key-00=")
+
+
+def test_each_alert_of_a_coalesced_message_shows_its_own_labels() -> None:
+    items = [
+        ("d1", _alert(labels={"team": "ml", "env": "prod"})),
+        ("d2", _alert(job_id="other")),
+        ("d3", _alert(labels={f"example.com/key-{i:02}": "v" * 63 for i in range(64)})),
+    ]
+    payload = slack.render(items)
+    _assert_within_limits(payload)
+    entries = {b["block_id"]: b["text"]["text"] for b in payload["blocks"] if b["type"] == "section"}
+    assert entries["d1"].endswith("\n*Labels:* `env=prod` `team=ml`")
+    assert "Labels" not in entries["d2"]  # no labels, no labels line
+    last_line = entries["d3"].rsplit("\n", 1)[1]
+    assert len(last_line) == slack.LABELS_TEXT and last_line.endswith(slack.ELLIPSIS)

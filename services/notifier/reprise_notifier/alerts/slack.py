@@ -195,6 +195,8 @@ def _digest_entry(alert: Alert) -> str:
     if alert.link:
         facts.append(f"<{alert.link}|open incident>")
     lines.append(" · ".join(facts))
+    if alert.labels:
+        lines.append(truncate(f"*Labels:* {labels_text(alert.labels)}", LABELS_TEXT))
     return "\n".join(lines)
 
 
