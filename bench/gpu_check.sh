@@ -1,27 +1,37 @@
 #!/usr/bin/env bash
 # One short check of the real NVML backend on a GPU machine (a few minutes): the gpu-marked tests, then what NVML
 # returned for every GPU as JSON ($OUT/nvml.json when OUT is set, else bench/results/nvml.json).
-# Offline machines: fill a wheelhouse first (Python 3.12, manylinux x86_64) and point WHEELHOUSE at it (default .whl/);
-# when that folder exists pip installs from it alone.
+# With internet: a virtual environment with the agent installed. Offline: fill a wheelhouse for that machine's Python
+# first (the command is in bench/gpu_wheels.txt) and point WHEELHOUSE at it (default .whl/); when that folder exists
+# the wheels go beside the machine's own python3 (which must have PyYAML, httpx, prometheus-client and Pygments) and
+# the sources are imported from the checkout.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-/tmp/reprise-gpu-venv}
 WHEELHOUSE=${WHEELHOUSE:-.whl}
+SITE=${SITE:-/tmp/reprise-gpu-site}
 RESULT=${OUT:+$OUT/nvml.json}
 RESULT=${RESULT:-bench/results/nvml.json}
 
 nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv || echo "nvidia-smi: not available"
-python3 -m venv "$VENV" || exit 1
-pip_args=(-q --disable-pip-version-check -c constraints.txt)
-[ -d "$WHEELHOUSE" ] && pip_args+=(--no-index --find-links "$WHEELHOUSE")
-# the cli package and libs/common[db] only so that the agent's other test modules and the root conftest import
-"$VENV/bin/python" -m pip install "${pip_args[@]}" nvidia-ml-py pytest pytest-asyncio pytest-timeout \
-  -e "libs/common[db]" -e services/agent -e cli || exit 1
+if [ -d "$WHEELHOUSE" ]; then
+  PY=python3
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+    "$WHEELHOUSE"/*.whl || exit 1
+  export PYTHONPATH="$SITE:libs/common:services/agent:cli:sdk"
+else
+  python3 -m venv "$VENV" || exit 1
+  PY=$VENV/bin/python
+  # the cli package and libs/common[db] only so that the agent's other test modules and the root conftest import
+  "$PY" -m pip install -q --disable-pip-version-check -c constraints.txt nvidia-ml-py pytest pytest-asyncio \
+    pytest-timeout -e "libs/common[db]" -e services/agent -e cli || exit 1
+fi
+"$PY" --version
 
-PYTHONUNBUFFERED=1 "$VENV/bin/python" -m pytest -m gpu services/agent -v -p no:cacheprovider
+PYTHONUNBUFFERED=1 "$PY" -m pytest -m gpu services/agent -v -p no:cacheprovider
 tests=$?
 
-"$VENV/bin/python" bench/gpu_check.py "$RESULT"
+"$PY" bench/gpu_check.py "$RESULT"
 dump=$?
 echo "gpu tests exit $tests, NVML dump exit $dump, JSON at $RESULT"
 exit $((tests != 0 ? tests : dump))
