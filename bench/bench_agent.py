@@ -10,6 +10,9 @@ and saves bench/results/agent.json:
   sdk_heartbeat_every_call_us    the same with coalescing off (REPRISE_SDK_INTERVAL_S=0): every call sends
   rank_exit_to_event_ms          SIGKILL of a rank → its rank.exited event received by a NATS subscriber (median, p99);
                                  target ≤ 200 ms
+
+``--gpu-backend nvml`` runs the agent on the machine's real GPUs instead (a GPU machine: bench/gpu_check.sh's setup)
+and saves bench/results/agent-nvml.json, with what the last report said of the GPUs.
 """
 
 from __future__ import annotations
@@ -53,19 +56,20 @@ async def cpu_share(pid: int, seconds: float) -> float:
 class Bench:
     """An agent process, its NATS, and a client that commands it and listens to it."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, gpu_backend: str = "sim") -> None:
         self.root = root
         self.nats = NatsServer(free_port(), free_port(), root / "nats", root / "nats.log")
         self.port = free_port()
         self.agent = ManagedProcess(
             "agent",
-            [str(Path(sys.executable).parent / "reprise-agent")],
+            [sys.executable, "-m", "reprise_agent"],
             root / "agent.log",
             {
                 "REPRISE_NODE_ID": NODE,
                 "REPRISE_HTTP_PORT": str(self.port),
                 "REPRISE_STATE_DIR": str(root / "agent"),
-                "REPRISE_GPU_COUNT": "8",
+                "REPRISE_GPU_BACKEND": gpu_backend,
+                "REPRISE_GPU_COUNT": "8",  # simulated GPUs; the real backend has what the machine has
                 "REPRISE_LOG_LEVEL": "WARNING",
             },
         )
@@ -139,6 +143,8 @@ async def measure_cpu(bench: Bench, seconds: float) -> dict[str, Any]:
         "ranks_reported": len(stepping),
         "last_reported_steps": stepping,
         "window_s": seconds,
+        "gpu_error": last.gpu_error,
+        "gpus": [g.model_dump(mode="json") for g in last.gpus],
     }
 
 
@@ -176,7 +182,7 @@ async def measure_sdk(bench: Bench, calls: int) -> tuple[dict[str, Any], dict[st
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="rp-agent-bench-", dir="/tmp") as tmp:
-        bench = Bench(Path(tmp))
+        bench = Bench(Path(tmp), args.gpu_backend)
         await bench.start()
         try:
             cpu = await measure_cpu(bench, args.seconds)
@@ -188,7 +194,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "agent_cpu_pct_of_one_core": cpu["agent_cpu_pct_of_one_core"],
         "agent_cpu_pct_idle": cpu["agent_cpu_pct_idle"],
         "agent_cpu_setup": {
-            "gpus": 8,
+            "gpu_backend": args.gpu_backend,
+            "gpus": len(cpu["gpus"]),
             "ranks": 8,
             "heartbeat_every_s": 0.01,
             "report_interval_s": 1.0,
@@ -199,6 +206,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "sdk_heartbeat_us": sdk,
         "sdk_heartbeat_every_call_us": sdk_every,
         "rank_exit_to_event_ms": exits,
+        "last_report_gpus": cpu["gpus"] if args.gpu_backend != "sim" else None,
+        "gpu_error": cpu["gpu_error"],
         "targets": {"agent_cpu_pct_of_one_core": 2.0, "sdk_heartbeat_median_us": 5.0, "rank_exit_to_event_ms": 200.0},
     }
 
@@ -208,15 +217,21 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=20.0, help="CPU measurement window")
     parser.add_argument("--samples", type=int, default=40, help="rank kills for the exit-latency figure")
     parser.add_argument("--calls", type=int, default=200_000, help="heartbeat calls for the SDK cost figure")
-    figures = asyncio.run(run(parser.parse_args()))
-    print(f"agent CPU, 8 GPUs + 8 ranks at 100 heartbeats/s: {figures['agent_cpu_pct_of_one_core']:.2f}% of one core")
+    parser.add_argument("--gpu-backend", choices=("sim", "nvml"), default="sim", help="the agent's GPUs")
+    args = parser.parse_args()
+    figures = asyncio.run(run(args))
+    gpus = figures["agent_cpu_setup"]["gpus"]
+    if figures["gpu_error"]:
+        print(f"GPU backend {args.gpu_backend} unavailable: {figures['gpu_error']}")
+    busy = figures["agent_cpu_pct_of_one_core"]
+    print(f"agent CPU, {gpus} GPUs + 8 ranks at 100 heartbeats/s: {busy:.2f}% of one core")
     print(f"agent CPU, idle:                                 {figures['agent_cpu_pct_idle']:.2f}% of one core")
     sdk, every = figures["sdk_heartbeat_us"], figures["sdk_heartbeat_every_call_us"]
     print(f"SDK heartbeat():          median {sdk['median_us']:.3f} µs, p99 {sdk['p99_us']:.3f} µs")
     print(f"SDK heartbeat(), no coalescing: median {every['median_us']:.3f} µs, p99 {every['p99_us']:.3f} µs")
     exits = figures["rank_exit_to_event_ms"]
     print(f"rank SIGKILL → rank.exited received: median {exits['median']:.1f} ms, p99 {exits['p99']:.1f} ms")
-    print(f"saved {write_result('agent', figures)}")
+    print(f"saved {write_result('agent' if args.gpu_backend == 'sim' else f'agent-{args.gpu_backend}', figures)}")
 
 
 if __name__ == "__main__":

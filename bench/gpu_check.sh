@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One short check of the real NVML backend on a GPU machine (a few minutes): the gpu-marked tests, then what NVML
-# returned for every GPU as JSON ($OUT/nvml.json when OUT is set, else bench/results/nvml.json).
+# One short check of the real NVML backend on a GPU machine (a few minutes): the gpu-marked tests, what NVML returned
+# for every GPU as JSON (nvml.json), then bench-agent with the agent on the real GPUs (agent-nvml.json); both in $OUT
+# when OUT is set, else in bench/results/.
 # With internet: a virtual environment with the agent installed. Offline: fill a wheelhouse for that machine's Python
 # first (the command is in bench/gpu_wheels.txt) and point WHEELHOUSE at it (default .whl/); when that folder exists
 # the wheels go beside the machine's own python3 (which must have PyYAML, httpx, prometheus-client and Pygments) and
@@ -18,7 +19,7 @@ if [ -d "$WHEELHOUSE" ]; then
   PY=python3
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
     "$WHEELHOUSE"/*.whl || exit 1
-  export PYTHONPATH="$SITE:libs/common:services/agent:cli:sdk"
+  export PYTHONPATH="$SITE:libs/common:services/agent:cli:sdk" PATH="$SITE/bin:$PATH"  # nats-server from its wheel
 else
   python3 -m venv "$VENV" || exit 1
   PY=$VENV/bin/python
@@ -33,5 +34,14 @@ tests=$?
 
 "$PY" bench/gpu_check.py "$RESULT"
 dump=$?
-echo "gpu tests exit $tests, NVML dump exit $dump, JSON at $RESULT"
-exit $((tests != 0 ? tests : dump))
+PYTHONUNBUFFERED=1 "$PY" -m bench.bench_agent --gpu-backend nvml
+agent=$?
+if [ "$agent" -ne 0 ]; then  # one more try: a free port can be taken between choosing and binding it
+  PYTHONUNBUFFERED=1 "$PY" -m bench.bench_agent --gpu-backend nvml
+  agent=$?
+fi
+[ -n "${OUT:-}" ] && [ -f bench/results/agent-nvml.json ] && cp bench/results/agent-nvml.json "$OUT/"
+echo "gpu tests exit $tests, NVML dump exit $dump, agent bench exit $agent, JSON at $RESULT"
+[ "$tests" -ne 0 ] && exit "$tests"
+[ "$dump" -ne 0 ] && exit "$dump"
+exit "$agent"
