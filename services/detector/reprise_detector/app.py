@@ -18,6 +18,7 @@ from reprise_common.service import (
     nats_check,
     settle_garbage_collector,
 )
+from reprise_detector import schema
 from reprise_detector.classify import load_rules
 from reprise_detector.incidents import views as incident_views
 from reprise_detector.nodes import views as node_views
@@ -28,7 +29,6 @@ from reprise_detector.pipeline import Detector
 from reprise_detector.placements import PlacementMap
 from reprise_detector.progress import HangLimits, HangWatch, ProgressBook, StragglerWatch
 from reprise_detector.runtime import Runtime
-from reprise_detector.schema import create_tables
 from reprise_detector.settings import DetectorSettings
 from reprise_detector.watch import Watcher
 
@@ -86,7 +86,7 @@ def create_app(settings: DetectorSettings, *, clock: Clock | None = None) -> Fas
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        await asyncio.to_thread(create_tables, runtime.engine)
+        await asyncio.to_thread(schema.upgrade, runtime.engine)
         runtime.background.start(runtime.start_consumers)
         settle_garbage_collector()
         try:

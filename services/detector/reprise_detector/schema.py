@@ -1,14 +1,16 @@
-"""Every table the detector owns, created together."""
+"""Every table the detector owns, and their migrations (run at every start)."""
 
 from __future__ import annotations
 
-from sqlalchemy.engine import Engine
+from pathlib import Path
 
-from reprise_detector.incidents.models import create_tables as create_incident_tables
-from reprise_detector.nodes.models import create_tables as create_node_tables
+from reprise_common.migrations import Migrations
 
-
-def create_tables(engine: Engine) -> None:
-    """Create the incident, symptom, node fault, quarantine and hang policy tables if missing."""
-    create_incident_tables(engine)
-    create_node_tables(engine)
+# Its own version table, so that the detector can share a database with another service's migrations.
+MIGRATIONS = Migrations(
+    directory=Path(__file__).resolve().parent / "migrations",
+    tables=frozenset({"incident", "symptom", "nodefault", "quarantine", "hangpolicy"}),
+    version_table="alembic_version_detector",
+)
+upgrade = MIGRATIONS.upgrade  # at every start, instead of create_all
+downgrade = MIGRATIONS.downgrade

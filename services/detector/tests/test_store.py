@@ -15,6 +15,7 @@ from reprise_common.bus import Bus
 from reprise_common.clock import ManualClock
 from reprise_common.db import make_engine, session_scope
 from reprise_common.events import Culprit, GpuXid, RankExited
+from reprise_detector import schema
 from reprise_detector.classify import load_rules
 from reprise_detector.correlate import Target
 from reprise_detector.incidents import service
@@ -22,7 +23,6 @@ from reprise_detector.incidents.models import Incident, IncidentState
 from reprise_detector.observe import observe
 from reprise_detector.pipeline import Detector, Work
 from reprise_detector.placements import PlacementMap
-from reprise_detector.schema import create_tables
 
 
 def _observation(xid: int = 79, time: datetime | None = None):  # type: ignore[no-untyped-def]
@@ -32,7 +32,7 @@ def _observation(xid: int = 79, time: datetime | None = None):  # type: ignore[n
 
 def _detector(database_url: str, clock: ManualClock) -> Detector:
     engine = make_engine(database_url)
-    create_tables(engine)
+    schema.upgrade(engine)
     bus = Bus(url="nats://127.0.0.1:1", service="unused")  # persist() never touches the bus
     return Detector(engine=engine, bus=bus, placements=PlacementMap(), rules=load_rules(), window_s=60, clock=clock)
 
@@ -54,7 +54,7 @@ async def test_times_come_back_utc_aware(database_url: str) -> None:
 
 async def test_a_naive_time_is_refused(sqlite_url: str) -> None:
     engine = make_engine(sqlite_url)
-    create_tables(engine)
+    schema.upgrade(engine)
     naive = datetime(2026, 1, 1)  # noqa: DTZ001 - the point of the test
     with pytest.raises(Exception, match="naive datetime"), session_scope(engine) as session:
         session.add(
@@ -90,7 +90,7 @@ async def test_a_replay_announces_the_same_changes_with_the_same_ids(database_ur
 @pytest.mark.parametrize("job_id", ["job-a", None])
 async def test_the_database_refuses_a_second_symptom_for_one_event(database_url: str, job_id: str | None) -> None:
     engine = make_engine(database_url)
-    create_tables(engine)
+    schema.upgrade(engine)
     observation = _observation()
     classification = load_rules().classify(observation.event)
     now = datetime(2026, 1, 1, tzinfo=UTC)

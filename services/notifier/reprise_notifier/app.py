@@ -14,13 +14,13 @@ from reprise_common.bus import Bus
 from reprise_common.clock import Clock, SystemClock
 from reprise_common.db import db_check, make_engine
 from reprise_common.service import Background, add_error_handlers, add_ops_routes, nats_check
+from reprise_notifier import schema
 from reprise_notifier.deliveries import views as delivery_views
 from reprise_notifier.deliveries.flows import DeliveryPolicy, Worker
 from reprise_notifier.deliveries.transport import Transport
 from reprise_notifier.ingest import Ingest, IngestRules
 from reprise_notifier.routing import load_routing
 from reprise_notifier.runtime import Runtime
-from reprise_notifier.schema import create_tables
 from reprise_notifier.settings import NotifierSettings
 
 SERVICE = "notifier"
@@ -72,7 +72,7 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        await asyncio.to_thread(create_tables, runtime.engine)
+        await asyncio.to_thread(schema.upgrade, runtime.engine)
         await runtime.start_workers()
         runtime.background.start(runtime.start_consumers)
         try:

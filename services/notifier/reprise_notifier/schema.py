@@ -1,14 +1,16 @@
-"""Every table the notifier owns, created together (names prefixed notifier_: the database may be shared)."""
+"""Every table the notifier owns (names prefixed notifier_), and their migrations (run at every start)."""
 
 from __future__ import annotations
 
-from sqlalchemy.engine import Engine
+from pathlib import Path
 
-from reprise_notifier.alerts.models import create_tables as create_alert_tables
-from reprise_notifier.deliveries.models import create_tables as create_delivery_tables
+from reprise_common.migrations import Migrations
 
-
-def create_tables(engine: Engine) -> None:
-    """Create the incident, outbox, dead-letter and destination tables if missing."""
-    create_alert_tables(engine)
-    create_delivery_tables(engine)
+# Its own version table, so that the notifier can share a database with other services' migrations.
+MIGRATIONS = Migrations(
+    directory=Path(__file__).resolve().parent / "migrations",
+    tables=frozenset({"notifier_incident", "notifier_delivery", "notifier_dead_letter", "notifier_destination"}),
+    version_table="alembic_version_notifier",
+)
+upgrade = MIGRATIONS.upgrade  # at every start, instead of create_all
+downgrade = MIGRATIONS.downgrade

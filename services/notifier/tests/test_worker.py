@@ -19,13 +19,13 @@ from sqlmodel import Session
 from reprise_cli.slack_receiver import SlackReceiver
 from reprise_common.clock import ManualClock
 from reprise_common.db import make_engine, session_scope
+from reprise_notifier import schema
 from reprise_notifier.alerts.models import Alert, AlertKind
 from reprise_notifier.deliveries import service
 from reprise_notifier.deliveries.flows import DeliveryPolicy, Worker, backoff_s
 from reprise_notifier.deliveries.models import Delivery, DeliveryState, SendResult, WaitReason, delivery_id
 from reprise_notifier.deliveries.transport import Transport, classify, parse_retry_after, scrub
 from reprise_notifier.routing import Destination, DestinationKind
-from reprise_notifier.schema import create_tables
 
 NAME = "ops"
 
@@ -34,7 +34,7 @@ NAME = "ops"
 def engine(sqlite_url: str) -> Iterator[Engine]:
     """The notifier's tables in a fresh SQLite file."""
     found = make_engine(sqlite_url)
-    create_tables(found)
+    schema.upgrade(found)
     yield found
     found.dispose()
 

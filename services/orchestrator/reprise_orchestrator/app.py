@@ -9,7 +9,6 @@ from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI
 from redis.asyncio import Redis
-from sqlmodel import SQLModel
 
 from reprise_common import subjects
 from reprise_common.bus import Bus
@@ -22,6 +21,7 @@ from reprise_common.service import (
     nats_check,
     settle_garbage_collector,
 )
+from reprise_orchestrator import schema
 from reprise_orchestrator.auth import flows as auth_flows
 from reprise_orchestrator.auth import views as auth_views
 from reprise_orchestrator.auth.audit import AuditMiddleware
@@ -92,7 +92,7 @@ def create_app(settings: OrchestratorSettings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        SQLModel.metadata.create_all(engine)
+        await asyncio.to_thread(schema.upgrade, engine)
         auth_flows.bootstrap(deps)
         background.start(on_connected)
         settle_garbage_collector()

@@ -7,10 +7,11 @@ from datetime import timedelta
 
 import pytest
 from sqlalchemy.engine import Engine
-from sqlmodel import Session, SQLModel
+from sqlmodel import Session
 
 from reprise_common.clock import utcnow
 from reprise_common.db import make_engine
+from reprise_orchestrator import schema
 from reprise_orchestrator.jobs import service
 from reprise_orchestrator.jobs.models import Job, JobCreate
 
@@ -25,7 +26,7 @@ JOBS = {
 def engine(database_url: str) -> Iterator[Engine]:
     """The orchestrator's tables with three jobs: a and b labelled, c without labels (as before labels existed)."""
     found = make_engine(database_url)
-    SQLModel.metadata.create_all(found, tables=[SQLModel.metadata.tables[str(Job.__tablename__)]])
+    schema.upgrade(found)
     start = utcnow()
     with Session(found) as session:
         for index, (name, labels) in enumerate(JOBS.items()):

@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 from sqlalchemy.engine import Engine
-from sqlmodel import Session, SQLModel, create_engine
+from sqlmodel import Session, create_engine
 
 from reprise_common.clock import utcnow
 from reprise_common.errors import ConflictError
+from reprise_orchestrator import schema
 from reprise_orchestrator.jobs import service
 from reprise_orchestrator.jobs.launch import PORT_SPAN, master_port_for
 from reprise_orchestrator.jobs.models import Job, JobCreate, JobState
@@ -57,7 +58,7 @@ def test_ports_in_use_are_those_of_active_jobs_whose_master_shares_the_host(tmp_
 
 def _engine(tmp_path: Path) -> Engine:
     engine = create_engine(f"sqlite:///{tmp_path / 'o.db'}")
-    SQLModel.metadata.create_all(engine)
+    schema.upgrade(engine)
     return engine
 
 

@@ -6,7 +6,6 @@ from datetime import datetime
 from enum import StrEnum
 
 from sqlalchemy import Index, String, Text, UniqueConstraint, text
-from sqlalchemy.engine import Engine
 from sqlmodel import Field, SQLModel
 
 from reprise_common.db import UTCDateTime
@@ -130,9 +129,3 @@ class IncidentDetail(IncidentPublic):
     """An incident with its symptoms, oldest first."""
 
     symptoms: list[SymptomPublic]
-
-
-def create_tables(engine: Engine) -> None:
-    """Create the detector's tables (only these, whatever else shares SQLModel's metadata) if missing."""
-    tables = [SQLModel.metadata.tables[str(model.__tablename__)] for model in (Incident, Symptom)]
-    SQLModel.metadata.create_all(engine, tables=tables)

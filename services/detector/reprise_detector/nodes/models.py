@@ -5,7 +5,6 @@ from __future__ import annotations
 from datetime import datetime
 
 from sqlalchemy import String, Text, UniqueConstraint
-from sqlalchemy.engine import Engine
 from sqlmodel import Field, SQLModel
 
 from reprise_common.db import UTCDateTime
@@ -115,9 +114,3 @@ class NodesHealthPublic(SQLModel):
 
     data: list[NodeHealthPublic]
     count: int
-
-
-def create_tables(engine: Engine) -> None:
-    """Create the node tables if missing."""
-    tables = [SQLModel.metadata.tables[str(m.__tablename__)] for m in (NodeFault, Quarantine, HangPolicy)]
-    SQLModel.metadata.create_all(engine, tables=tables)

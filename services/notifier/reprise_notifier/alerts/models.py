@@ -7,7 +7,6 @@ from enum import StrEnum
 
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
 from sqlalchemy import String, Text
-from sqlalchemy.engine import Engine
 from sqlmodel import Field as SQLField
 from sqlmodel import SQLModel
 
@@ -92,8 +91,3 @@ class IncidentRecord(SQLModel, table=True):
     def culprit(self) -> Culprit:
         """The culprit as the events carry it."""
         return Culprit(node_id=self.culprit_node_id, gpu=self.culprit_gpu, rank=self.culprit_rank)
-
-
-def create_tables(engine: Engine) -> None:
-    """Create the notifier's incident table (only it, whatever else shares SQLModel's metadata) if missing."""
-    SQLModel.metadata.create_all(engine, tables=[SQLModel.metadata.tables[str(IncidentRecord.__tablename__)]])

@@ -7,7 +7,6 @@ from datetime import datetime
 from enum import StrEnum
 
 from sqlalchemy import Index, String, Text
-from sqlalchemy.engine import Engine
 from sqlmodel import Field, SQLModel
 
 from reprise_common.db import UTCDateTime
@@ -160,9 +159,3 @@ class DestinationsPublic(SQLModel):
 
     data: list[DestinationPublic]
     count: int
-
-
-def create_tables(engine: Engine) -> None:
-    """Create the outbox, dead-letter and destination tables if missing."""
-    names = [str(model.__tablename__) for model in (Delivery, DeadLetter, DestinationState)]
-    SQLModel.metadata.create_all(engine, tables=[SQLModel.metadata.tables[name] for name in names])
