@@ -5,6 +5,7 @@ each touching only its own tables and keeping its revision in its own version ta
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from sqlalchemy import inspect
@@ -58,7 +59,7 @@ def test_upgrade_builds_the_models_schema_and_downgrade_removes_it(engine: Engin
     migrations.upgrade(engine)
     migrations.upgrade(engine)  # a second start finds nothing to do
     assert _tables(engine) == migrations.tables | {migrations.version_table}
-    assert _revision(engine, migrations) == migrations.baseline
+    assert _revision(engine, migrations) == migrations.head()
     drift = migrations.drift(engine, SQLModel.metadata)
     assert drift == [], f"models and migrations differ: {drift}"
     migrations.downgrade(engine, "base")
@@ -68,11 +69,15 @@ def test_upgrade_builds_the_models_schema_and_downgrade_removes_it(engine: Engin
 
 
 @pytest.mark.parametrize("service", ["detector", "orchestrator", "notifier"])  # the registry always had migrations
-def test_a_database_made_before_migrations_is_adopted(engine: Engine, service: str) -> None:
+def test_a_database_made_before_migrations_is_adopted(engine: Engine, service: str, tmp_path: Path) -> None:
     migrations = SERVICES[service]
-    SQLModel.metadata.create_all(engine, tables=[SQLModel.metadata.tables[name] for name in migrations.tables])
-    migrations.upgrade(engine)  # without the stamp this would fail: the tables already exist
-    assert _revision(engine, migrations) == migrations.baseline
+    scratch = make_engine(f"sqlite:///{tmp_path / 'baseline.db'}")
+    migrations.upgrade(scratch, migrations.baseline)
+    earlier = _tables(scratch) - {migrations.version_table}  # the tables the release before migrations made
+    scratch.dispose()
+    SQLModel.metadata.create_all(engine, tables=[SQLModel.metadata.tables[name] for name in earlier])
+    migrations.upgrade(engine)  # without the stamp this would fail: the baseline's tables already exist
+    assert _revision(engine, migrations) == migrations.head()
     assert migrations.drift(engine, SQLModel.metadata) == []
 
 

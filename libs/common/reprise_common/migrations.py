@@ -18,6 +18,7 @@ from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.config import Config
 from alembic.migration import MigrationContext
+from alembic.script import ScriptDirectory
 from sqlalchemy import MetaData, inspect
 from sqlalchemy.engine import Connection, Engine
 
@@ -53,6 +54,13 @@ class Migrations:
             if self._made_by_create_all(connection):
                 command.stamp(config, self.baseline)
             command.upgrade(config, revision)
+
+    def head(self) -> str:
+        """The newest revision: where `upgrade` brings the tables."""
+        head = ScriptDirectory.from_config(self.config()).get_current_head()
+        if head is None:
+            raise RuntimeError(f"no revisions in {self.directory}")
+        return head
 
     def downgrade(self, engine: Engine, revision: str) -> None:
         """Take this service's tables back to `revision` (tests, and operators rolling back a release)."""

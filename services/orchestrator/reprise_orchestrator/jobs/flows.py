@@ -34,8 +34,7 @@ async def submit(deps: Deps, spec: JobCreate) -> Job:
             if earlier is None:
                 break
             log.info("placed at the same moment as another job; choosing again", extra={"other_job": earlier})
-            session.delete(job)  # never launched, no fence drawn: nothing else knows it
-            session.commit()
+            service.discard(session, job)  # never launched, no fence drawn: nothing else knows it
         else:
             raise ConflictError(f"the job's nodes were taken by other submissions {PLACEMENT_ATTEMPTS} times in a row")
         job_id = job.id

@@ -7,12 +7,12 @@ from enum import StrEnum
 from typing import Any
 
 from pydantic import model_validator
-from sqlalchemy import JSON, Column
+from sqlalchemy import JSON, Column, Index
 from sqlmodel import Field, SQLModel
 
 from reprise_common.clock import utcnow
 from reprise_common.db import UTCDateTime
-from reprise_common.labels import MAX_LABELS, Labels
+from reprise_common.labels import MAX_LABELS, MAX_NAME, MAX_PREFIX, MAX_VALUE, Labels
 from reprise_common.settings import IdStr
 
 
@@ -149,6 +149,17 @@ class Job(JobBase, table=True):
     def labels(self) -> dict[str, str]:
         """The labels of the spec (checked when the job was submitted); none for a job from before labels."""
         return dict(self.spec.get("labels") or {})
+
+
+class JobLabel(SQLModel, table=True):
+    """One label of a job, kept beside its spec so that filtering jobs by label is an index lookup."""
+
+    __tablename__ = "job_label"
+    __table_args__ = (Index("ix_job_label_key_value", "key", "value"),)
+
+    job_id: str = Field(foreign_key="job.id", primary_key=True, ondelete="CASCADE")
+    key: str = Field(primary_key=True, max_length=MAX_PREFIX + 1 + MAX_NAME)
+    value: str = Field(max_length=MAX_VALUE)
 
 
 class JobPublic(JobBase):

@@ -5,14 +5,14 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, cast
 
-from sqlalchemy import update
+from sqlalchemy import delete, exists, update
 from sqlalchemy.engine import CursorResult
 from sqlmodel import Session, col, select
 
 from reprise_common.clock import utcnow
 from reprise_common.errors import NotFoundError
 from reprise_common.events import new_id
-from reprise_orchestrator.jobs.models import ACTIVE_STATES, Job, JobCreate, JobState
+from reprise_orchestrator.jobs.models import ACTIVE_STATES, Job, JobCreate, JobLabel, JobState
 from reprise_orchestrator.recoveries.models import Recovery, RecoveryStep
 
 
@@ -28,9 +28,17 @@ def create(session: Session, *, spec: JobCreate, placement: list[dict[str, Any]]
         placement=placement,
     )
     session.add(job)
+    session.add_all(JobLabel(job_id=job.id, key=key, value=value) for key, value in spec.labels.items())
     session.commit()
     session.refresh(job)
     return job
+
+
+def discard(session: Session, job: Job) -> None:
+    """Remove a job that was never launched (it lost its nodes to a concurrent submission), with its labels."""
+    session.execute(delete(JobLabel).where(col(JobLabel.job_id) == job.id))
+    session.delete(job)
+    session.commit()
 
 
 def get(session: Session, *, job_id: str) -> Job:
@@ -48,9 +56,11 @@ def get_all(
     query = select(Job).order_by(col(Job.created_at).desc()).limit(limit)
     if state is not None:
         query = query.where(Job.state == state)
-    for key, value in labels:
-        # A JSON path into the stored spec: JSON_EXTRACT on SQLite, #>> on PostgreSQL; a missing key is NULL.
-        query = query.where(col(Job.spec)[("labels", key)].as_string() == value)
+    for key, value in labels:  # each one an index lookup in job_label
+        carries = exists().where(
+            col(JobLabel.job_id) == col(Job.id), col(JobLabel.key) == key, col(JobLabel.value) == value
+        )
+        query = query.where(carries)
     return session.exec(query).all()
 
 
