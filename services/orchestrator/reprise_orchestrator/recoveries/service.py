@@ -46,8 +46,12 @@ def covering(session: Session, *, job_id: str, symptom_at: datetime) -> Recovery
     """The latest recovery that already stopped the ranks a symptom at `symptom_at` came from, if any.
 
     A symptom older than a recovery's relaunch is about processes that recovery replaced: it is not a new fault.
+    Recoveries are read one at a time, newest first, and usually only the newest is: each holds its step data, which
+    is large for a job of thousands of ranks, and a long job has many.
     """
-    for recovery in get_all_by_job(session, job_id=job_id):
+    newest_first = select(Recovery.id).where(Recovery.job_id == job_id).order_by(col(Recovery.started_at).desc())
+    for recovery_id in session.exec(newest_first).all():
+        recovery = session.get_one(Recovery, recovery_id)
         relaunched = next((s["started_at"] for s in recovery.steps if s["step"] == RecoveryStep.LAUNCHING), None)
         if relaunched is not None and symptom_at < datetime.fromisoformat(relaunched):
             return recovery
