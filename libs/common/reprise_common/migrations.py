@@ -44,7 +44,6 @@ class Migrations:
         config = Config()
         config.set_main_option("script_location", str(self.directory))
         config.attributes["connection"] = connection
-        config.attributes["migrations"] = self
         return config
 
     def upgrade(self, engine: Engine, revision: str = "head") -> None:
