@@ -35,7 +35,17 @@ from bench.common import write_result
 from reprise_cli.servers import ManagedProcess, NatsServer, free_port, wait_until
 from reprise_common import subjects
 from reprise_common.bus import Bus
-from reprise_common.events import AgentCommand, CommandAction, CommandReply, CommandResult, NodeReport, RankExited
+from reprise_common.events import (
+    CommandReply,
+    CommandResult,
+    LaunchArgs,
+    LaunchCommand,
+    NodeReport,
+    RankAssignment,
+    RankExited,
+    StopArgs,
+    StopCommand,
+)
 
 NODE = "bench-1"
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(3600)"]
@@ -103,24 +113,30 @@ class Bench:
     async def _on_report(self, msg: Any) -> None:
         self.reports.append(NodeReport.model_validate_json(msg.data))
 
-    async def command(self, job_id: str, action: CommandAction, **args: Any) -> CommandReply:
+    async def command(self, cmd: LaunchCommand | StopCommand) -> CommandReply:
         assert self.bus is not None
-        self.fence += 1
-        cmd = AgentCommand(
-            command_id=f"{job_id}:{action}:{self.fence}", job_id=job_id, fence=1, action=action, args=args
-        )
         reply = await self.bus.request(subjects.node_command(NODE), cmd, CommandReply, timeout=30)
         if reply.result is not CommandResult.DONE:
-            raise RuntimeError(f"{action} failed: {reply.detail}")
+            raise RuntimeError(f"{cmd.action} failed: {reply.detail}")
         return reply
 
+    def command_id(self, job_id: str, action: str) -> str:
+        """A new command id for the job (each command runs once)."""
+        self.fence += 1
+        return f"{job_id}:{action}:{self.fence}"
+
     async def launch(self, job_id: str, command: list[str], ranks: int, env: dict[str, str] | None = None) -> list[int]:
-        assignments = [{"rank": r, "node_id": NODE, "gpu": r, "local_rank": r} for r in range(ranks)]
-        reply = await self.command(
-            job_id, CommandAction.LAUNCH, restart_epoch=0, world_size=ranks, master_addr="127.0.0.1",
-            master_port=29500, command=command, ranks=assignments, env=env or {},
-        )  # fmt: skip
+        assignments = [RankAssignment(rank=r, node_id=NODE, gpu=r, local_rank=r) for r in range(ranks)]
+        args = LaunchArgs(restart_epoch=0, world_size=ranks, master_addr="127.0.0.1", master_port=29500,
+                          command=command, ranks=assignments, env=env or {})  # fmt: skip
+        reply = await self.command(LaunchCommand(command_id=self.command_id(job_id, "launch"), job_id=job_id, fence=1,
+                                                 args=args))  # fmt: skip
         return [int(pid) for pid in reply.data["pids"]]
+
+    async def stop_job(self, job_id: str, *, grace_s: float) -> None:
+        """Stop the job's ranks on the node."""
+        command_id = self.command_id(job_id, "stop")
+        await self.command(StopCommand(command_id=command_id, job_id=job_id, fence=1, args=StopArgs(grace_s=grace_s)))
 
     async def stop(self) -> None:
         if self.bus is not None:
@@ -136,7 +152,7 @@ async def measure_cpu(bench: Bench, seconds: float) -> dict[str, Any]:
     busy = await cpu_share(bench.agent.pid, seconds)
     last = bench.reports[-1]
     stepping = [r.step for r in last.ranks if r.job_id == "heartbeats"]
-    await bench.command("heartbeats", CommandAction.STOP, grace_s=2)
+    await bench.stop_job("heartbeats", grace_s=2)
     return {
         "agent_cpu_pct_of_one_core": round(busy, 3),
         "agent_cpu_pct_idle": round(idle, 3),
@@ -162,7 +178,7 @@ async def measure_exit_latency(bench: Bench, samples: int) -> dict[str, Any]:
         if job not in bench.exits:
             raise RuntimeError(f"no rank.exited event for {job} within 5 s")
         latencies_ms.append((bench.exits[job] - killed) / 1e6)
-        await bench.command(job, CommandAction.STOP, grace_s=1)
+        await bench.stop_job(job, grace_s=1)
     ordered = sorted(latencies_ms)
     return {
         "samples": samples,

@@ -126,7 +126,7 @@ class Stack:
         assert self.bus is not None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            info = await self.bus.js.consumer_info("AGENT", EVENTS_DURABLE)
+            info = await self.bus.js.consumer_info(subjects.AGENT_STREAM, EVENTS_DURABLE)
             if not info.num_pending and not info.num_ack_pending:
                 return
             await asyncio.sleep(0.05)
@@ -387,13 +387,15 @@ def _publish_storm(url: str, payloads: list[tuple[str, bytes, str]], started: An
     async def run() -> None:
         nc = await nats.connect(url)
         js = nc.jetstream(timeout=30)
-        stored = (await js.stream_info("AGENT")).state.messages
+        stored = (await js.stream_info(subjects.AGENT_STREAM)).state.messages
         started.value = time.time()
         for subject, data, msg_id in payloads:
             await nc.publish(subject, data, headers={"Nats-Msg-Id": msg_id})
         await nc.flush()
         deadline = time.monotonic() + 120
-        while (await js.stream_info("AGENT")).state.messages < stored + len(payloads) and time.monotonic() < deadline:
+        while (await js.stream_info(subjects.AGENT_STREAM)).state.messages < stored + len(
+            payloads
+        ) and time.monotonic() < deadline:
             await asyncio.sleep(0.005)
         finished.value = time.time()
         await nc.drain()

@@ -37,16 +37,17 @@ from reprise_common.bus import Bus
 from reprise_common.clock import utcnow
 from reprise_common.errors import BusError
 from reprise_common.events import (
-    AgentCommand,
-    CommandAction,
     CommandReply,
     CommandResult,
     GpuStatus,
+    LaunchCommand,
     NodeReport,
-    RankAssignment,
+    PingCommand,
     RankStatus,
+    StopCommand,
     Wire,
     new_id,
+    parse_command,
 )
 from reprise_common.logging import configure_logging, get_logger
 
@@ -131,23 +132,23 @@ class Fleet:
 
     def _answerer(self, node: SimNode) -> Callable[[bytes], Awaitable[Wire]]:
         async def on_command(data: bytes) -> Wire:
-            command = AgentCommand.model_validate_json(data)
+            command = parse_command(data)
             reply = await node.book.run(command, lambda c: self._execute(node, c))
-            if command.action is CommandAction.LAUNCH and reply.result is CommandResult.DONE and not reply.duplicate:
+            if isinstance(command, LaunchCommand) and reply.result is CommandResult.DONE and not reply.duplicate:
                 await self._record_ack(node.node_id, command)
             return reply
 
         return on_command
 
-    async def _record_ack(self, node_id: str, command: AgentCommand) -> None:
-        key = (command.job_id, int(command.args["restart_epoch"]))
+    async def _record_ack(self, node_id: str, command: LaunchCommand) -> None:
+        key = (command.job_id, command.args.restart_epoch)
         async with self._acked:
             self._acks.setdefault(key, {})[node_id] = time.time()  # wall clock: compared with the publisher's
             self._acked.notify_all()
 
-    async def _execute(self, node: SimNode, command: AgentCommand) -> CommandReply:
-        if command.action is CommandAction.LAUNCH:
-            epoch = int(command.args["restart_epoch"])
+    async def _execute(self, node: SimNode, command: PingCommand | LaunchCommand | StopCommand) -> CommandReply:
+        if isinstance(command, LaunchCommand):
+            epoch = command.args.restart_epoch
             resume_step = 0  # the benchmark's jobs have no validated checkpoint: they resume from the beginning
             node.ranks = {  # one job per node at a time, as the benchmark runs them
                 (command.job_id, a.rank): RankStatus(
@@ -159,11 +160,11 @@ class Fleet:
                     phase="training",
                     heartbeat_age_s=0.1,
                 )
-                for a in (RankAssignment.model_validate(r) for r in command.args["ranks"])
+                for a in command.args.ranks
             }
             node.report = None
             data: dict[str, object] = {"pids": [0] * len(node.ranks)}
-        elif command.action is CommandAction.STOP:
+        elif isinstance(command, StopCommand):
             stopped = [key for key in node.ranks if key[0] == command.job_id]
             for key in stopped:
                 del node.ranks[key]

@@ -19,8 +19,11 @@ from reprise_cli.jobs_cli import resolve_target
 from reprise_cli.main import main
 from reprise_cli.servers import ManagedProcess, NatsServer, RedisServer, free_port, wait_until
 from reprise_common.db import make_engine
+from reprise_common.events import Category, Culprit, IncidentChange, RecommendedAction, Severity
 from reprise_orchestrator.jobs.models import Job
-from reprise_orchestrator.recoveries.models import Recovery, RecoveryStep
+from reprise_orchestrator.recoveries.models import Recovery
+from reprise_orchestrator.recoveries.records import StepRecord
+from reprise_orchestrator.recoveries.states import RecoveryStep
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "jobs" / "ticker.yaml"
@@ -121,9 +124,24 @@ def _add_recovery(platform: Platform, job_id: str) -> None:
     """A finished recovery in the orchestrator's database, so `show` has steps to time."""
     start = datetime(2026, 1, 1, tzinfo=UTC)
 
-    def step(name: str, begin: float, end: float | None) -> dict[str, object]:
-        finished = None if end is None else (start + timedelta(seconds=end)).isoformat()
-        return {"step": name, "started_at": (start + timedelta(seconds=begin)).isoformat(), "ended_at": finished}
+    def step(name: RecoveryStep, begin: float, end: float | None, **data: object) -> StepRecord:
+        finished = None if end is None else start + timedelta(seconds=end)
+        return StepRecord.model_validate(
+            {"step": name, "started_at": start + timedelta(seconds=begin), "ended_at": finished, "data": data}
+        )
+
+    incident = IncidentChange(
+        source="detector",
+        change="opened",
+        incident_id="inc-cli",
+        job_id=job_id,
+        category=Category.APPLICATION,
+        severity=Severity.CRITICAL,
+        root_cause="rank 1 exited with exit code 1",
+        culprit=Culprit(node_id="node-1", rank=1, exit_code=1),
+        recommended_action=RecommendedAction.RESTART_JOB,
+        first_symptom_at=start,
+    )
 
     engine = make_engine(platform.database_url)
     with Session(engine) as session:
@@ -135,7 +153,11 @@ def _add_recovery(platform: Platform, job_id: str) -> None:
                 fence=1,
                 owner="test",
                 step=RecoveryStep.LAUNCHING,
-                steps=[step("detected", 0, 0.25), step("stopping_ranks", 0.25, 1.75), step("launching", 1.75, None)],
+                steps=[
+                    step(RecoveryStep.DETECTED, 0, 0.25, **incident.model_dump()),
+                    step(RecoveryStep.STOPPING_RANKS, 0.25, 1.75),
+                    step(RecoveryStep.LAUNCHING, 1.75, None),
+                ],
                 started_at=start,
             )
         )

@@ -17,6 +17,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy, DiscardPolicy, RetentionPolicy, StreamConfig
+from pydantic import ValidationError
 
 from reprise_common.consumer import (  # Delivery, Handler and Outcome are part of this module's interface
     BatchHandler,
@@ -26,7 +27,7 @@ from reprise_common.consumer import (  # Delivery, Handler and Outcome are part 
     Outcome,
     one_at_a_time,
 )
-from reprise_common.errors import BusError
+from reprise_common.errors import BadReplyError, BusError, NoRespondersError, NotConnectedError, RequestTimeoutError
 from reprise_common.events import DeadLetter, Event, Wire
 from reprise_common.fanout import request_many
 from reprise_common.follow import PENDING_MSGS, Follower, SnapshotHandler
@@ -109,7 +110,7 @@ class Bus:
     def nc(self) -> Client:
         """The underlying client; raises BusError before connect()."""
         if self._nc is None:
-            raise BusError("not connected to NATS: call connect() first")
+            raise NotConnectedError("not connected to NATS: call connect() first")
         return self._nc
 
     @property
@@ -121,7 +122,7 @@ class Bus:
     def js(self) -> JetStreamContext:
         """The JetStream context; raises BusError before connect()."""
         if self._js is None:
-            raise BusError("not connected to NATS: call connect() first")
+            raise NotConnectedError("not connected to NATS: call connect() first")
         return self._js
 
     async def connect(self, *, attempts: int | None = None, retry_s: float = 0.5) -> None:
@@ -251,7 +252,7 @@ class Bus:
         client cannot take it.
         """
         if not self.connected:
-            raise BusError(f"not connected: snapshot on {subject} skipped")
+            raise NotConnectedError(f"not connected: snapshot on {subject} skipped")
         try:
             await self.nc.publish(subject, event.to_bytes())
         except nats.errors.Error as exc:
@@ -259,21 +260,31 @@ class Bus:
         EVENTS_PUBLISHED.labels(self.service, subject_kind(subject)).inc()
 
     async def request(self, subject: str, message: Wire, reply_type: type[W], *, timeout: float = 5.0) -> W:
-        """Send a request over core NATS and parse the reply; raises BusError on no responder or timeout."""
+        """Send a request over core NATS and parse the reply.
+
+        Raises NoRespondersError when nothing listens, RequestTimeoutError when no reply came in time, BadReplyError
+        for a reply of the wrong shape, and BusError for anything else the client refused.
+        """
         try:
             msg = await self.nc.request(subject, message.model_dump_json().encode(), timeout=timeout)
         except nats.errors.NoRespondersError as exc:
-            raise BusError(f"no responder on {subject}") from exc
-        except (nats.errors.Error, TimeoutError) as exc:
+            raise NoRespondersError(subject) from exc
+        except (nats.errors.TimeoutError, TimeoutError) as exc:
+            raise RequestTimeoutError(f"no reply on {subject} within {timeout:g} s") from exc
+        except nats.errors.Error as exc:
             raise BusError(f"request to {subject} failed: {exc!r}") from exc
-        return reply_type.model_validate_json(msg.data)
+        try:
+            return reply_type.model_validate_json(msg.data)
+        except ValidationError as exc:
+            raise BadReplyError(f"bad reply on {subject}: {str(exc)[:200]}") from exc
 
     async def request_many(
         self, messages: Mapping[str, Wire], reply_type: type[W], *, timeout: float = 5.0
     ) -> dict[str, W | BusError]:
         """Send one request per subject at once; each subject's parsed reply, or the BusError saying why none came.
 
-        The errors read as `request()`'s do ("no responder on <subject>" when nothing listens); see fanout.py.
+        The errors are `request()`'s classes (NoRespondersError when nothing listens, RequestTimeoutError when the
+        deadline passed first); see fanout.py.
         """
         return await request_many(self.nc, messages, reply_type, timeout=timeout)
 

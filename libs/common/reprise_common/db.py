@@ -9,7 +9,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
-from sqlalchemy import DateTime, Table, event, func, text
+from pydantic import TypeAdapter
+from sqlalchemy import JSON, DateTime, Table, event, func, text
 from sqlalchemy.engine import Connection, Dialect, Engine
 from sqlalchemy.types import TypeDecorator
 from sqlmodel import Session, SQLModel, col, create_engine, select
@@ -19,6 +20,10 @@ SQLITE_BUSY_TIMEOUT_MS = 30_000
 # Bound values per INSERT statement: SQLite allows 32,766 since 3.32 (999 before), PostgreSQL 65,535.
 MAX_BOUND_VALUES = {"sqlite": 32_766, "postgresql": 65_535}
 SQLITE_OLD_MAX_BOUND_VALUES = 999
+# Connections per engine: request handlers (threads) may hold at most REQUEST_SESSIONS of them at once, so the event
+# loop's own database work (a service's consumers, its reconciler) always finds one free and never waits on the pool.
+POOL_SIZE, POOL_OVERFLOW = 10, 20
+REQUEST_SESSIONS = 16
 _UNSET = object()
 
 
@@ -45,6 +50,29 @@ class UTCDateTime(TypeDecorator[datetime]):
         return stamp.replace(tzinfo=UTC) if stamp.tzinfo is None else stamp.astimezone(UTC)
 
 
+class TypedJSON(TypeDecorator[Any]):
+    """A JSON column that holds one pydantic type: checked and written as JSON, read back as that type (never as bare
+    dicts read by key). The schema sees plain JSON, so changing a column to it needs no migration."""
+
+    impl = JSON
+    cache_ok = True
+
+    def __init__(self, model: Any) -> None:
+        super().__init__()
+        self.model = model  # named as the parameter: SQLAlchemy builds the statement cache key from it
+        self._adapter: TypeAdapter[Any] = TypeAdapter(model)
+
+    def process_bind_param(self, value: Any, dialect: Dialect) -> Any:
+        """Validate (models or plain values alike) and dump to JSON-compatible values."""
+        if value is None:
+            return None
+        return self._adapter.dump_python(self._adapter.validate_python(value), mode="json")
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> Any:
+        """Parse the stored JSON back into the type."""
+        return None if value is None else self._adapter.validate_python(value)
+
+
 def normalise_url(url: str) -> str:
     """Use the psycopg 3 driver for plain postgresql:// URLs."""
     if url.startswith("postgresql://"):
@@ -58,7 +86,12 @@ def make_engine(url: str) -> Engine:
     if url.startswith("sqlite:///") and url != "sqlite:///:memory:":
         Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
     if url.startswith("sqlite"):
-        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_MS / 1000})
+        engine = create_engine(
+            url,
+            connect_args={"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_MS / 1000},
+            pool_size=POOL_SIZE,
+            max_overflow=POOL_OVERFLOW,
+        )
 
         @event.listens_for(engine, "connect")
         def _pragmas(dbapi_conn: Any, _record: Any) -> None:
@@ -70,7 +103,7 @@ def make_engine(url: str) -> Engine:
             cursor.close()
 
         return engine
-    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+    return create_engine(url, pool_pre_ping=True, pool_size=POOL_SIZE, max_overflow=POOL_OVERFLOW)
 
 
 @contextmanager

@@ -33,6 +33,26 @@ class BusError(RepriseError):
     """The message bus could not do what was asked (not connected, no responder, timeout)."""
 
 
+class NotConnectedError(BusError):
+    """The client holds no live connection to NATS (before connect(), or while it reconnects)."""
+
+
+class NoRespondersError(BusError):
+    """Nothing listens on a request's subject: the server answered at once that no one will reply."""
+
+    def __init__(self, subject: str) -> None:
+        super().__init__(f"no responder on {subject}")
+        self.subject = subject
+
+
+class RequestTimeoutError(BusError):
+    """A request was sent but no reply came within its deadline (the responder may still act on it)."""
+
+
+class BadReplyError(BusError):
+    """A reply came but could not be parsed as the expected type."""
+
+
 class MalformedEventError(RepriseError):
     """A message could not be parsed into a known event schema; it is dead-lettered, never retried."""
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections import deque
+from collections.abc import Mapping
 from datetime import datetime
 from enum import StrEnum
 from typing import Annotated, Any, ClassVar, Literal
@@ -244,6 +245,19 @@ class Category(StrEnum):
     UNKNOWN = "unknown"
 
 
+# How fundamental a cause is (a deeper cause arriving later becomes the incident's root cause): hardware faults outrank
+# node loss, which outranks dependency failures, which outrank rank crashes and hangs. Within one tier the earliest
+# symptom is the root cause. Secondary symptoms (root_cause_grade false) never lead: they are evidence.
+CAUSE_DEPTH: Mapping[str, int] = {
+    Category.UNKNOWN: 1,
+    Category.APPLICATION: 1,
+    Category.DEPENDENCY: 2,
+    Category.NODE: 3,
+    Category.INTERCONNECT: 4,
+    Category.GPU_HARDWARE: 4,
+}
+
+
 class Severity(StrEnum):
     """How bad an incident is for the job."""
 
@@ -269,6 +283,9 @@ class Culprit(Wire):
     gpu: int | None = None
     rank: int | None = None
     exit_code: int | None = Field(default=None, description="the culprit rank's exit code when it exited")
+    restart_epoch: int | None = Field(
+        default=None, ge=0, description="the launch the culprit rank belonged to, when the symptom says it"
+    )
 
 
 class IncidentChange(Event):
@@ -334,6 +351,27 @@ class RecoveryChange(Event):
     labels: dict[str, str] = Field(default_factory=dict, description="the job's labels, from its spec")
 
 
+class ComputeSignalKind(StrEnum):
+    """A failure the compute backend (a cluster scheduler) saw on its own."""
+
+    NODE_DOWN = "node_down"  # the scheduler set the node down
+    NODE_NOT_RESPONDING = "node_not_responding"  # the scheduler lost contact with the node
+    NODE_FAIL = "node_fail"  # the scheduler ended the job because one of its nodes failed
+    PREEMPTED = "preempted"  # not a fault of the hardware: the job was preempted
+    TIME_LIMIT = "time_limit"  # not a fault of the hardware: the job reached its time limit
+
+
+class ComputeSignal(Event):
+    """A failure signal of the compute backend, announced by the orchestrator that runs the backend."""
+
+    type: Literal["compute.signal"] = "compute.signal"
+    backend: str = Field(min_length=1, max_length=64)
+    kind: ComputeSignalKind
+    node_id: str | None = Field(default=None, max_length=256)
+    job_id: str | None = Field(default=None, max_length=256)
+    detail: str = Field(default="", max_length=2000)
+
+
 # --- node reputation ----------------------------------------------------------------------------------------
 class QuarantineReason(StrEnum):
     """Why the detector recommends taking a node out of service."""
@@ -392,6 +430,7 @@ AnyEvent = Annotated[
     | IncidentChange
     | JobPlacement
     | RecoveryChange
+    | ComputeSignal
     | DeadLetter
     | NodeQuarantineRecommended
     | CheckpointChange,
@@ -409,6 +448,7 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     IncidentChange,
     JobPlacement,
     RecoveryChange,
+    ComputeSignal,
     DeadLetter,
     NodeQuarantineRecommended,
     CheckpointChange,
@@ -420,12 +460,17 @@ def parse_event(data: bytes) -> Event:
     try:
         event: Event = _ANY_EVENT.validate_json(data)  # in one pass: no dict of the JSON first
     except ValidationError as exc:
-        first = exc.errors()[0]
-        if first["type"] == "json_invalid":
-            raise MalformedEventError(f"not JSON: {first['msg']}") from exc
-        where = ".".join(str(p) for p in first["loc"]) or "(root)"
-        raise MalformedEventError(f"invalid event at {where}: {first['msg']}") from exc
+        raise malformed(exc, "event") from exc
     return event
+
+
+def malformed(exc: ValidationError, what: str) -> MalformedEventError:
+    """A one-line MalformedEventError for the first problem pydantic found in a message."""
+    first = exc.errors()[0]
+    if first["type"] == "json_invalid":
+        return MalformedEventError(f"not JSON: {first['msg']}")
+    where = ".".join(str(p) for p in first["loc"]) or "(root)"
+    return MalformedEventError(f"invalid {what} at {where}: {first['msg']}")
 
 
 def event_timestamp(event: Event) -> datetime:
@@ -442,15 +487,67 @@ class CommandAction(StrEnum):
     STOP = "stop"
 
 
+class LaunchArgs(Wire):
+    """What an agent needs to start its node's ranks of one restart epoch (one schema for both ends)."""
+
+    restart_epoch: int = Field(ge=0)
+    world_size: int = Field(ge=1, le=1_048_576)
+    master_addr: str = Field(min_length=1, max_length=255, description="rank 0's node: the rendezvous host")
+    master_port: int = Field(ge=1, le=65535)
+    command: list[str] = Field(min_length=1, description="the training command, argv style")
+    env: dict[str, str] = Field(default_factory=dict, description="extra environment for every rank")
+    cwd: str | None = Field(default=None, max_length=4096)
+    resume_checkpoint: str | None = Field(
+        default=None, max_length=4096, description="the validated checkpoint to resume from; None: from the start"
+    )
+    ranks: list[RankAssignment] = Field(min_length=1, description="this node's ranks only")
+
+
+class StopArgs(Wire):
+    """How an agent stops a job's ranks on its node: SIGTERM, then SIGKILL after the grace period."""
+
+    grace_s: float = Field(default=5.0, gt=0, le=3600)
+
+
 class AgentCommand(Wire):
-    """A fenced, idempotent command to one agent."""
+    """What every fenced, idempotent command to one agent carries; the action's own class adds its arguments."""
 
     command_id: str = Field(min_length=1, max_length=256)
-    job_id: str
+    job_id: str = Field(min_length=1, max_length=256)
     fence: int = Field(ge=0)
-    action: CommandAction
-    args: dict[str, Any] = Field(default_factory=dict)
     issued_at: AwareDatetime = Field(default_factory=utcnow)
+
+
+class PingCommand(AgentCommand):
+    """Are you there, and what do you run?"""
+
+    action: Literal[CommandAction.PING] = CommandAction.PING
+
+
+class LaunchCommand(AgentCommand):
+    """Start the job's ranks of a new restart epoch on this node."""
+
+    action: Literal[CommandAction.LAUNCH] = CommandAction.LAUNCH
+    args: LaunchArgs
+
+
+class StopCommand(AgentCommand):
+    """Stop every rank of the job on this node."""
+
+    action: Literal[CommandAction.STOP] = CommandAction.STOP
+    args: StopArgs = Field(default_factory=StopArgs)
+
+
+AnyCommand = Annotated[PingCommand | LaunchCommand | StopCommand, Field(discriminator="action")]
+_ANY_COMMAND: TypeAdapter[PingCommand | LaunchCommand | StopCommand] = TypeAdapter(AnyCommand)
+
+
+def parse_command(data: bytes) -> PingCommand | LaunchCommand | StopCommand:
+    """Parse a command by its ``action``; raises MalformedEventError with a one-line reason."""
+    try:
+        return _ANY_COMMAND.validate_json(data)
+    except ValidationError as exc:
+        raise malformed(exc, "command") from exc
 
 
 class CommandResult(StrEnum):

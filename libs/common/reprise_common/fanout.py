@@ -18,7 +18,7 @@ from nats.aio.msg import Msg
 from nats.js.api import Header
 from pydantic import ValidationError
 
-from reprise_common.errors import BusError
+from reprise_common.errors import BadReplyError, BusError, NoRespondersError, NotConnectedError, RequestTimeoutError
 from reprise_common.events import Wire
 
 W = TypeVar("W", bound=Wire)
@@ -40,12 +40,12 @@ async def request_many(
         if subject in replies:
             return  # a second responder on the subject: the first answer counts
         if msg.headers and msg.headers.get(Header.STATUS) == NO_RESPONDERS_STATUS:
-            replies[subject] = BusError(f"no responder on {subject}")
+            replies[subject] = NoRespondersError(subject)
         else:
             try:
                 replies[subject] = reply_type.model_validate_json(msg.data)
             except ValidationError as exc:
-                replies[subject] = BusError(f"bad reply on {subject}: {str(exc)[:200]}")
+                replies[subject] = BadReplyError(f"bad reply on {subject}: {str(exc)[:200]}")
         if len(replies) == len(subjects):
             complete.set()
 
@@ -55,7 +55,9 @@ async def request_many(
             try:
                 payload = messages[subject].model_dump_json().encode()
                 await nc.publish(subject, payload, reply=f"{inbox}.{index}")
-            except nats.errors.Error as exc:  # not connected, a payload over the server's limit
+            except nats.errors.ConnectionClosedError as exc:
+                replies[subject] = NotConnectedError(f"request to {subject} failed: {exc!r}")
+            except nats.errors.Error as exc:  # a payload over the server's limit, a connection going away
                 replies[subject] = BusError(f"request to {subject} failed: {exc!r}")
         if len(replies) < len(subjects):
             with contextlib.suppress(TimeoutError):
@@ -63,5 +65,5 @@ async def request_many(
     finally:
         with contextlib.suppress(nats.errors.Error):
             await sub.unsubscribe()
-    missing = BusError(f"no reply within {timeout:g} s")
+    missing = RequestTimeoutError(f"no reply within {timeout:g} s")
     return {subject: replies.get(subject, missing) for subject in subjects}

@@ -68,6 +68,7 @@ def incident(job_id: str, change: str) -> str:
 
 INCIDENTS_ALL = f"{PREFIX}.incident.>"
 INCIDENTS_OPENED = f"{PREFIX}.incident.*.opened"
+INCIDENTS_UPDATED = f"{PREFIX}.incident.*.updated"
 
 
 # --- orchestrator -> platform (JetStream) ---------------------------------------------------------------------
@@ -85,6 +86,14 @@ def recovery(job_id: str, change: str) -> str:
 
 
 RECOVERIES_ALL = f"{PREFIX}.recovery.>"
+
+
+def compute_signal(backend: str) -> str:
+    """A failure signal of a compute backend (a cluster scheduler), announced by the orchestrator running it."""
+    return f"{PREFIX}.compute.{token(backend)}.signal"
+
+
+COMPUTE_SIGNALS_ALL = f"{PREFIX}.compute.*.signal"
 
 
 # --- detector -> orchestrator (JetStream, stream NODES) -------------------------------------------------------
@@ -114,6 +123,17 @@ def dead_letter(service: str) -> str:
 DEAD_LETTERS_ALL = f"{PREFIX}.deadletter.>"
 
 
+# --- stream names: the only place they are spelled --------------------------------------------------------------
+AGENT_STREAM = "AGENT"
+INCIDENTS_STREAM = "INCIDENTS"
+PLACEMENTS_STREAM = "PLACEMENTS"
+RECOVERIES_STREAM = "RECOVERIES"
+CHECKPOINTS_STREAM = "CHECKPOINTS"
+DEAD_LETTER_STREAM = "DEADLETTER"
+NODES_STREAM = "NODES"
+COMPUTE_STREAM = "COMPUTE"
+
+
 @dataclass(frozen=True)
 class StreamSpec:
     """A JetStream stream Reprise provisions (idempotently) at start."""
@@ -130,45 +150,51 @@ class StreamSpec:
 
 STREAMS: tuple[StreamSpec, ...] = (
     StreamSpec(
-        name="AGENT",
+        name=AGENT_STREAM,
         subjects=(AGENT_EVENTS,),
         max_age_s=3600.0,
         description="Discrete node events (XIDs, rank exits, dependency failures); node reports are core NATS.",
         retired_subjects=(AGENT_REPORTS,),
     ),
     StreamSpec(
-        name="INCIDENTS",
+        name=INCIDENTS_STREAM,
         subjects=(INCIDENTS_ALL,),
         max_age_s=7 * 86400.0,
         description="Incident opened / updated / resolved, from the detector.",
     ),
     StreamSpec(
-        name="PLACEMENTS",
+        name=PLACEMENTS_STREAM,
         subjects=(PLACEMENTS_ALL,),
         max_age_s=30 * 86400.0,
         max_msgs_per_subject=1,
         description="The latest placement of each job (last value per subject).",
     ),
     StreamSpec(
-        name="RECOVERIES",
+        name=RECOVERIES_STREAM,
         subjects=(RECOVERIES_ALL,),
         max_age_s=7 * 86400.0,
         description="Recovery started / step / succeeded / failed, from the orchestrator.",
     ),
     StreamSpec(
-        name="CHECKPOINTS",
+        name=CHECKPOINTS_STREAM,
         subjects=(CHECKPOINTS_ALL,),
         max_age_s=7 * 86400.0,
         description="Checkpoint validated / corrupt / deleted, from the checkpoint registry.",
     ),
     StreamSpec(
-        name="DEADLETTER",
+        name=DEAD_LETTER_STREAM,
         subjects=(DEAD_LETTERS_ALL,),
         max_age_s=14 * 86400.0,
         description="Messages a consumer could not parse, with the reason and the raw payload.",
     ),
     StreamSpec(
-        name="NODES",
+        name=COMPUTE_STREAM,
+        subjects=(COMPUTE_SIGNALS_ALL,),
+        max_age_s=7 * 86400.0,
+        description="Failure signals of the compute backend (node down, job preempted), from the orchestrator.",
+    ),
+    StreamSpec(
+        name=NODES_STREAM,
         subjects=(NODE_QUARANTINE_ALL,),
         max_age_s=30 * 86400.0,
         description="Node quarantine recommendations from the detector's node reputation.",

@@ -17,18 +17,16 @@ from reprise_agent.gpu.factory import open_backend
 from reprise_agent.gpu.sim import SimulatedGpus
 from reprise_agent.outbox import Outbox
 from reprise_agent.progress import ProgressBook, SdkMessage, SdkServer, default_socket_path
-from reprise_agent.ranks import LaunchSpec, RankProcess, RankSupervisor
+from reprise_agent.ranks import RankProcess, RankSupervisor
 from reprise_agent.settings import AgentSettings
 from reprise_common import subjects
 from reprise_common.bus import Bus
 from reprise_common.clock import SystemClock
-from reprise_common.errors import BusError
+from reprise_common.errors import BusError, MalformedEventError
 from reprise_common.events import (
     PROCESS_FAULTS,
-    AgentCommand,
     AgentLifecycle,
     CheckpointSaved,
-    CommandAction,
     CommandReply,
     CommandResult,
     DependencyFailed,
@@ -38,11 +36,14 @@ from reprise_common.events import (
     GpuXid,
     InjectFault,
     InjectReply,
+    LaunchCommand,
     NodeReport,
-    RankAssignment,
+    PingCommand,
     RankExited,
     RankStatus,
+    StopCommand,
     Wire,
+    parse_command,
 )
 from reprise_common.logging import get_logger
 
@@ -236,24 +237,24 @@ class Agent:
     # --- commands and injection -------------------------------------------------------------------------------
     async def _on_command(self, data: bytes) -> Wire:
         try:
-            command = AgentCommand.model_validate_json(data)
-        except ValidationError as exc:
+            command = parse_command(data)
+        except MalformedEventError as exc:
             return CommandReply(
                 command_id="", node_id=self.node_id, result=CommandResult.FAILED, detail=f"bad command: {exc}"
             )
         return await self.book.run(command, self._execute)
 
-    async def _execute(self, command: AgentCommand) -> CommandReply:
+    async def _execute(self, command: PingCommand | LaunchCommand | StopCommand) -> CommandReply:
         data: dict[str, Any]
-        if command.action is CommandAction.PING:
+        if isinstance(command, PingCommand):
             data = {"ranks": len(self.supervisor.ranks()), "spare": self.settings.spare}
-        elif command.action is CommandAction.LAUNCH:
-            spec = _launch_spec(command)
-            data = {"pids": await self.supervisor.launch(spec)}
+        elif isinstance(command, LaunchCommand):
+            spec = command.args
+            data = {"pids": await self.supervisor.launch(command.job_id, spec)}
             for assignment in spec.ranks:  # startup begins now; a no-op for a rank that already reported
-                self.progress.begin(spec.job_id, assignment.rank, restart_epoch=spec.restart_epoch)
-        else:  # STOP
-            grace = float(command.args.get("grace_s", self.settings.stop_grace_s))
+                self.progress.begin(command.job_id, assignment.rank, restart_epoch=spec.restart_epoch)
+        else:
+            grace = command.args.grace_s
             self.depchecks.clear_rendezvous(command.job_id)
             stopped = await self.supervisor.stop(command.job_id, grace_s=grace)
             self.progress.forget(command.job_id)
@@ -305,19 +306,3 @@ class Agent:
         detail = f"{'killed' if sig is SIGKILL else 'froze (SIGSTOP)'} rank {victim.rank} of job {victim.job_id}"
         log.warning("fault injected", extra={"fault": fault.model_dump(mode="json"), "detail": detail})
         return InjectReply(accepted=True, detail=detail)
-
-
-def _launch_spec(command: AgentCommand) -> LaunchSpec:
-    args = command.args
-    return LaunchSpec(
-        job_id=command.job_id,
-        restart_epoch=int(args["restart_epoch"]),
-        world_size=int(args["world_size"]),
-        master_addr=str(args["master_addr"]),
-        master_port=int(args["master_port"]),
-        command=[str(part) for part in args["command"]],
-        ranks=[RankAssignment.model_validate(r) for r in args["ranks"]],
-        env={str(k): str(v) for k, v in dict(args.get("env", {})).items()},
-        cwd=args.get("cwd"),
-        resume_checkpoint=args.get("resume_checkpoint"),
-    )

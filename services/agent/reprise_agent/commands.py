@@ -8,12 +8,13 @@ import os
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TypeVar
 
 from reprise_common.events import AgentCommand, CommandReply, CommandResult
 from reprise_common.logging import get_logger
 
 log = get_logger("reprise.agent.commands")
-Executor = Callable[[AgentCommand], Awaitable[CommandReply]]
+C = TypeVar("C", bound=AgentCommand)
 
 
 class CommandBook:
@@ -43,7 +44,7 @@ class CommandBook:
         """The highest fencing token accepted for a job (-1 if none)."""
         return self._fences.get(job_id, -1)
 
-    async def run(self, command: AgentCommand, execute: Executor) -> CommandReply:
+    async def run(self, command: C, execute: Callable[[C], Awaitable[CommandReply]]) -> CommandReply:
         """Execute a command once; a repeat (even while the first is running) gets the first answer.
 
         The fence is checked first, repeats included: an owner that lost the job gets "stale" even for a command id
@@ -77,7 +78,7 @@ class CommandBook:
             data={"highest_fence": highest},
         )
 
-    async def _fenced(self, command: AgentCommand, execute: Executor) -> CommandReply:
+    async def _fenced(self, command: C, execute: Callable[[C], Awaitable[CommandReply]]) -> CommandReply:
         highest = self.highest_fence(command.job_id)
         if command.fence < highest:  # a newer owner got in while this command waited its turn
             return self._stale(command)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from reprise_common.events import RankAssignment, RankStatus
+from reprise_common.events import LaunchArgs, RankAssignment, RankStatus
 from reprise_common.logging import get_logger
 from reprise_common.procs import describe_exit, die_with_parent, oom_kill_count, sample_process
 
@@ -25,22 +25,6 @@ def _killed_by_oom(rank: RankProcess) -> bool:
         return False
     now = oom_kill_count()
     return now is not None and now > rank.oom_baseline
-
-
-@dataclass(frozen=True)
-class LaunchSpec:
-    """What a launch command asks for: the job's rendezvous and the ranks that run on this node."""
-
-    job_id: str
-    restart_epoch: int
-    world_size: int
-    master_addr: str
-    master_port: int
-    command: list[str]
-    ranks: list[RankAssignment]
-    env: dict[str, str] = field(default_factory=dict)
-    cwd: str | None = None
-    resume_checkpoint: str | None = None
 
 
 @dataclass
@@ -100,7 +84,7 @@ class RankSupervisor:
     ) -> None:
         self.node_id = node_id
         self.sdk_socket = sdk_socket
-        self.launches: dict[str, LaunchSpec] = {}
+        self.launches: dict[str, LaunchArgs] = {}  # job id → its latest launch on this node
         self.log_dir = state_dir / "ranks"
         self.on_exit = on_exit
         self.tail_lines = tail_lines
@@ -115,20 +99,20 @@ class RankSupervisor:
         """The live rank using a GPU, if any."""
         return next((r for r in self._ranks.values() if r.gpu == gpu and r.alive), None)
 
-    async def launch(self, spec: LaunchSpec) -> list[int]:
+    async def launch(self, job_id: str, spec: LaunchArgs) -> list[int]:
         """Start this node's ranks of a job (any earlier ranks of the job must be stopped first)."""
-        if any(r.alive for r in self._ranks.values() if r.job_id == spec.job_id):
-            raise RuntimeError(f"job {spec.job_id} already has live ranks on {self.node_id}: stop it first")
-        self._forget(spec.job_id)
-        self.launches[spec.job_id] = spec
+        if any(r.alive for r in self._ranks.values() if r.job_id == job_id):
+            raise RuntimeError(f"job {job_id} already has live ranks on {self.node_id}: stop it first")
+        self._forget(job_id)
+        self.launches[job_id] = spec
         pids = []
         for assignment in spec.ranks:
-            rank = await self._start(spec, assignment)
-            self._ranks[(spec.job_id, assignment.rank)] = rank
+            rank = await self._start(job_id, spec, assignment)
+            self._ranks[(job_id, assignment.rank)] = rank
             pids.append(rank.proc.pid)
         return pids
 
-    async def _start(self, spec: LaunchSpec, assignment: RankAssignment) -> RankProcess:
+    async def _start(self, job_id: str, spec: LaunchArgs, assignment: RankAssignment) -> RankProcess:
         env = {
             **os.environ,
             **spec.env,
@@ -138,7 +122,7 @@ class RankSupervisor:
             "LOCAL_WORLD_SIZE": str(len(spec.ranks)),
             "MASTER_ADDR": spec.master_addr,
             "MASTER_PORT": str(spec.master_port),
-            "REPRISE_JOB_ID": spec.job_id,
+            "REPRISE_JOB_ID": job_id,
             "REPRISE_NODE_ID": self.node_id,
             "REPRISE_RESTART_EPOCH": str(spec.restart_epoch),
             "REPRISE_RESUME_CHECKPOINT": spec.resume_checkpoint or "",
@@ -147,7 +131,7 @@ class RankSupervisor:
             env["CUDA_VISIBLE_DEVICES"] = str(assignment.gpu)
         if self.sdk_socket is not None:
             env["REPRISE_SDK_SOCKET"] = str(self.sdk_socket)
-        log_path = self.log_dir / spec.job_id / f"epoch-{spec.restart_epoch}-rank-{assignment.rank}.log"
+        log_path = self.log_dir / job_id / f"epoch-{spec.restart_epoch}-rank-{assignment.rank}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         proc = await asyncio.create_subprocess_exec(
             *spec.command,
@@ -161,7 +145,7 @@ class RankSupervisor:
         )
         rank = RankProcess(
             oom_baseline=oom_kill_count(),
-            job_id=spec.job_id,
+            job_id=job_id,
             rank=assignment.rank,
             local_rank=assignment.local_rank,
             gpu=assignment.gpu,
@@ -170,10 +154,10 @@ class RankSupervisor:
             tail=deque(maxlen=self.tail_lines),
             restart_epoch=spec.restart_epoch,
         )
-        task = asyncio.create_task(self._watch(rank), name=f"rank:{spec.job_id}:{assignment.rank}")
+        task = asyncio.create_task(self._watch(rank), name=f"rank:{job_id}:{assignment.rank}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        log.info("rank started", extra={"job_id": spec.job_id, "rank": assignment.rank, "pid": proc.pid})
+        log.info("rank started", extra={"job_id": job_id, "rank": assignment.rank, "pid": proc.pid})
         return rank
 
     async def _watch(self, rank: RankProcess) -> None:

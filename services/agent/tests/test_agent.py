@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
+from pydantic import TypeAdapter
 
 from reprise_agent.agent import Agent
 from reprise_agent.settings import AgentSettings
@@ -18,7 +19,7 @@ from reprise_common import subjects
 from reprise_common.aio import poll_until
 from reprise_common.bus import Bus, Delivery, Outcome
 from reprise_common.events import (
-    AgentCommand,
+    AnyCommand,
     CheckpointSaved,
     CommandAction,
     CommandReply,
@@ -31,11 +32,15 @@ from reprise_common.events import (
     GpuXid,
     InjectFault,
     InjectReply,
+    LaunchArgs,
+    LaunchCommand,
     NodeReport,
+    RankAssignment,
     RankExited,
 )
 from reprise_common.procs import process_alive
 
+COMMANDS: TypeAdapter[AnyCommand] = TypeAdapter(AnyCommand)
 SLEEPER = [sys.executable, "-c", "import time, os; print('rank', os.environ['RANK'], flush=True); time.sleep(600)"]
 
 
@@ -59,7 +64,8 @@ class Harness:
         self.events.extend(NodeReport.model_validate_json(data) for data in reports.values())
 
     async def command(self, action: CommandAction, *, fence: int, command_id: str, **args: object) -> CommandReply:
-        cmd = AgentCommand(command_id=command_id, job_id="job-1", fence=fence, action=action, args=dict(args))
+        fields = {"command_id": command_id, "job_id": "job-1", "fence": fence, "action": action, "args": dict(args)}
+        cmd = COMMANDS.validate_python(fields)
         return await self.client.request(subjects.node_command("n1"), cmd, CommandReply, timeout=15)
 
     async def launch(self, *, fence: int, command_id: str, gpus: tuple[int, ...] = (0, 1)) -> CommandReply:
@@ -232,10 +238,10 @@ async def test_oom_kill_is_reported_as_such(harness: Harness, memory_cgroup: Pat
         f"echo $$ > {memory_cgroup}/cgroup.procs && exec {sys.executable} -c "
         "'import time; b = bytearray(512 * 2**20); time.sleep(30)'"
     )
-    cmd = AgentCommand(
-        command_id="oom", job_id="job-oom", fence=1, action=CommandAction.LAUNCH,
-        args={"restart_epoch": 0, "world_size": 1, "master_addr": "127.0.0.1", "master_port": 29500,
-              "command": ["sh", "-c", hog], "ranks": [{"rank": 0, "node_id": "n1", "gpu": 0, "local_rank": 0}]},
+    cmd = LaunchCommand(
+        command_id="oom", job_id="job-oom", fence=1,
+        args=LaunchArgs(restart_epoch=0, world_size=1, master_addr="127.0.0.1", master_port=29500,
+                        command=["sh", "-c", hog], ranks=[RankAssignment(rank=0, node_id="n1", gpu=0, local_rank=0)]),
     )  # fmt: skip
     reply = await harness.client.request(subjects.node_command("n1"), cmd, CommandReply, timeout=15)
     assert reply.result is CommandResult.DONE

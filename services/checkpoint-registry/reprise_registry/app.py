@@ -41,13 +41,13 @@ def create_app(settings: RegistrySettings) -> FastAPI:
     async def on_connected() -> None:
         if settings.consume_agent_events:
             bus.consumer(
-                stream="PLACEMENTS",
+                stream=subjects.PLACEMENTS_STREAM,
                 durable=PLACEMENTS_DURABLE,
                 filter_subject=subjects.PLACEMENTS_ALL,
                 handler=registration.on_placement,
             ).start()
             bus.consumer(
-                stream="AGENT",
+                stream=subjects.AGENT_STREAM,
                 durable=CHECKPOINTS_DURABLE,
                 filter_subject=subjects.AGENT_CHECKPOINTS_SAVED,
                 handler=registration.on_checkpoint_saved,

@@ -2,28 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
 
-from reprise_common.events import Category, Culprit, RankExited, Severity
+from reprise_common.events import CAUSE_DEPTH, Culprit, RankExited, Severity
 from reprise_detector.classify import Classification
 from reprise_detector.incidents.models import Incident
 from reprise_detector.observe import Observation
 from reprise_detector.placements import PlacementMap
-
-# How fundamental a cause is (a deeper cause arriving later becomes the incident's root cause): hardware faults outrank
-# node loss, which outranks dependency failures, which outrank rank crashes and hangs. Within one tier the earliest
-# symptom is the root cause. Secondary symptoms (root_cause_grade false) never lead: they are evidence.
-CAUSE_DEPTH: Mapping[str, int] = {
-    Category.UNKNOWN: 1,
-    Category.APPLICATION: 1,
-    Category.DEPENDENCY: 2,
-    Category.NODE: 3,
-    Category.INTERCONNECT: 4,
-    Category.GPU_HARDWARE: 4,
-}
 
 
 class Decision(StrEnum):

@@ -18,7 +18,7 @@ from reprise_common import subjects
 from reprise_common.bus import Bus
 from reprise_common.clock import Clock
 from reprise_common.consumer import Consumer
-from reprise_common.db import session_scope
+from reprise_common.db import REQUEST_SESSIONS, session_scope
 from reprise_common.follow import Follower
 from reprise_common.logging import get_logger
 from reprise_common.service import Background
@@ -30,8 +30,6 @@ from reprise_detector.watch import Watcher
 
 log = get_logger("reprise.detector.runtime")
 
-PLACEMENTS_STREAM = "PLACEMENTS"
-AGENT_STREAM = "AGENT"
 PLACEMENTS_DURABLE = "detector-placements"
 EVENTS_DURABLE = "detector-events"
 RETIRED_REPORTS_DURABLE = "detector-reports"  # reports were stored in AGENT until they moved to core NATS
@@ -66,10 +64,10 @@ class Runtime:
         # consumer only does when it is created, so drop the one a previous run left behind.
         placements_durable = self.durable(PLACEMENTS_DURABLE)
         with contextlib.suppress(nats.js.errors.NotFoundError):
-            await self.bus.js.delete_consumer(PLACEMENTS_STREAM, placements_durable)
-        info = await self.bus.js.stream_info(PLACEMENTS_STREAM)
+            await self.bus.js.delete_consumer(subjects.PLACEMENTS_STREAM, placements_durable)
+        info = await self.bus.js.stream_info(subjects.PLACEMENTS_STREAM)
         self.bus.consumer(
-            stream=PLACEMENTS_STREAM,
+            stream=subjects.PLACEMENTS_STREAM,
             durable=placements_durable,
             filter_subject=subjects.PLACEMENTS_ALL,
             handler=self.placements.handle,
@@ -80,10 +78,10 @@ class Runtime:
         ):
             log.warning("placements not fully loaded before consuming events", extra={"seq": self.placements.last_seq})
         with contextlib.suppress(nats.js.errors.NotFoundError):  # an older release's; it would only hold state
-            await self.bus.js.delete_consumer(AGENT_STREAM, self.durable(RETIRED_REPORTS_DURABLE))
+            await self.bus.js.delete_consumer(subjects.AGENT_STREAM, self.durable(RETIRED_REPORTS_DURABLE))
         self.consumers = [
             self.bus.batch_consumer(
-                stream=AGENT_STREAM,
+                stream=subjects.AGENT_STREAM,
                 durable=self.durable(EVENTS_DURABLE),
                 filter_subject=subjects.AGENT_EVENTS,
                 handler=self.detector.handle_batch,
@@ -136,4 +134,6 @@ def get_session(runtime: RuntimeDep) -> Iterator[Session]:
         yield session
 
 
-SessionDep = Annotated[Session, Depends(get_session)]
+# The session closes when the handler returns, before the answer is sent (sending waits for the event loop, which must
+# never wait for a connection a finished handler still holds), and at most REQUEST_SESSIONS handlers hold one at once.
+SessionDep = Annotated[Session, Depends(get_session, scope="function", max_concurrency=REQUEST_SESSIONS)]

@@ -16,8 +16,8 @@ from reprise_common import subjects
 from reprise_common.bus import stream_config
 from reprise_common.clock import ManualClock, utcnow
 from reprise_common.events import GpuHealth, GpuStatus, RankStatus
-from reprise_common.subjects import STREAMS
-from reprise_detector.runtime import AGENT_STREAM, RETIRED_REPORTS_DURABLE
+from reprise_common.subjects import AGENT_STREAM, STREAMS
+from reprise_detector.runtime import RETIRED_REPORTS_DURABLE
 
 Harness = Any  # tests/conftest.py
 StartDetector = Any

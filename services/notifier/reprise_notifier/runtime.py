@@ -17,7 +17,7 @@ from reprise_common import subjects
 from reprise_common.bus import Bus
 from reprise_common.clock import Clock
 from reprise_common.consumer import Consumer
-from reprise_common.db import session_scope
+from reprise_common.db import REQUEST_SESSIONS, session_scope
 from reprise_common.logging import get_logger
 from reprise_common.service import Background
 from reprise_notifier.deliveries import service as outbox
@@ -29,8 +29,6 @@ from reprise_notifier.settings import NotifierSettings
 
 log = get_logger("reprise.notifier.runtime")
 
-INCIDENTS_STREAM = "INCIDENTS"
-RECOVERIES_STREAM = "RECOVERIES"
 INCIDENTS_DURABLE = "notifier-incidents"
 RECOVERIES_DURABLE = "notifier-recoveries"
 CONSUMER_RETRY_DELAY_S = 1.0  # a recovery waiting for its incident is redelivered after 1 s, 2 s, ...
@@ -80,8 +78,8 @@ class Runtime:
     async def start_consumers(self) -> None:
         """Consume incident and recovery changes into the outbox."""
         self.consumers = [
-            self._consumer(INCIDENTS_STREAM, INCIDENTS_DURABLE, subjects.INCIDENTS_ALL),
-            self._consumer(RECOVERIES_STREAM, RECOVERIES_DURABLE, subjects.RECOVERIES_ALL),
+            self._consumer(subjects.INCIDENTS_STREAM, INCIDENTS_DURABLE, subjects.INCIDENTS_ALL),
+            self._consumer(subjects.RECOVERIES_STREAM, RECOVERIES_DURABLE, subjects.RECOVERIES_ALL),
         ]
         for consumer in self.consumers:
             await consumer.open()
@@ -134,4 +132,6 @@ def get_session(runtime: RuntimeDep) -> Iterator[Session]:
         yield session
 
 
-SessionDep = Annotated[Session, Depends(get_session)]
+# The session closes when the handler returns, before the answer is sent (sending waits for the event loop, which must
+# never wait for a connection a finished handler still holds), and at most REQUEST_SESSIONS handlers hold one at once.
+SessionDep = Annotated[Session, Depends(get_session, scope="function", max_concurrency=REQUEST_SESSIONS)]

@@ -14,6 +14,9 @@ from reprise_common import subjects
 from reprise_common.bus import Bus
 from reprise_common.clock import SystemClock
 from reprise_common.db import db_check, make_engine
+from reprise_common.errors import BusError
+from reprise_common.events import ComputeSignal
+from reprise_common.logging import get_logger
 from reprise_common.service import (
     Background,
     add_error_handlers,
@@ -27,6 +30,8 @@ from reprise_orchestrator.auth import views as auth_views
 from reprise_orchestrator.auth.audit import AuditMiddleware
 from reprise_orchestrator.auth.dependencies import require_scope, require_scope_for_method
 from reprise_orchestrator.auth.models import Scope
+from reprise_orchestrator.compute.backend import ComputeBackend
+from reprise_orchestrator.compute.choose import BackendContext, open_backend
 from reprise_orchestrator.deps import Deps
 from reprise_orchestrator.drills import views as drill_views
 from reprise_orchestrator.drills.flows import DrillRunner
@@ -35,13 +40,21 @@ from reprise_orchestrator.locks import RedisJobLocks
 from reprise_orchestrator.nodes import views as node_views
 from reprise_orchestrator.nodes.flows import QuarantineFlow
 from reprise_orchestrator.nodes.inventory import Inventory
+from reprise_orchestrator.recoveries import views as recovery_views
+from reprise_orchestrator.recoveries.claims import Claims
 from reprise_orchestrator.recoveries.flows import RecoveryFlow
 from reprise_orchestrator.recoveries.reconciler import Reconciler
+from reprise_orchestrator.recoveries.runner import RecoveryRunner
 from reprise_orchestrator.registry_client import RegistryClient
 from reprise_orchestrator.settings import OrchestratorSettings
 
+log = get_logger("reprise.orchestrator")
 INCIDENTS_DURABLE = "orchestrator-incidents"
+INCIDENT_UPDATES_DURABLE = "orchestrator-incident-updates"
 QUARANTINE_DURABLE = "orchestrator-quarantine"
+# A claim takes milliseconds; an incident waits (redelivered with a growing delay: 0.5 s, 1 s, ...) only while its job
+# is locked by another replica's claim or every replica runs as many recoveries as it may. 50 deliveries span ~10 min.
+INCIDENT_MAX_DELIVER = 50
 
 
 def _redis_check(redis: Redis) -> Callable[[], Awaitable[bool]]:
@@ -51,44 +64,70 @@ def _redis_check(redis: Redis) -> Callable[[], Awaitable[bool]]:
     return check
 
 
-def create_app(settings: OrchestratorSettings) -> FastAPI:
-    """Build the app; consumers start once NATS is reachable."""
+def _announce(bus: Bus, compute: ComputeBackend) -> Callable[[ComputeSignal], Awaitable[None]]:
+    """Publish each failure signal of the compute backend for the rest of the platform (deduplicated by its id)."""
+
+    async def emit(signal: ComputeSignal) -> None:
+        log.warning("compute backend signal", extra={"kind": signal.kind.value, "node_id": signal.node_id})
+        try:
+            await bus.publish(subjects.compute_signal(compute.name), signal)
+        except BusError as exc:
+            log.warning("could not publish a compute signal", extra={"error": str(exc)})
+
+    return emit
+
+
+def build_deps(settings: OrchestratorSettings, redis: Redis) -> Deps:
+    """The replica's collaborators, its compute backend the one the settings name."""
     clock = SystemClock()
-    engine = make_engine(settings.database_url)
-    redis = Redis.from_url(settings.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
     bus = Bus.for_service(settings, "orchestrator")
-    deps = Deps(
+    inventory = Inventory(clock=clock, stale_s=settings.node_stale_s)
+    return Deps(
         settings=settings,
-        engine=engine,
+        engine=make_engine(settings.database_url),
         bus=bus,
         locks=RedisJobLocks(redis, ttl_s=settings.lock_ttl_s),
-        inventory=Inventory(clock=clock, stale_s=settings.node_stale_s),
+        compute=open_backend(BackendContext(settings=settings, bus=bus, inventory=inventory, clock=clock)),
+        inventory=inventory,
         registry=RegistryClient(settings.registry_url, timeout_s=settings.http_timeout_s),
         clock=clock,
     )
+
+
+def create_app(settings: OrchestratorSettings) -> FastAPI:
+    """Build the app; consumers start once NATS is reachable."""
+    redis = Redis.from_url(settings.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+    deps = build_deps(settings, redis)
+    bus, engine, compute = deps.bus, deps.engine, deps.compute
     flow = RecoveryFlow(deps)
-    reconciler = Reconciler(deps, flow, interval_s=settings.reconcile_interval_s)
+    runner = RecoveryRunner(flow, deps.locks, limit=settings.max_concurrent_recoveries)
+    claims = Claims(deps, flow, runner)
+    reconciler = Reconciler(deps, runner, interval_s=settings.reconcile_interval_s)
     drills = DrillRunner(deps)
     background = Background(bus)
     tasks: list[asyncio.Task[None]] = []
 
     async def on_connected() -> None:
         await deps.inventory.start(Bus.for_service(settings, "orchestrator-reports", provision=False))
+        for durable, subject, handler in (
+            (INCIDENTS_DURABLE, subjects.INCIDENTS_OPENED, claims.on_opened),
+            (INCIDENT_UPDATES_DURABLE, subjects.INCIDENTS_UPDATED, claims.on_updated),
+        ):
+            bus.consumer(
+                stream=subjects.INCIDENTS_STREAM,
+                durable=durable,
+                filter_subject=subject,
+                handler=handler,
+                max_deliver=INCIDENT_MAX_DELIVER,
+            ).start()
         bus.consumer(
-            stream="INCIDENTS",
-            durable=INCIDENTS_DURABLE,
-            filter_subject=subjects.INCIDENTS_OPENED,
-            handler=flow.on_incident,
-            ack_wait_s=300.0,
-            max_deliver=20,
-        ).start()
-        bus.consumer(
-            stream="NODES",
+            stream=subjects.NODES_STREAM,
             durable=QUARANTINE_DURABLE,
             filter_subject=subjects.NODE_QUARANTINE_ALL,
             handler=QuarantineFlow(deps).on_recommendation,
         ).start()
         tasks.append(asyncio.create_task(reconciler.run(), name="reconciler"))
+        tasks.append(asyncio.create_task(compute.watch(_announce(bus, compute)), name="compute-signals"))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -98,6 +137,7 @@ def create_app(settings: OrchestratorSettings) -> FastAPI:
         settle_garbage_collector()
         yield
         await drills.stop()
+        await runner.stop()  # unfinished recoveries are released to the other replicas' reconcilers
         for task in tasks:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -105,6 +145,7 @@ def create_app(settings: OrchestratorSettings) -> FastAPI:
         await background.stop()
         await deps.inventory.stop()
         await deps.registry.close()
+        await compute.close()
         await redis.aclose()
         engine.dispose()
 
@@ -112,13 +153,15 @@ def create_app(settings: OrchestratorSettings) -> FastAPI:
     app.state.deps = deps
     app.state.inventory = deps.inventory
     app.state.reconciler = reconciler
+    app.state.runner = runner
     app.state.drills = drills
     add_ops_routes(app, checks={"nats": nats_check(bus), "redis": _redis_check(redis), "database": db_check(engine)})
     add_error_handlers(app)
-    app.add_middleware(AuditMiddleware, engine=engine, clock=clock)
+    app.add_middleware(AuditMiddleware, engine=engine, clock=deps.clock)
     # Which scope a route needs is decided by its method (auth/dependencies.py); ops routes and docs stay open.
     by_method = [Depends(require_scope_for_method)]
     app.include_router(job_views.router, dependencies=by_method)
+    app.include_router(recovery_views.router, dependencies=by_method)
     app.include_router(node_views.router, dependencies=by_method)
     app.include_router(drill_views.router, dependencies=by_method)
     app.include_router(auth_views.router, dependencies=[Depends(require_scope(Scope.ADMIN))])

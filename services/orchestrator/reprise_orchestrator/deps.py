@@ -12,22 +12,25 @@ from sqlmodel import Session
 
 from reprise_common.bus import Bus
 from reprise_common.clock import Clock
-from reprise_orchestrator.locks import RedisJobLocks
+from reprise_common.db import REQUEST_SESSIONS
+from reprise_orchestrator.compute.backend import ComputeBackend
+from reprise_orchestrator.locks import JobLocks
 from reprise_orchestrator.nodes.inventory import Inventory
-from reprise_orchestrator.registry_client import RegistryClient
+from reprise_orchestrator.registry_client import Registry
 from reprise_orchestrator.settings import OrchestratorSettings
 
 
 @dataclass
 class Deps:
-    """The orchestrator's collaborators."""
+    """The orchestrator's collaborators: the seams (locks, compute backend, registry, clock) are protocols."""
 
     settings: OrchestratorSettings
     engine: Engine
     bus: Bus
-    locks: RedisJobLocks
-    inventory: Inventory
-    registry: RegistryClient
+    locks: JobLocks
+    compute: ComputeBackend
+    inventory: Inventory  # what the nodes' agents report: ranks' progress, GPUs, addresses
+    registry: Registry
     clock: Clock
 
 
@@ -44,4 +47,6 @@ def get_session(request: Request) -> Iterator[Session]:
 
 
 DepsDep = Annotated[Deps, Depends(get_deps)]
-SessionDep = Annotated[Session, Depends(get_session)]
+# The session closes when the handler returns, before the answer is sent (sending waits for the event loop, which must
+# never wait for a connection a finished handler still holds), and at most REQUEST_SESSIONS handlers hold one at once.
+SessionDep = Annotated[Session, Depends(get_session, scope="function", max_concurrency=REQUEST_SESSIONS)]

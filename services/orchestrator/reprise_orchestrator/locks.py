@@ -31,13 +31,27 @@ class LockHandle:
 
 
 class JobLocks(Protocol):
-    """The lock interface the recovery flow depends on."""
+    """The lock interface the orchestrator depends on: leased per-job locks, each acquisition with a new fence."""
 
-    async def acquire(self, job_id: str, *, owner: str) -> LockHandle | None: ...
+    async def acquire(self, job_id: str, *, owner: str) -> LockHandle | None:
+        """Take the job's lock if it is free, with a fence higher than any before; None when someone holds it."""
+        ...
 
-    async def extend(self, handle: LockHandle) -> bool: ...
+    async def extend(self, handle: LockHandle) -> bool:
+        """Renew the lease; False when the lock is no longer ours."""
+        ...
 
-    async def release(self, handle: LockHandle) -> bool: ...
+    async def release(self, handle: LockHandle) -> bool:
+        """Let the lock go if it is still ours."""
+        ...
+
+    async def next_fence(self, job_id: str) -> int:
+        """A fence without the lock, fencing out whoever holds it (cancel preempts a running recovery)."""
+        ...
+
+    async def floor_fence(self, job_id: str, at_least: int) -> None:
+        """Never issue a fence at or below one already used (after the lock store lost its data)."""
+        ...
 
 
 class RedisJobLocks:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import httpx
 
@@ -22,8 +23,36 @@ class RestorePoint:
     path: str
 
 
+class Registry(Protocol):
+    """What the orchestrator asks of the checkpoint registry."""
+
+    async def latest_validated(self, job_id: str) -> RestorePoint | None:
+        """The newest validated checkpoint, or None when the job has none yet."""
+        ...
+
+    async def pin(self, checkpoint_id: int, *, holder: str, ttl_s: float) -> bool:
+        """Keep retention away from a checkpoint while a recovery uses it."""
+        ...
+
+    async def unpin(self, checkpoint_id: int, *, holder: str) -> bool:
+        """Release a recovery's pin."""
+        ...
+
+    async def load_failed(self, checkpoint_id: int, *, reason: str) -> bool:
+        """Say that restoring a checkpoint failed."""
+        ...
+
+    async def ready(self) -> bool:
+        """True when the registry answers."""
+        ...
+
+    async def close(self) -> None:
+        """Close connections."""
+        ...
+
+
 class RegistryClient:
-    """HTTP client with explicit timeouts."""
+    """The registry over HTTP, with explicit timeouts."""
 
     def __init__(self, base_url: str, *, timeout_s: float) -> None:
         self._client = httpx.AsyncClient(base_url=base_url, timeout=timeout_s)

@@ -34,6 +34,18 @@ class OrchestratorSettings(ServiceSettings, DatabaseSettings):
     )
     http_timeout_s: float = Field(default=5.0, gt=0)
     reconcile_interval_s: float = Field(default=1.0, gt=0, description="how often orphaned recoveries are looked for")
+    max_concurrent_recoveries: int = Field(
+        default=256,
+        ge=1,
+        le=10_000,
+        description="recoveries one replica runs side by side; beyond it, incidents wait for this or another replica",
+    )
+    compute_backend: str = Field(
+        default="agents",
+        min_length=1,
+        max_length=200,
+        description="what runs the ranks: a built-in backend (agents) or a factory as package.module:callable",
+    )
     auth_enabled: bool = Field(default=True, description="require an API key on /v1 routes (false: open, audited)")
     admin_api_key: SecretStr | None = Field(
         default=None, description="an admin key that exists at start, named bootstrap (stored hashed)"

@@ -7,15 +7,18 @@ from collections.abc import Iterator
 from datetime import timedelta
 
 import pytest
+from sqlalchemy import insert
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
 from reprise_common.clock import utcnow
 from reprise_common.db import make_engine
+from reprise_common.events import RankAssignment
 from reprise_orchestrator import schema
 from reprise_orchestrator.jobs import service
 from reprise_orchestrator.jobs.models import Job, JobCreate, JobLabel
 
+ADDED_AFTER_0001 = {"reserved_nodes"}  # job columns of later revisions
 JOBS = {
     "a": {"team": "ml", "example.com/tier": "gold", "empty": ""},
     "b": {"team": "web", "example.com/tier": "gold"},
@@ -34,7 +37,9 @@ def engine(database_url: str) -> Iterator[Engine]:
             spec = JobCreate(name=name, node_count=1, command=["true"], labels=labels).model_dump(mode="json")
             if not labels:
                 del spec["labels"]  # a spec stored before jobs had labels
-            session.add(Job(id=f"job-{name}", name=name, spec=spec, created_at=start + timedelta(seconds=index)))
+            job = Job(id=f"job-{name}", name=name, spec=spec, created_at=start + timedelta(seconds=index))
+            row = {c.name: getattr(job, c.name) for c in Job.__table__.columns if c.name not in ADDED_AFTER_0001}
+            session.execute(insert(Job.__table__).values(**row))  # the columns revision 0001 had, no more
         session.commit()
     schema.upgrade(found)
     yield found
@@ -65,7 +70,7 @@ def test_label_filter(engine: Engine, selectors: list[tuple[str, str]], names: l
 def test_a_new_job_is_found_by_its_labels_and_a_discarded_one_leaves_none(engine: Engine) -> None:
     with Session(engine) as session:
         spec = JobCreate(name="d", node_count=1, command=["true"], labels={"team": "ml", "queue": "batch"})
-        job = service.create(session, spec=spec, placement=[{"rank": 0, "node_id": "n", "gpu": 0}])
+        job = service.create(session, spec=spec, placement=[RankAssignment(rank=0, node_id="n", gpu=0, local_rank=0)])
         assert [j.name for j in service.get_all(session, labels=[("team", "ml"), ("queue", "batch")])] == ["d"]
         assert [j.name for j in service.get_all(session, labels=[("team", "ml")])] == ["d", "a"]
         service.discard(session, job)

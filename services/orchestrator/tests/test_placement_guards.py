@@ -9,13 +9,12 @@ import pytest
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, create_engine
 
-from reprise_common.clock import utcnow
 from reprise_common.errors import ConflictError
+from reprise_common.events import RankAssignment
 from reprise_orchestrator import schema
 from reprise_orchestrator.jobs import service
 from reprise_orchestrator.jobs.launch import PORT_SPAN, master_port_for
 from reprise_orchestrator.jobs.models import Job, JobCreate, JobState
-from reprise_orchestrator.recoveries.models import Recovery
 
 BASE = 29500
 
@@ -48,7 +47,9 @@ def test_ports_in_use_are_those_of_active_jobs_whose_master_shares_the_host(tmp_
     with Session(engine) as session:
         for node, state, port in rows:
             spec = JobCreate(name="j", nodes=[node], command=["true"])
-            job = service.create(session, spec=spec, placement=[{"rank": 0, "node_id": node, "gpu": 0}])
+            job = service.create(
+                session, spec=spec, placement=[RankAssignment(rank=0, node_id=node, gpu=0, local_rank=0)]
+            )
             job.state, job.master_port = state, port
             session.add(job)
             session.commit()
@@ -64,7 +65,7 @@ def _engine(tmp_path: Path) -> Engine:
 
 def _job(session: Session, nodes: list[str], state: JobState = JobState.PENDING) -> Job:
     spec = JobCreate(name="j", nodes=nodes, command=["true"])
-    placement = [{"rank": i, "node_id": node, "gpu": 0} for i, node in enumerate(nodes)]
+    placement = [RankAssignment(rank=i, node_id=node, gpu=0, local_rank=0) for i, node in enumerate(nodes)]
     job = service.create(session, spec=spec, placement=placement)
     job.state = state
     session.add(job)
@@ -89,13 +90,14 @@ def test_of_two_jobs_placed_on_the_same_node_at_once_the_later_gives_way(tmp_pat
 def test_nodes_a_running_recovery_placed_are_busy_before_its_launch(tmp_path: Path) -> None:
     with Session(_engine(tmp_path)) as session:
         job = _job(session, ["node-1"], JobState.RECOVERING)
-        placing = {"step": "placing", "attempt": 1, "started_at": "x", "ended_at": "y", "data": {"nodes": ["spare-1"]}}
-        recovery = Recovery(id="r1", job_id=job.id, fence=1, owner="o", steps=[placing])
-        session.add(recovery)
+        job.reserved_nodes = ["spare-1"]  # what the placing step writes
+        session.add(job)
         session.commit()
         assert service.busy_nodes(session) == {"node-1", "spare-1"}
         assert service.busy_nodes(session, except_job=job.id) == set()  # its own recovery may re-place it
-        recovery.finished_at = utcnow()
-        session.add(recovery)
+        other = _job(session, ["spare-1", "node-3"])
+        assert service.placement_conflict(session, other) == job.id  # a new job may not take the reserved spare
+        job.state = JobState.FAILED  # the recovery gave up: its job holds nothing any more
+        session.add(job)
         session.commit()
-        assert service.busy_nodes(session) == {"node-1"}
+        assert service.busy_nodes(session) == {"spare-1", "node-3"}

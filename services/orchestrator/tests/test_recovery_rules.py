@@ -1,4 +1,4 @@
-"""The recovery policy and re-placement rules, table-tested (pure functions, no servers)."""
+"""The recovery state machine's rules and the re-placement rules, table-tested (pure functions, no servers)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,15 @@ from typing import Any
 import pytest
 
 from reprise_common.events import Category, Culprit, IncidentChange, RecommendedAction, Severity
-from reprise_orchestrator.jobs.models import Job, JobCreate, RecoveryPolicy
+from reprise_orchestrator.jobs.models import Job, JobCreate, JobState, RecoveryPolicy
 from reprise_orchestrator.jobs.placement import PlacementDecision, replan
-from reprise_orchestrator.recoveries import policy
-from reprise_orchestrator.recoveries.models import Outcome
+from reprise_orchestrator.recoveries import rules
+from reprise_orchestrator.recoveries.records import Baseline
+from reprise_orchestrator.recoveries.rules import CordonFacts, Decision, Proposal, Reason
+from reprise_orchestrator.recoveries.states import Outcome, RecoveryStep
 
 NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
+S = RecoveryStep
 
 
 def incident(**overrides: Any) -> IncidentChange:
@@ -37,35 +40,91 @@ def job(**overrides: Any) -> Job:
     return Job(id="job-1", name="j", spec=spec.model_dump(mode="json"), **overrides)
 
 
+def proposal(
+    from_step: RecoveryStep, to_step: RecoveryStep, *, attempt: int = 1, to_attempt: int | None = None, **facts: Any
+) -> Proposal:
+    fields: dict[str, Any] = {
+        "job": job(),
+        "incident": incident(),
+        "policy": RecoveryPolicy(),
+        "now": NOW,
+        "baseline": Baseline(),
+    } | facts
+    target = attempt if to_attempt is None else to_attempt
+    return Proposal(from_step=from_step, from_attempt=attempt, to_step=to_step, to_attempt=target, **fields)
+
+
 @pytest.mark.parametrize(
-    ("job_fields", "policy_fields", "incident_fields", "outcome"),
+    ("move", "facts", "expected"),
     [
-        ({}, {}, {}, None),
-        ({}, {"non_retryable_exit_codes": [1]}, {}, Outcome.NON_RETRYABLE),
-        ({}, {"non_retryable_exit_codes": [2]}, {}, None),
-        ({"restart_times": [NOW.isoformat()] * 2}, {"max_restarts": 2}, {}, Outcome.BUDGET_SPENT),
+        ((S.LOCKED, 1, S.STOPPING_RANKS, 1), {}, (Decision.ACCEPT, Reason.IN_ORDER)),
+        ((S.STOPPING_RANKS, 1, S.ISOLATING, 1), {}, (Decision.ACCEPT, Reason.IN_ORDER)),
+        ((S.LAUNCHING, 2, S.VERIFYING, 2), {}, (Decision.ACCEPT, Reason.IN_ORDER)),
+        (
+            (S.VERIFYING, 1, S.STOPPING_RANKS, 1),
+            {},
+            (Decision.REJECT, Reason.SAME_ATTEMPT),
+        ),  # a retry needs a new attempt
+        ((S.VERIFYING, 1, S.STOPPING_RANKS, 2), {}, (Decision.ACCEPT, Reason.NEW_ATTEMPT)),
+        ((S.VERIFYING, 1, S.STOPPING_RANKS, 3), {}, (Decision.REJECT, Reason.SKIPPED_ATTEMPT)),
+        ((S.LAUNCHING, 3, S.STOPPING_RANKS, 4), {}, (Decision.ABORT, Reason.ATTEMPTS)),  # 3 attempts by default
+        ((S.STOPPING_RANKS, 1, S.LAUNCHING, 1), {}, (Decision.REJECT, Reason.NO_RULE)),  # skips steps
+        ((S.PLACING, 1, S.STOPPING_RANKS, 1), {}, (Decision.REJECT, Reason.SAME_ATTEMPT)),
+        ((S.LOCKED, 1, S.ISOLATING, 1), {}, (Decision.REJECT, Reason.NO_RULE)),
+        ((S.RUNNING, 1, S.STOPPING_RANKS, 2), {}, (Decision.REJECT, Reason.FINISHED)),  # a finished recovery stays so
+        ((S.FAILED, 1, S.RUNNING, 1), {"outcome": Outcome.RECOVERED}, (Decision.REJECT, Reason.FINISHED)),
+        ((S.VERIFYING, 1, S.RUNNING, 1), {"outcome": Outcome.RECOVERED}, (Decision.ACCEPT, Reason.ENDS)),
+        ((S.LAUNCHING, 1, S.RUNNING, 1), {"outcome": Outcome.RECOVERED}, (Decision.REJECT, Reason.NOT_VERIFIED)),
+        ((S.VERIFYING, 1, S.RUNNING, 1), {}, (Decision.REJECT, Reason.WRONG_END)),  # an end names its outcome
+        ((S.PLACING, 1, S.FAILED, 1), {"outcome": Outcome.NO_CAPACITY}, (Decision.ACCEPT, Reason.ENDS)),
+        ((S.PLACING, 1, S.HELD, 1), {"outcome": Outcome.NO_CAPACITY}, (Decision.REJECT, Reason.WRONG_END)),
+        ((S.ISOLATING, 1, S.HELD, 1), {"outcome": Outcome.CIRCUIT_BREAKER}, (Decision.ACCEPT, Reason.ENDS)),
+        ((S.LAUNCHING, 2, S.FAILED, 2), {"outcome": Outcome.CANCELLED}, (Decision.ACCEPT, Reason.ENDS)),
+        ((S.PLACING, 1, S.ISOLATING, 1), {"learned": "now gpu_hardware"}, (Decision.ACCEPT, Reason.REPLAN)),
+        ((S.PLACING, 1, S.ISOLATING, 1), {}, (Decision.REJECT, Reason.NOTHING_LEARNED)),
+        ((S.RESTORING, 1, S.ISOLATING, 1), {"learned": "x", "replans": 5}, (Decision.REJECT, Reason.REPLAN_LIMIT)),
+        (
+            (S.VERIFYING, 1, S.ISOLATING, 1),
+            {"learned": "x"},
+            (Decision.REJECT, Reason.NO_RULE),
+        ),  # launched: new attempt
+    ],
+)
+def test_transitions(
+    move: tuple[RecoveryStep, int, RecoveryStep, int], facts: dict[str, Any], expected: tuple[Decision, Reason]
+) -> None:
+    from_step, attempt, to_step, to_attempt = move
+    answer = rules.decide(proposal(from_step, to_step, attempt=attempt, to_attempt=to_attempt, **facts))
+    assert (answer.decision, answer.reason) == expected, answer
+    assert answer.rule or expected[1] is Reason.NO_RULE  # every answer says which rule gave it
+
+
+def test_an_illegal_transition_is_refused_and_logged(caplog: pytest.LogCaptureFixture) -> None:
+    answer = rules.decide(proposal(S.VERIFYING, S.STOPPING_RANKS), recovery_id="rec-1")
+    assert answer.decision is Decision.REJECT
+    refused = [r for r in caplog.records if r.getMessage() == "transition refused"]
+    assert refused and refused[0].__dict__["recovery_id"] == "rec-1" and "needs a new attempt" in answer.detail
+
+
+@pytest.mark.parametrize(
+    ("job_fields", "policy_fields", "baseline", "incident_fields", "outcome"),
+    [
+        ({}, {}, {}, {}, None),
+        ({}, {"non_retryable_exit_codes": [1]}, {}, {}, Outcome.NON_RETRYABLE),
+        ({}, {"non_retryable_exit_codes": [2]}, {}, {}, None),
+        ({"restart_times": [NOW] * 2}, {"max_restarts": 2}, {}, {}, Outcome.BUDGET_SPENT),
         (  # restarts older than the window do not count
-            {"restart_times": [(NOW - timedelta(hours=2)).isoformat()] * 2},
+            {"restart_times": [NOW - timedelta(hours=2)] * 2},
             {"max_restarts": 2, "restart_window_s": 3600},
             {},
-            None,
-        ),
-        (
-            {"last_error": "application|rank 3 exited with exit code 1|rank=3|exit=1", "same_error_streak": 3},
-            {"max_same_error": 3},
-            {},
-            Outcome.SAME_ERROR,
-        ),
-        (
-            {"last_error": "application|rank 3 exited with exit code 1|rank=3|exit=1", "same_error_streak": 2},
-            {"max_same_error": 3},
             {},
             None,
         ),
-        ({"last_error": "something else", "same_error_streak": 9}, {"max_same_error": 3}, {}, None),
-        ({"no_progress_streak": 3}, {"max_recoveries_without_progress": 3}, {}, Outcome.NO_PROGRESS),
-        ({"no_progress_streak": 2}, {"max_recoveries_without_progress": 3}, {}, None),
-        ({}, {}, {"recommended_action": RecommendedAction.ALERT_HUMAN}, Outcome.HUMAN_ASKED),
+        ({}, {"max_same_error": 3}, {"same_error_streak": 4}, {}, Outcome.SAME_ERROR),
+        ({}, {"max_same_error": 3}, {"same_error_streak": 3}, {}, None),
+        ({}, {"max_recoveries_without_progress": 3}, {"no_progress_streak": 3}, {}, Outcome.NO_PROGRESS),
+        ({}, {"max_recoveries_without_progress": 3}, {"no_progress_streak": 2}, {}, None),
+        ({}, {}, {}, {"recommended_action": RecommendedAction.ALERT_HUMAN}, Outcome.HUMAN_ASKED),
     ],
     ids=[
         "fresh",
@@ -75,18 +134,36 @@ def job(**overrides: Any) -> Job:
         "budget-window",
         "same-error",
         "same-error-below",
-        "different-error",
         "no-progress",
         "no-progress-below",
         "human",
     ],
 )
 def test_admission(
-    job_fields: dict[str, Any], policy_fields: dict[str, Any], incident_fields: dict[str, Any], outcome: Outcome | None
+    job_fields: dict[str, Any],
+    policy_fields: dict[str, Any],
+    baseline: dict[str, Any],
+    incident_fields: dict[str, Any],
+    outcome: Outcome | None,
 ) -> None:
-    verdict = policy.admit(job(**job_fields), incident(**incident_fields), RecoveryPolicy(**policy_fields), now=NOW)
-    assert verdict.outcome is outcome, verdict
-    assert verdict.proceed is (outcome is None)
+    answer = rules.decide(
+        proposal(
+            S.LOCKED,
+            S.STOPPING_RANKS,
+            job=job(**job_fields),
+            policy=RecoveryPolicy(**policy_fields),
+            baseline=Baseline(**baseline),
+            incident=incident(**incident_fields),
+        )
+    )
+    assert answer.outcome is outcome, answer
+    assert answer.decision is (Decision.ACCEPT if outcome is None else Decision.ABORT)
+
+
+def test_same_error_streak_counts_the_same_signature_only() -> None:
+    fault = incident()
+    assert rules.same_error_streak(job(last_error=rules.error_signature(fault), same_error_streak=2), fault) == 3
+    assert rules.same_error_streak(job(last_error="something else", same_error_streak=9), fault) == 1
 
 
 @pytest.mark.parametrize(
@@ -103,10 +180,36 @@ def test_admission(
 def test_circuit_breaker_allows_at_least_one_and_at_most_the_share(
     recent: int, known: int, share: float, allowed: bool
 ) -> None:
-    verdict = policy.cordon_allowed(recent=recent, known_nodes=known, share=share)
-    assert verdict.proceed is allowed
+    facts = CordonFacts(node_id="node-2", recent=recent, known_nodes=known)
+    answer = rules.decide(proposal(S.ISOLATING, S.PLACING, cordon=facts, policy=RecoveryPolicy(max_cordon_share=share)))
+    assert (answer.decision is Decision.ACCEPT) is allowed
     if not allowed:
-        assert verdict.outcome is Outcome.CIRCUIT_BREAKER and "human" in verdict.detail
+        assert answer.outcome is Outcome.CIRCUIT_BREAKER and "human" in answer.detail
+        assert rules.end_step(answer.outcome) is S.HELD
+
+
+def test_a_new_attempt_waits_for_its_backoff_then_goes() -> None:
+    policy = RecoveryPolicy(backoff_initial_s=2, backoff_factor=2)
+    ended = NOW - timedelta(seconds=1)
+    early = rules.decide(proposal(S.VERIFYING, S.STOPPING_RANKS, to_attempt=2, attempt_ended_at=ended, policy=policy))
+    assert early.decision is Decision.WAIT and early.delay_s == pytest.approx(1.0)
+    later = proposal(S.VERIFYING, S.STOPPING_RANKS, to_attempt=2, attempt_ended_at=ended, policy=policy)
+    later = Proposal(**(later.__dict__ | {"now": NOW + timedelta(seconds=1.5)}))
+    assert rules.decide(later).decision is Decision.ACCEPT
+
+
+@pytest.mark.parametrize(
+    ("outcome", "end", "state"),
+    [
+        (Outcome.RECOVERED, S.RUNNING, JobState.RUNNING),
+        (Outcome.CIRCUIT_BREAKER, S.HELD, JobState.HELD),
+        (Outcome.HUMAN_ASKED, S.HELD, JobState.HELD),
+        (Outcome.NO_CAPACITY, S.FAILED, JobState.FAILED),
+        (Outcome.CANCELLED, S.FAILED, JobState.FAILED),
+    ],
+)
+def test_each_outcome_maps_to_one_end_and_job_state(outcome: Outcome, end: RecoveryStep, state: JobState) -> None:
+    assert rules.end_step(outcome) is end and rules.END_STATE[end] is state
 
 
 @pytest.mark.parametrize(
@@ -122,8 +225,30 @@ def test_isolation_cordons_hardware_culprits_and_leaves_lost_nodes_out(
     action: RecommendedAction, category: Category, cordon: bool, exclude: bool
 ) -> None:
     fault = incident(recommended_action=action, category=category)
-    assert policy.should_cordon(fault) is cordon
-    assert policy.should_exclude(fault) is exclude
+    assert rules.should_cordon(fault) is cordon
+    assert rules.should_exclude(fault) is exclude
+
+
+XID = {"category": Category.GPU_HARDWARE, "recommended_action": RecommendedAction.RESTART_EXCLUDE_NODE}
+
+
+@pytest.mark.parametrize(
+    ("planned", "latest", "learned"),
+    [
+        ({}, {}, False),
+        ({}, {"symptom_count": 9}, False),  # more symptoms of the same cause
+        ({}, XID | {"culprit": Culprit(node_id="node-1", gpu=0)}, True),  # a hardware fault on another node
+        ({}, XID, True),  # the same node, but now a node to cordon
+        (XID, XID, False),  # the plan already leaves it out
+        (XID, XID | {"culprit": Culprit(node_id="node-3", gpu=1)}, True),  # another culprit node
+        (XID, {"category": Category.APPLICATION}, False),  # shallower
+        ({}, {"category": Category.DEPENDENCY}, True),  # deeper, no node to leave out
+    ],
+)
+def test_what_an_updated_incident_teaches_a_plan(
+    planned: dict[str, Any], latest: dict[str, Any], learned: bool
+) -> None:
+    assert bool(rules.learned(incident(**planned), incident(**latest))) is learned
 
 
 @pytest.mark.parametrize(
@@ -147,8 +272,8 @@ def test_replan(
 
 
 def test_backoff_grows_and_is_capped() -> None:
-    rules = RecoveryPolicy(backoff_initial_s=1, backoff_factor=2, backoff_max_s=5)
-    assert [rules.backoff_s(n) for n in range(6)] == [0, 1, 2, 4, 5, 5]
+    rules_ = RecoveryPolicy(backoff_initial_s=1, backoff_factor=2, backoff_max_s=5)
+    assert [rules_.backoff_s(n) for n in range(6)] == [0, 1, 2, 4, 5, 5]
 
 
 @pytest.mark.parametrize(

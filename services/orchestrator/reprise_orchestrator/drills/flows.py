@@ -9,7 +9,7 @@ from sqlmodel import Session
 
 from reprise_common import subjects
 from reprise_common.errors import BusError, ConflictError
-from reprise_common.events import FaultKind, InjectFault, InjectReply, RankAssignment, new_id
+from reprise_common.events import FaultKind, InjectFault, InjectReply, new_id
 from reprise_common.logging import get_logger
 from reprise_orchestrator.deps import Deps
 from reprise_orchestrator.drills import service
@@ -17,7 +17,8 @@ from reprise_orchestrator.drills.models import Drill, DrillCreate, DrillFault, D
 from reprise_orchestrator.jobs import service as jobs
 from reprise_orchestrator.jobs.models import JobState
 from reprise_orchestrator.recoveries import service as recoveries
-from reprise_orchestrator.recoveries.models import Outcome, Recovery, RecoveryStep
+from reprise_orchestrator.recoveries.models import Recovery
+from reprise_orchestrator.recoveries.states import Outcome, RecoveryStep
 
 log = get_logger("reprise.orchestrator.drills")
 POLL_S = 0.25
@@ -42,7 +43,7 @@ class DrillRunner:
             job = jobs.get(session, job_id=job_id)
             if job.state is not JobState.RUNNING:
                 raise ConflictError(f"job {job_id} is {job.state.value}: drills need a running job")
-            ranks = [RankAssignment.model_validate(r) for r in job.placement]
+            ranks = list(job.placement)
             objective = job.job_spec().policy.recovery_time_objective_s
         target = next((r for r in ranks if r.rank == body.rank), None) if body.rank is not None else ranks[-1]
         if target is None:
@@ -106,7 +107,7 @@ class DrillRunner:
 
 
 def _after(recovery: Recovery, injected_at: datetime) -> bool:
-    detected = datetime.fromisoformat(recovery.steps[0]["started_at"]) if recovery.steps else recovery.started_at
+    detected = recovery.steps[0].started_at if recovery.steps else recovery.started_at
     return detected >= injected_at - timedelta(seconds=1)  # the first symptom may be stamped on another host
 
 
@@ -117,9 +118,9 @@ def _measure(recovery: Recovery | None, injected_at: datetime, objective_s: floa
             "detail": "no recovery finished in time",
             "recovery_id": recovery and recovery.id,
         }
-    detected = datetime.fromisoformat(recovery.steps[0]["ended_at"])
-    verified = next((s for s in recovery.steps if s["step"] == RecoveryStep.VERIFYING and s["ended_at"]), None)
-    done = datetime.fromisoformat(verified["ended_at"]) if verified else recovery.finished_at
+    detected = recovery.steps[0].ended_at or recovery.steps[0].started_at
+    verified = [s.ended_at for s in recovery.steps if s.step is RecoveryStep.VERIFYING and s.ended_at is not None]
+    done = verified[-1] if verified else recovery.finished_at
     values: dict[str, object] = {
         "recovery_id": recovery.id,
         "detection_s": round((detected - injected_at).total_seconds(), 3),

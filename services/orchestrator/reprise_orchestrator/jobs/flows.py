@@ -1,4 +1,7 @@
-"""Job side effects: submit (place and launch under the job's lock and a fresh fence)."""
+"""Job side effects: submit (place and launch under the job's lock and a fresh fence), and completing finished jobs.
+
+Cancelling a job preempts its recoveries, so it lives with them (recoveries/flows.py).
+"""
 
 from __future__ import annotations
 
@@ -8,14 +11,10 @@ from reprise_common.errors import ConflictError
 from reprise_common.logging import get_logger
 from reprise_orchestrator.deps import Deps
 from reprise_orchestrator.jobs import service
-from reprise_orchestrator.jobs.launch import check_placement_fits, launch, rendezvous_for
+from reprise_orchestrator.jobs.launch import check_placement_fits, launch, publish_inactive, rendezvous_for
 from reprise_orchestrator.jobs.models import Job, JobCreate, JobState
 from reprise_orchestrator.jobs.placement import assign_ranks, choose_nodes
 from reprise_orchestrator.nodes import service as nodes_service
-from reprise_orchestrator.recoveries import service as recoveries
-from reprise_orchestrator.recoveries.flows import publish_inactive
-from reprise_orchestrator.recoveries.models import Outcome, RecoveryStep
-from reprise_orchestrator.recoveries.steps import stop_nodes
 
 log = get_logger("reprise.orchestrator.jobs")
 PLACEMENT_ATTEMPTS = 3  # a submission that loses its nodes to a concurrent one chooses again, this many times
@@ -26,10 +25,10 @@ async def submit(deps: Deps, spec: JobCreate) -> Job:
     with Session(deps.engine) as session:
         for _ in range(PLACEMENT_ATTEMPTS):
             unavailable = service.busy_nodes(session) | nodes_service.cordoned_ids(session)
-            nodes = choose_nodes(spec, deps.inventory, unavailable=unavailable)
+            nodes = choose_nodes(spec, deps.compute.pool(exclude=unavailable))
             ranks = assign_ranks(nodes, ranks_per_node=spec.ranks_per_node, inventory=deps.inventory)
             check_placement_fits(deps.bus, spec, ranks)
-            job = service.create(session, spec=spec, placement=[r.model_dump(mode="json") for r in ranks])
+            job = service.create(session, spec=spec, placement=ranks)
             earlier = service.placement_conflict(session, job)
             if earlier is None:
                 break
@@ -55,6 +54,7 @@ async def submit(deps: Deps, spec: JobCreate) -> Job:
         )
         answers = await launch(
             deps.bus,
+            deps.compute,
             operation_id=f"{job_id}:submit",
             job_id=job_id,
             fence=handle.fence,
@@ -62,65 +62,24 @@ async def submit(deps: Deps, spec: JobCreate) -> Job:
             ranks=ranks,
             rendezvous=rendezvous,
             restore=None,
-            timeout_s=deps.settings.command_timeout_s,
         )
-        state = JobState.RUNNING if all(a.ok for a in answers) else JobState.FAILED
-        placement = [r.model_dump(mode="json") for r in ranks]
+        state = JobState.RUNNING if answers.all_done else JobState.FAILED
         with Session(deps.engine) as session:
             service.update_fenced(
-                session,
-                job_id=job_id,
-                fence=handle.fence,
-                state=state,
-                placement=placement,
-                master_port=rendezvous.master_port,
+                session, job_id=job_id, fence=handle.fence, state=state, master_port=rendezvous.master_port
             )
         if state is JobState.FAILED:
-            log.error("job launch failed", extra={"job_id": job_id, "answers": [a.summary() for a in answers]})
+            log.error("job launch failed", extra={"job_id": job_id, "answers": answers.record().model_dump()})
     finally:
         await deps.locks.release(handle)
     with Session(deps.engine) as session:
         return service.get(session, job_id=job_id)
 
 
-async def cancel(deps: Deps, job_id: str) -> Job:
-    """Cancel a job: a fresh fence (no lock needed) fences out any running recovery; then its ranks are stopped."""
-    with Session(deps.engine) as session:
-        job = service.get(session, job_id=job_id)
-        if job.state in (JobState.CANCELLED, JobState.FAILED, JobState.COMPLETED):
-            return job
-    fence = await deps.locks.next_fence(job_id)
-    now = deps.clock.now()
-    with Session(deps.engine) as session:
-        if not service.claim_fence(session, job_id=job_id, fence=fence):
-            raise ConflictError(f"job {job_id}: a newer fencing token owns it; try again")
-        service.update_fenced(session, job_id=job_id, fence=fence, state=JobState.CANCELLED, detail="cancelled")
-        active = recoveries.find_active(session, job_id=job_id)
-        if active is not None:
-            recoveries.record_step(
-                session,
-                recovery_id=active.id,
-                fence=fence,
-                step=RecoveryStep.FAILED,
-                started_at=now,
-                ended_at=now,
-                attempt=active.attempt,
-                detail="the job was cancelled",
-                finished_at=now,
-                outcome=Outcome.CANCELLED,
-            )
-        job = service.get(session, job_id=job_id)
-    nodes = list(dict.fromkeys(r["node_id"] for r in job.placement))
-    await stop_nodes(deps, f"{job_id}:cancel:{fence}", job_id, fence, nodes)
-    await publish_inactive(deps, job, msg_id=f"{job_id}:cancel:{fence}")
-    log.info("job cancelled", extra={"job_id": job_id, "fence": fence})
-    return job
-
-
 def finished_ranks(deps: Deps, job: Job) -> bool:
     """True when every rank of the job's current launch reported that it exited 0."""
     statuses = deps.inventory.ranks_of(job.id, restart_epoch=job.restart_epoch)
-    wanted = {int(r["rank"]) for r in job.placement}
+    wanted = {r.rank for r in job.placement}
     return bool(wanted) and all(
         rank in statuses and not statuses[rank].alive and statuses[rank].exit_code == 0 for rank in wanted
     )
@@ -132,7 +91,11 @@ def _all_seen_exited_zero(deps: Deps, job_id: str, epoch: int) -> bool:
 
 
 async def complete_finished(deps: Deps) -> list[str]:
-    """Mark running jobs whose ranks all exited 0 completed (under the job's lock and a new fence); their ids."""
+    """Mark running jobs whose ranks all exited 0 completed (under the job's lock and a new fence); their ids.
+
+    A job being recovered is RECOVERING (set with the recovery's claim, under the same lock), so a job still RUNNING
+    once the lock is ours has no recovery that could be relaunching it.
+    """
     with Session(deps.engine) as session:
         # Every second: only a job whose ranks seen so far all exited 0 is loaded whole (thousands of ranks at scale).
         running = service.get_all_epochs(session, state=JobState.RUNNING)
@@ -147,14 +110,14 @@ async def complete_finished(deps: Deps) -> list[str]:
             continue  # a recovery (or another replica) holds it: look again next time
         try:
             with Session(deps.engine) as session:
-                if recoveries.find_active(session, job_id=job.id) is not None:
+                if service.get(session, job_id=job.id).state is not JobState.RUNNING:
                     continue
                 if not service.claim_fence(session, job_id=job.id, fence=handle.fence):
                     continue
                 service.update_fenced(session, job_id=job.id, fence=handle.fence, state=JobState.COMPLETED)
-            nodes = list(dict.fromkeys(r["node_id"] for r in job.placement))
-            await stop_nodes(deps, f"{job.id}:complete:{handle.fence}", job.id, handle.fence, nodes)
-            await publish_inactive(deps, job, msg_id=f"{job.id}:complete:{handle.fence}")
+            operation = f"{job.id}:complete:{handle.fence}"
+            await deps.compute.stop(job.id, job.nodes(), operation_id=operation, fence=handle.fence)
+            await publish_inactive(deps.bus, job, msg_id=operation)
             log.info("job completed", extra={"job_id": job.id})
             done.append(job.id)
         finally:

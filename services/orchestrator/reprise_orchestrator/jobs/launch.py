@@ -10,14 +10,16 @@ from sqlmodel import Session
 
 from reprise_common import subjects
 from reprise_common.bus import Bus
-from reprise_common.errors import ConflictError
-from reprise_common.events import CommandAction, JobPlacement, RankAssignment
-from reprise_orchestrator.agents import NodeAnswer, command_nodes
+from reprise_common.errors import BusError, ConflictError
+from reprise_common.events import JobPlacement, LaunchArgs, RankAssignment
+from reprise_common.logging import get_logger
+from reprise_orchestrator.compute.backend import Answers, ComputeBackend, LaunchRequest
 from reprise_orchestrator.jobs import service
-from reprise_orchestrator.jobs.models import JobCreate
+from reprise_orchestrator.jobs.models import Job, JobCreate
 from reprise_orchestrator.nodes.inventory import Inventory
 from reprise_orchestrator.registry_client import RestorePoint
 
+log = get_logger("reprise.orchestrator.jobs")
 PORT_SPAN = 1000  # rendezvous ports are master_port_base .. master_port_base + PORT_SPAN - 1
 PLACEMENT_HEADROOM_BYTES = 4096  # what the size check cannot know yet: the job id, the message id header
 
@@ -81,6 +83,7 @@ def check_placement_fits(bus: Bus, spec: JobCreate, ranks: list[RankAssignment])
 
 async def launch(
     bus: Bus,
+    backend: ComputeBackend,
     *,
     operation_id: str,
     job_id: str,
@@ -89,34 +92,35 @@ async def launch(
     ranks: list[RankAssignment],
     rendezvous: Rendezvous,
     restore: RestorePoint | None,
-    timeout_s: float,
-) -> list[NodeAnswer]:
-    """Publish the placement for the detector, then launch every node's ranks; returns each node's answer."""
+) -> Answers:
+    """Publish the placement for the detector, then have the backend launch every rank; each node's answer."""
     placement = placement_event(job_id, spec, ranks, restart_epoch=rendezvous.restart_epoch)
     await bus.publish(subjects.placement(job_id), placement, msg_id=f"{operation_id}:placement")
-    by_node: dict[str, list[dict[str, object]]] = {}
-    for r in ranks:  # one pass: thousands of nodes times their ranks must not block the loop
-        by_node.setdefault(r.node_id, []).append(r.model_dump(mode="json"))
-    args_by_node = {
-        node_id: {
-            "restart_epoch": rendezvous.restart_epoch,
-            "world_size": len(ranks),
-            "master_addr": rendezvous.master_addr,
-            "master_port": rendezvous.master_port,
-            "command": spec.command,
-            "env": spec.env,
-            "cwd": spec.working_dir,
-            "resume_checkpoint": restore.path if restore else None,
-            "ranks": by_node[node_id],
-        }
-        for node_id in placement.nodes()
-    }
-    return await command_nodes(
-        bus,
-        operation_id=operation_id,
-        job_id=job_id,
-        fence=fence,
-        action=CommandAction.LAUNCH,
-        args_by_node=args_by_node,
-        timeout_s=timeout_s,
+    args = LaunchArgs(
+        restart_epoch=rendezvous.restart_epoch,
+        world_size=len(ranks),
+        master_addr=rendezvous.master_addr,
+        master_port=rendezvous.master_port,
+        command=spec.command,
+        env=spec.env,
+        cwd=spec.working_dir,
+        resume_checkpoint=restore.path if restore else None,
+        ranks=ranks,
     )
+    return await backend.launch(LaunchRequest(job_id=job_id, args=args), operation_id=operation_id, fence=fence)
+
+
+async def publish_inactive(bus: Bus, job: Job, *, msg_id: str) -> None:
+    """Tell the detector the job runs nowhere now (it stops expecting progress from it)."""
+    event = JobPlacement(
+        source="orchestrator",
+        job_id=job.id,
+        restart_epoch=job.restart_epoch,
+        world_size=0,
+        active=False,
+        labels=job.labels,
+    )
+    try:
+        await bus.publish(subjects.placement(job.id), event, msg_id=msg_id)
+    except BusError as exc:
+        log.warning("could not publish the end of a placement", extra={"job_id": job.id, "error": str(exc)})

@@ -6,12 +6,13 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Any
 
-from pydantic import model_validator
+from pydantic import AwareDatetime, model_validator
 from sqlalchemy import JSON, Column, Index
 from sqlmodel import Field, SQLModel
 
 from reprise_common.clock import utcnow
-from reprise_common.db import UTCDateTime
+from reprise_common.db import TypedJSON, UTCDateTime
+from reprise_common.events import RankAssignment
 from reprise_common.labels import MAX_LABELS, MAX_NAME, MAX_PREFIX, MAX_VALUE, Labels
 from reprise_common.settings import IdStr
 
@@ -122,15 +123,24 @@ class JobCreate(JobBase):
 
 
 class Job(JobBase, table=True):
-    """A job row; spec and placement are stored as JSON."""
+    """A job row; its spec is stored as JSON, its placement and restart times as typed JSON."""
 
     id: str = Field(primary_key=True)
     state: JobState = Field(default=JobState.PENDING, index=True)
     spec: dict[str, Any] = Field(sa_column=Column(JSON, nullable=False))
-    placement: list[dict[str, Any]] = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
+    placement: list[RankAssignment] = Field(
+        default_factory=list, sa_column=Column(TypedJSON(list[RankAssignment]), nullable=False)
+    )
+    reserved_nodes: list[str] = Field(
+        default_factory=list,
+        sa_column=Column(TypedJSON(list[str]), nullable=False, server_default="[]"),
+        description="nodes a running recovery chose for the job and has not launched on yet",
+    )
     restart_epoch: int = 0
     restarts: int = 0
-    restart_times: list[str] = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
+    restart_times: list[AwareDatetime] = Field(
+        default_factory=list, sa_column=Column(TypedJSON(list[AwareDatetime]), nullable=False)
+    )
     last_restore_step: int | None = None
     no_progress_streak: int = 0
     last_error: str = ""
@@ -149,6 +159,10 @@ class Job(JobBase, table=True):
     def labels(self) -> dict[str, str]:
         """The labels of the spec (checked when the job was submitted); none for a job from before labels."""
         return dict(self.spec.get("labels") or {})
+
+    def nodes(self) -> list[str]:
+        """The distinct nodes of the job's placement, in rank order."""
+        return list(dict.fromkeys(r.node_id for r in self.placement))
 
 
 class JobLabel(SQLModel, table=True):
@@ -170,7 +184,7 @@ class JobPublic(JobBase):
     restart_epoch: int
     restarts: int
     detail: str
-    placement: list[dict[str, Any]]
+    placement: list[RankAssignment]
     labels: dict[str, str]
     spec: dict[str, Any]
     created_at: datetime

@@ -7,6 +7,7 @@ from enum import StrEnum
 
 from reprise_common.errors import ConflictError
 from reprise_common.events import RankAssignment
+from reprise_orchestrator.compute.backend import NodePool
 from reprise_orchestrator.jobs.models import JobCreate, RecoveryPolicy
 from reprise_orchestrator.nodes.inventory import Inventory
 
@@ -47,22 +48,20 @@ def replan(current: list[str], *, usable: set[str], spares: list[str], policy: R
     return Replan(PlacementDecision.WAIT, nodes, replaced, dropped)
 
 
-def choose_nodes(spec: JobCreate, inventory: Inventory, *, unavailable: set[str]) -> list[str]:
-    """The nodes a new job runs on: the ones it names (each must be placeable), or the first N placeable workers.
+def choose_nodes(spec: JobCreate, pool: NodePool) -> list[str]:
+    """The nodes a new job runs on: the ones it names (each must be usable), or the first N usable workers.
 
-    `unavailable` holds cordoned nodes and nodes other active jobs run on.
+    `pool` holds what the compute backend can place on now, without cordoned nodes and nodes other jobs hold.
     """
-    placeable = set(inventory.placeable(exclude=unavailable)) | set(
-        inventory.placeable(spares=True, exclude=unavailable)
-    )
     if spec.nodes is not None:
-        missing = [node for node in spec.nodes if node not in placeable]
+        usable = pool.usable()
+        missing = [node for node in spec.nodes if node not in usable]
         if missing:
             raise ConflictError(
                 f"nodes not available (unknown, stale, unhealthy, cordoned or busy): {', '.join(missing)}"
             )
         return list(spec.nodes)
-    workers = inventory.placeable(exclude=unavailable)
+    workers = pool.workers
     assert spec.node_count is not None
     if len(workers) < spec.node_count:
         raise ConflictError(f"job needs {spec.node_count} nodes, {len(workers)} healthy worker nodes are available")

@@ -11,12 +11,13 @@ from sqlmodel import Session, col, select
 
 from reprise_common.clock import utcnow
 from reprise_common.errors import NotFoundError
-from reprise_common.events import new_id
+from reprise_common.events import RankAssignment, new_id
 from reprise_orchestrator.jobs.models import ACTIVE_STATES, Job, JobCreate, JobLabel, JobState
-from reprise_orchestrator.recoveries.models import Recovery, RecoveryStep
+
+OCCUPYING_STATES = ACTIVE_STATES | {JobState.PENDING}  # a job in these states holds its nodes
 
 
-def create(session: Session, *, spec: JobCreate, placement: list[dict[str, Any]]) -> Job:
+def create(session: Session, *, spec: JobCreate, placement: list[RankAssignment]) -> Job:
     """Record a new job with its planned placement (pending until launched)."""
     job = Job(
         id=f"job-{new_id()[:12]}",
@@ -78,53 +79,51 @@ def claim_fence(session: Session, *, job_id: str, fence: int) -> bool:
     return cast("CursorResult[Any]", result).rowcount == 1
 
 
-def update_fenced(session: Session, *, job_id: str, fence: int, **values: Any) -> bool:
-    """Update a job only while `fence` is still its highest; False means a newer owner took over."""
+def update_fenced(session: Session, *, job_id: str, fence: int, commit: bool = True, **values: Any) -> bool:
+    """Update a job only while `fence` is still its highest; False means a newer owner took over.
+
+    With commit=False the update joins the session's transaction (a recovery's last step and the job's end state
+    are written together).
+    """
     statement = (
         update(Job).where(col(Job.id) == job_id, col(Job.max_fence) == fence).values(**values, updated_at=utcnow())
     )
     result = session.execute(statement)
-    session.commit()
+    if commit:
+        session.commit()
     return cast("CursorResult[Any]", result).rowcount == 1
 
 
 def busy_nodes(session: Session, *, except_job: str | None = None) -> set[str]:
     """Nodes that active or pending jobs (other than `except_job`) run on, or that their running recoveries chose."""
-    query = select(Job).where(col(Job.state).in_(list(ACTIVE_STATES | {JobState.PENDING})))
-    placed = {rank["node_id"] for job in session.exec(query).all() if job.id != except_job for rank in job.placement}
-    return placed | reserved_nodes(session, except_job=except_job)
-
-
-def reserved_nodes(session: Session, *, except_job: str | None = None) -> set[str]:
-    """Nodes an unfinished recovery placed its job on, before its launch writes them into the job's placement."""
-    query = select(Recovery.job_id, Recovery.steps).where(col(Recovery.finished_at).is_(None))
-    return {
-        node
-        for job_id, steps in session.exec(query).all()
-        if job_id != except_job
-        for step in steps
-        if step["step"] == RecoveryStep.PLACING and step.get("ended_at")
-        for node in (step.get("data") or {}).get("nodes", [])
-    }
+    query = select(Job.id, Job.placement, Job.reserved_nodes).where(col(Job.state).in_(list(OCCUPYING_STATES)))
+    busy: set[str] = set()
+    for job_id, placement, reserved in session.exec(query).all():
+        if job_id != except_job:
+            busy.update(rank.node_id for rank in placement)
+            busy.update(reserved)
+    return busy
 
 
 def placement_conflict(session: Session, job: Job) -> str | None:
     """Another job created before this one (by time, then id) and still pending or active that shares a node with
     it, if any: two replicas that placed jobs at the same moment both see it, and the later one gives way."""
-    mine = {rank["node_id"] for rank in job.placement}
-    query = select(Job).where(col(Job.state).in_(list(ACTIVE_STATES | {JobState.PENDING})), col(Job.id) != job.id)
+    mine = set(job.nodes())
+    query = select(Job).where(col(Job.state).in_(list(OCCUPYING_STATES)), col(Job.id) != job.id)
     for other in session.exec(query).all():
-        if (other.created_at, other.id) < (job.created_at, job.id) and mine & {r["node_id"] for r in other.placement}:
+        if (other.created_at, other.id) < (job.created_at, job.id) and mine & {*other.nodes(), *other.reserved_nodes}:
             return other.id
     return None
 
 
 def master_ports_at(session: Session, *, address: str, address_of: Callable[[str], str]) -> set[int]:
     """Rendezvous ports of active jobs whose master (rank 0's node) is at `address`: nodes may share a host."""
-    query = select(Job).where(col(Job.state).in_(list(ACTIVE_STATES)), col(Job.master_port) > 0)
+    query = select(Job.master_port, Job.placement).where(
+        col(Job.state).in_(list(ACTIVE_STATES)), col(Job.master_port) > 0
+    )
     return {
-        job.master_port
-        for job in session.exec(query).all()
-        for rank in job.placement
-        if rank["rank"] == 0 and address_of(rank["node_id"]) == address
+        port
+        for port, placement in session.exec(query).all()
+        for rank in placement
+        if rank.rank == 0 and address_of(rank.node_id) == address
     }

@@ -11,8 +11,6 @@ from reprise_common.labels import check_selector, parse_selector
 from reprise_orchestrator.deps import DepsDep, SessionDep
 from reprise_orchestrator.jobs import flows, service
 from reprise_orchestrator.jobs.models import JobCreate, JobPublic, JobsPublic, JobState
-from reprise_orchestrator.recoveries import service as recoveries
-from reprise_orchestrator.recoveries.models import RecoveriesPublic, RecoveryPublic
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 LabelSelector = Annotated[str, AfterValidator(check_selector)]
@@ -47,20 +45,3 @@ def list_jobs(
 def get_job(job_id: str, session: SessionDep) -> JobPublic:
     """One job."""
     return _public(service.get(session, job_id=job_id))
-
-
-@router.post("/{job_id}/cancel", response_model=JobPublic)
-async def cancel_job(job_id: str, deps: DepsDep) -> JobPublic:
-    """Cancel a job: any running recovery stands down, its ranks are stopped; idempotent."""
-    return _public(await flows.cancel(deps, job_id))
-
-
-@router.get("/{job_id}/recoveries", response_model=RecoveriesPublic)
-def job_recoveries(job_id: str, session: SessionDep) -> RecoveriesPublic:
-    """A job's recoveries with every step's start and end."""
-    service.get(session, job_id=job_id)
-    data = [
-        RecoveryPublic.model_validate(r, from_attributes=True)
-        for r in recoveries.get_all_by_job(session, job_id=job_id)
-    ]
-    return RecoveriesPublic(data=data, count=len(data))

@@ -1,4 +1,5 @@
-"""Node side effects: acting on the detector's quarantine recommendations."""
+"""Node side effects: cordons (the orchestrator's record and the compute backend's own), and the detector's
+quarantine recommendations."""
 
 from __future__ import annotations
 
@@ -14,6 +15,24 @@ log = get_logger("reprise.orchestrator.nodes")
 QUARANTINE_BY = "quarantine"
 
 
+async def cordon(deps: Deps, *, node_id: str, reason: str, by: str, job_id: str | None = None) -> bool:
+    """Give a node no new ranks, in the record and in the backend; False when it already was (the first reason
+    stays, and the backend is told again: telling it twice is harmless)."""
+    with Session(deps.engine) as session:
+        changed = service.cordon(session, node_id=node_id, reason=reason, by=by, now=deps.clock.now(), job_id=job_id)
+    await deps.compute.cordon(node_id, reason=reason)
+    return changed
+
+
+async def uncordon(deps: Deps, *, node_id: str) -> bool:
+    """Make a cordoned node placeable again, in the record and in the backend; False when it was not cordoned."""
+    with Session(deps.engine) as session:
+        changed = service.uncordon(session, node_id=node_id, now=deps.clock.now())
+    if changed:
+        await deps.compute.uncordon(node_id)
+    return changed
+
+
 class QuarantineFlow:
     """Cordons a node the detector recommends quarantining (its running ranks stay until their next recovery)."""
 
@@ -24,11 +43,7 @@ class QuarantineFlow:
         """Cordon the node; idempotent, so a redelivered recommendation changes nothing."""
         if not isinstance(event, NodeQuarantineRecommended):
             return Outcome.ACK
-        reason = f"quarantine recommended ({event.reason.value}): {event.detail}".strip()
-        with Session(self.deps.engine) as session:
-            changed = service.cordon(
-                session, node_id=event.node_id, reason=reason[:2000], by=QUARANTINE_BY, now=self.deps.clock.now()
-            )
-        if changed:
+        reason = f"quarantine recommended ({event.reason.value}): {event.detail}".strip()[:2000]
+        if await cordon(self.deps, node_id=event.node_id, reason=reason, by=QUARANTINE_BY):
             log.warning("node quarantined", extra={"node_id": event.node_id, "reason": reason})
         return Outcome.ACK

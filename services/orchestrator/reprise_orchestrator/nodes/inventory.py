@@ -9,6 +9,7 @@ following a job's ranks costs the ranks of that job, not a scan of every node.
 
 from __future__ import annotations
 
+from collections.abc import Set
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -145,7 +146,7 @@ class Inventory:
         info = self._nodes.get(node_id)
         return info is not None and self._fresh(info, self.clock.monotonic())
 
-    def placeable(self, *, spares: bool = False, exclude: frozenset[str] | set[str] = frozenset()) -> list[str]:
+    def placeable(self, *, spares: bool = False, exclude: Set[str] = frozenset()) -> list[str]:
         """Fresh nodes with every GPU healthy, workers (or spares), not excluded, sorted by id."""
         self._absorb()
         now = self.clock.monotonic()

@@ -46,9 +46,12 @@ def cordoned_ids(session: Session) -> set[str]:
     return set(session.exec(select(NodeCordon.node_id).where(col(NodeCordon.cordoned))).all())
 
 
-def count_recovery_cordons(session: Session, *, since: datetime) -> int:
-    """How many nodes recoveries cordoned since `since` (the circuit breaker's count)."""
+def count_recovery_cordons(session: Session, *, since: datetime, other_than: str = "") -> int:
+    """How many nodes recoveries (other than the one cordoning as `other_than`) cordoned since `since`: the circuit
+    breaker's count, which a recovery resumed after its own cordon must not count against itself."""
     query = select(func.count()).where(
-        col(NodeCordon.by).startswith(RECOVERY_PREFIX), col(NodeCordon.cordoned_at) >= since
+        col(NodeCordon.by).startswith(RECOVERY_PREFIX),
+        col(NodeCordon.cordoned_at) >= since,
+        NodeCordon.by != other_than,
     )
     return int(session.exec(query).one())

@@ -6,7 +6,7 @@ from fastapi import APIRouter
 
 from reprise_common.settings import IdStr
 from reprise_orchestrator.deps import DepsDep, SessionDep
-from reprise_orchestrator.nodes import service
+from reprise_orchestrator.nodes import flows, service
 from reprise_orchestrator.nodes.inventory import NodePublic
 from reprise_orchestrator.nodes.models import CordonPublic, CordonRequest, NodeCordon
 
@@ -21,18 +21,16 @@ def list_nodes(deps: DepsDep, session: SessionDep) -> list[NodePublic]:
 
 
 @router.post("/{node_id}/cordon", response_model=CordonPublic)
-def cordon_node(node_id: IdStr, body: CordonRequest, deps: DepsDep, session: SessionDep) -> CordonPublic:
+async def cordon_node(node_id: IdStr, body: CordonRequest, deps: DepsDep, session: SessionDep) -> CordonPublic:
     """Give a node no new ranks (running ranks stay until their job's next recovery); idempotent."""
-    service.cordon(
-        session, node_id=node_id, reason=body.reason or "cordoned by an operator", by="api", now=deps.clock.now()
-    )
+    await flows.cordon(deps, node_id=node_id, reason=body.reason or "cordoned by an operator", by="api")
     return _row(session, node_id)
 
 
 @router.post("/{node_id}/uncordon", response_model=CordonPublic)
-def uncordon_node(node_id: IdStr, deps: DepsDep, session: SessionDep) -> CordonPublic:
+async def uncordon_node(node_id: IdStr, deps: DepsDep, session: SessionDep) -> CordonPublic:
     """Make a cordoned node placeable again; idempotent."""
-    service.uncordon(session, node_id=node_id, now=deps.clock.now())
+    await flows.uncordon(deps, node_id=node_id)
     return _row(session, node_id)
 
 

@@ -1,10 +1,14 @@
-"""The recovery flow: one incident → one recovery, run by whoever holds the job's lock and newest fence.
+"""The recovery flow: one claimed recovery driven to its end by whoever holds the job's lock and newest fence.
 
 detected → locked → [stopping_ranks → isolating → placing → restoring → launching → verifying]+ → running (or failed,
-or held for a human). The bracketed steps are one attempt (recoveries/steps.py); a failed launch or verification
-starts the next attempt after a backoff. Every step is persisted with its start and end before the next begins;
-every write and every agent command carries the fence, so an owner that paused past its lease changes nothing once a
-newer owner exists. A recovery whose owner died is resumed from its last persisted step by the reconciler.
+or held for a human). The bracketed steps are one attempt (recoveries/steps.py). After each step the flow proposes
+the next transition and the policy (recoveries/rules.py) answers; the service records a step only once the policy
+accepted it. Every write and every command carries the fence, so an owner that paused past its lease changes nothing
+once a newer owner exists.
+
+A claimed recovery and an orphaned one (its owner died) take the same path, `run`: it rebuilds what the finished
+steps decided from their typed records and goes on from the last one. Recoveries run side by side, each in a task of
+the replica's runner (recoveries/runner.py).
 """
 
 from __future__ import annotations
@@ -12,41 +16,40 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from datetime import datetime
-from typing import Any, Literal
+from typing import Literal, cast
 
 from sqlmodel import Session
 
 from reprise_common import subjects
-from reprise_common.bus import Delivery
-from reprise_common.bus import Outcome as Ack
-from reprise_common.errors import BusError, RepriseError
-from reprise_common.events import (
-    Event,
-    IncidentChange,
-    JobPlacement,
-    RecommendedAction,
-    RecoveryChange,
-    Severity,
-    new_id,
-)
+from reprise_common.errors import BusError, ConflictError, RepriseError
+from reprise_common.events import RecoveryChange
 from reprise_common.logging import get_logger
 from reprise_orchestrator.deps import Deps
 from reprise_orchestrator.jobs import service as jobs
-from reprise_orchestrator.jobs.models import ACTIVE_STATES, Job, JobState
+from reprise_orchestrator.jobs.launch import publish_inactive
+from reprise_orchestrator.jobs.models import Job, JobState
 from reprise_orchestrator.locks import LockHandle
-from reprise_orchestrator.recoveries import policy, service
-from reprise_orchestrator.recoveries.models import TERMINAL_STEPS, Outcome, Recovery, RecoveryStep
-from reprise_orchestrator.recoveries.service import FencedOutError
-from reprise_orchestrator.recoveries.steps import RecoveryRun, RecoverySteps, StepResult, Then, stop_nodes
+from reprise_orchestrator.recoveries import rules, service
+from reprise_orchestrator.recoveries.models import Recovery
+from reprise_orchestrator.recoveries.records import (
+    Isolated,
+    Placed,
+    StepData,
+    Then,
+    Verified,
+    baseline_of,
+    incident_of,
+)
+from reprise_orchestrator.recoveries.rules import Decision, Proposal
+from reprise_orchestrator.recoveries.service import FencedOutError, TransitionRefusedError
+from reprise_orchestrator.recoveries.states import ATTEMPT_STEPS, TERMINAL_STEPS, Outcome, RecoveryStep
+from reprise_orchestrator.recoveries.steps import RecoveryRun, RecoverySteps, StepResult
 
 log = get_logger("reprise.orchestrator.recovery")
 RecoveryChangeKind = Literal["started", "step", "succeeded", "failed"]
-END_STATES = {
-    RecoveryStep.RUNNING: JobState.RUNNING,
-    RecoveryStep.FAILED: JobState.FAILED,
-    RecoveryStep.HELD: JobState.HELD,
-}
-HOLD_OUTCOMES = frozenset({Outcome.CIRCUIT_BREAKER, Outcome.HUMAN_ASKED})
+# Steps after which news of the incident means isolating and placing again within the attempt; after the launch,
+# news means a new attempt (the new epoch runs on a plan that did not know it).
+REPLANNABLE = frozenset({RecoveryStep.ISOLATING, RecoveryStep.PLACING, RecoveryStep.RESTORING})
 
 
 class LockLostError(RepriseError):
@@ -54,172 +57,193 @@ class LockLostError(RepriseError):
 
 
 class RecoveryFlow:
-    """Consumes opened incidents and runs recoveries; resumes orphaned ones for the reconciler."""
+    """Drives recoveries; `run` is the one way in, for a fresh claim and for an orphan alike."""
 
     def __init__(self, deps: Deps) -> None:
         self.deps = deps
         self.steps = RecoverySteps(deps)
-        self.running: set[str] = set()  # recovery ids this replica runs now
+        self.runs: dict[str, RecoveryRun] = {}  # recovery id → its run, while this replica drives it
 
-    async def on_incident(self, event: Event, delivery: Delivery) -> Ack:
-        """Start a recovery for an opened incident, or attach it to the one already running (or that covered it)."""
-        if not isinstance(event, IncidentChange) or event.change != "opened":
-            return Ack.ACK
-        if event.severity is Severity.WARNING or event.recommended_action is RecommendedAction.NONE:
-            log.info("warning incident: no recovery", extra={"incident_id": event.incident_id, "job_id": event.job_id})
-            return Ack.ACK
-        with Session(self.deps.engine) as session:
-            job = session.get(Job, event.job_id)
-            if job is None or job.state not in ACTIVE_STATES:
-                log.info("incident for a job that is not running", extra={"job_id": event.job_id})
-                return Ack.ACK
-            if self._attach_if_known(session, event):
-                return Ack.ACK
-        handle = await self.deps.locks.acquire(event.job_id, owner=self.deps.settings.replica_id)
-        if handle is None:
-            return Ack.RETRY  # another replica is starting a recovery; next time we attach to it
+    def notify(self, recovery_id: str) -> None:
+        """The recovery's incident learned something: wake the run if it waits (it reads the news itself)."""
+        run = self.runs.get(recovery_id)
+        if run is not None:
+            run.news.set()
+
+    async def run(self, handle: LockHandle, recovery_id: str) -> None:
+        """Own the recovery under `handle` (taking it over from a dead owner if needed) and drive it to its end."""
+        start = self._own(handle, recovery_id)
+        if start is None:
+            return
+        run, recovery = start
+        self.runs[recovery_id] = run
+        renewal = asyncio.create_task(self._renew(run), name=f"renew:{recovery_id}")
         try:
-            run = self._claim(handle, event)
-            if run is not None:
-                await self._drive(run, start=0)
-        finally:
-            await self.deps.locks.release(handle)
-        return Ack.ACK
-
-    def _attach_if_known(self, session: Session, incident: IncidentChange) -> bool:
-        if service.knows_incident(session, job_id=incident.job_id, incident_id=incident.incident_id):
-            return True
-        target = service.find_active(session, job_id=incident.job_id) or service.covering(
-            session, job_id=incident.job_id, symptom_at=incident.first_symptom_at
-        )
-        if target is None:
-            return False
-        service.attach(session, recovery=target, incident_id=incident.incident_id)
-        log.info(
-            "incident attached to a recovery", extra={"recovery_id": target.id, "incident_id": incident.incident_id}
-        )
-        return True
-
-    def _claim(self, handle: LockHandle, incident: IncidentChange) -> RecoveryRun | None:
-        now = self.deps.clock.now()
-        with Session(self.deps.engine) as session:
-            if self._attach_if_known(session, incident):  # someone finished or started it while we took the lock
-                return None
-            job = jobs.get(session, job_id=incident.job_id)
-            if job.state not in ACTIVE_STATES:
-                return None
-            if not jobs.claim_fence(session, job_id=incident.job_id, fence=handle.fence):
-                log.warning("fence claim refused: a newer owner exists", extra={"job_id": incident.job_id})
-                return None
-            baseline = {"last_restore_step": job.last_restore_step, "no_progress_streak": job.no_progress_streak}
-            recovery = Recovery(
-                id=f"rec-{new_id()[:12]}",
-                job_id=incident.job_id,
-                incident_id=incident.incident_id,
-                fence=handle.fence,
-                owner=self.deps.settings.replica_id,
-                step=RecoveryStep.LOCKED,
-                steps=[
-                    _entry(
-                        RecoveryStep.DETECTED,
-                        incident.first_symptom_at,
-                        incident.time,
-                        incident.model_dump(mode="json"),
-                    ),
-                    _entry(RecoveryStep.LOCKED, incident.time, now, {"baseline": baseline}),
-                ],
-            )
-            service.create(session, recovery=recovery)
-            jobs.update_fenced(
-                session,
-                job_id=incident.job_id,
-                fence=handle.fence,
-                state=JobState.RECOVERING,
-                last_error=policy.error_signature(incident),
-                same_error_streak=policy.same_error_streak(job, incident),
-            )
-            verdict = policy.admit(job, incident, job.job_spec().policy, now=now)
-            job = jobs.get(session, job_id=incident.job_id)
-            return RecoveryRun(handle, recovery.id, job, incident, baseline=baseline, admission=verdict)
-
-    async def resume(self, handle: LockHandle, recovery_id: str) -> None:
-        """Take over a recovery whose owner is gone and run it on from its last persisted step."""
-        with Session(self.deps.engine) as session:
-            recovery = session.get(Recovery, recovery_id)
-            if recovery is None or recovery.step in TERMINAL_STEPS:
-                return
-            if not jobs.claim_fence(session, job_id=recovery.job_id, fence=handle.fence):
-                return
-            recovery = service.take_over(
-                session, recovery_id=recovery_id, fence=handle.fence, owner=self.deps.settings.replica_id
-            )
-            job = jobs.get(session, job_id=recovery.job_id)
-        incident = IncidentChange.model_validate(recovery.steps[0]["data"])
-        run = RecoveryRun(handle, recovery.id, job, incident, attempt=recovery.attempt)
-        run.baseline = recovery.steps[1]["data"].get("baseline", {})
-        start = 0
-        plan = [step for step, _ in self.steps.plan()]
-        for entry in recovery.steps[2:]:
-            if entry.get("attempt", 1) != run.attempt or entry["step"] not in plan:
-                continue
-            step = RecoveryStep(entry["step"])
-            if entry["ended_at"] is None:
-                start = plan.index(step)  # it began but did not end: run it again
-                break
-            run.adopt(step, entry["data"])
-            start = plan.index(step) + 1
-        log.info(
-            "resuming an orphaned recovery",
-            extra={"recovery_id": recovery_id, "from": plan[min(start, len(plan) - 1)].value},
-        )
-        await self._drive(run, start=start, resumed=True)
-
-    async def _drive(self, run: RecoveryRun, *, start: int, resumed: bool = False) -> None:
-        self.running.add(run.recovery_id)
-        renewal = asyncio.create_task(self._renew(run), name=f"renew:{run.recovery_id}")
-        try:
-            verdict = run.admission
-            if verdict.outcome is not None:
-                await self._finish(run, _end_step(verdict.outcome), verdict.outcome, verdict.detail)
-                return
-            if not resumed:
+            last = recovery.steps[-1]
+            if run.step is RecoveryStep.LOCKED:
                 await self._publish(run, "started", RecoveryStep.LOCKED)
-            await self._attempts(run, start)
+            elif last.done:
+                log.info("resuming a recovery", extra={"recovery_id": recovery_id, "after": run.step.value})
+            done = StepResult(cast("StepData", last.data), last.then, last.outcome) if last.done else None
+            await self._drive(run, done)
         except (FencedOutError, LockLostError) as exc:
             log.warning("standing down: lost ownership of the job", extra={"job_id": run.job.id, "why": str(exc)})
         finally:
-            self.running.discard(run.recovery_id)
+            self.runs.pop(recovery_id, None)
             renewal.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await renewal
 
-    async def _attempts(self, run: RecoveryRun, start: int) -> None:
-        plan = self.steps.plan()
-        index = start
-        while index < len(plan):
-            step, action = plan[index]
-            result = await self._step(run, step, action)
-            if result.then is Then.NEXT:
-                index += 1
-                continue
-            if result.then is Then.STOP:
-                assert result.outcome is not None
-                await self._finish(run, _end_step(result.outcome), result.outcome, result.detail)
-                return
-            spec = run.job.job_spec().policy
-            if run.attempt >= spec.max_attempts:
-                await self._finish(
-                    run, RecoveryStep.FAILED, Outcome.ATTEMPTS_SPENT, f"{run.attempt} attempts: {result.detail}"
+    def _own(self, handle: LockHandle, recovery_id: str) -> tuple[RecoveryRun, Recovery] | None:
+        with Session(self.deps.engine) as session:
+            recovery = session.get(Recovery, recovery_id)
+            if recovery is None or recovery.step in TERMINAL_STEPS:
+                return None
+            if recovery.fence != handle.fence:  # an orphan: this replica takes it over with its new fence
+                if not jobs.claim_fence(session, job_id=recovery.job_id, fence=handle.fence):
+                    return None
+                recovery = service.take_over(
+                    session, recovery_id=recovery_id, fence=handle.fence, owner=self.deps.settings.replica_id
                 )
-                return
-            run.attempt += 1
-            wait = spec.backoff_s(run.attempt - 1)
-            log.warning(
-                "recovery attempt failed", extra={"recovery_id": run.recovery_id, "why": result.detail, "wait_s": wait}
+            job = jobs.get(session, job_id=recovery.job_id)
+        records = recovery.steps
+        run = RecoveryRun(
+            handle,
+            recovery.id,
+            job,
+            incident_of(records),
+            baseline_of(records),
+            attempt=recovery.attempt,
+            step=recovery.step,
+        )
+        planned = max((r.data.symptoms for r in records if isinstance(r.data, Isolated)), default=0)
+        if recovery.learned is not None and planned >= recovery.learned.symptom_count:
+            run.incident = recovery.learned  # the plan so far already answers the incident's newest version
+        for record in records:  # the placement of an earlier attempt too: its nodes may run ranks to stop
+            if record.done and (record.attempt == run.attempt or isinstance(record.data, Placed)):
+                run.adopt(record)
+        isolations = sum(r.attempt == run.attempt and r.step is RecoveryStep.ISOLATING for r in records)
+        run.replans = max(0, isolations - 1)  # the first isolation of an attempt is no re-plan
+        return run, recovery
+
+    async def _drive(self, run: RecoveryRun, result: StepResult | None) -> None:
+        """Run the current step (unless it already ended with `result`), propose what follows, until an end."""
+        while run.step not in TERMINAL_STEPS:
+            if result is None:
+                result = await self._act(run)
+            proposal = self._next(run, result)
+            answer = self._move(run, proposal)
+            if answer.decision is Decision.WAIT:
+                await asyncio.sleep(answer.delay_s)
+                continue  # the same proposal again, with the time then
+            if answer.decision is Decision.REJECT and proposal.learned:
+                continue  # no re-plan: go on with the plan as it is (the run already took the news)
+            if answer.decision is Decision.REJECT:
+                proposal = self._end(run, Outcome.TRANSITION_REFUSED, f"refused: {answer.detail} ({answer.rule})")
+                answer = self._move(run, proposal)
+            elif answer.decision is Decision.ABORT:
+                assert answer.outcome is not None
+                proposal = self._end(run, answer.outcome, answer.detail)
+                answer = self._move(run, proposal)
+            if answer.decision is not Decision.ACCEPT:
+                raise TransitionRefusedError(f"the policy did not let recovery {run.recovery_id} end: {answer}")
+            self._moved(run, proposal)
+            await self._after_move(run)
+            result = None
+
+    def _next(self, run: RecoveryRun, result: StepResult) -> Proposal:
+        """The transition a step's result asks for, re-planning when the incident learned something meanwhile."""
+        now = self.deps.clock.now()
+        if result.then is Then.STOP:
+            assert result.outcome is not None
+            return self._end(run, result.outcome, result.detail)
+        if result.then is Then.RETRY:
+            news = isinstance(result.data, Verified) and bool(result.data.learned)  # not a failure: no backoff
+            return self._new_attempt(run, result.detail, ended=None if news else self._ended_at(run))
+        learned = self.steps.news(run) if run.step in ATTEMPT_STEPS else ""
+        if learned and run.step in REPLANNABLE:
+            return run.proposal(RecoveryStep.ISOLATING, now=now, learned=learned)
+        if learned and run.step in (RecoveryStep.LAUNCHING, RecoveryStep.VERIFYING):
+            return self._new_attempt(run, learned, ended=None)  # the new epoch runs on a plan that did not know it
+        if run.step is RecoveryStep.VERIFYING:
+            return self._end(run, Outcome.RECOVERED, "training progressing again")
+        order = (RecoveryStep.LOCKED, *ATTEMPT_STEPS)
+        return run.proposal(order[order.index(run.step) + 1], now=now)
+
+    def _new_attempt(self, run: RecoveryRun, detail: str, *, ended: datetime | None) -> Proposal:
+        now = self.deps.clock.now()
+        return run.proposal(
+            RecoveryStep.STOPPING_RANKS, now=now, to_attempt=run.attempt + 1, detail=detail, attempt_ended_at=ended
+        )
+
+    def _end(self, run: RecoveryRun, outcome: Outcome, detail: str) -> Proposal:
+        return run.proposal(rules.end_step(outcome), now=self.deps.clock.now(), outcome=outcome, detail=detail)
+
+    def _ended_at(self, run: RecoveryRun) -> datetime | None:
+        with Session(self.deps.engine) as session:
+            return session.get_one(Recovery, run.recovery_id).steps[-1].ended_at
+
+    def _move(self, run: RecoveryRun, proposal: Proposal) -> rules.Answer:
+        with Session(self.deps.engine) as session:
+            return service.move(
+                session,
+                recovery_id=run.recovery_id,
+                fence=run.handle.fence,
+                proposal=proposal,
+                at=self.deps.clock.now(),
             )
-            await asyncio.sleep(wait)
-            index = 0
-        await self._finish(run, RecoveryStep.RUNNING, Outcome.RECOVERED, "training progressing again")
+
+    def _moved(self, run: RecoveryRun, proposal: Proposal) -> None:
+        """Update the run for the step it moved to (a new attempt plans again; a re-plan counts)."""
+        if proposal.to_attempt != run.attempt:
+            run.exclude, run.replans = set(), 0  # the new attempt's isolation finds its exclusions again
+        elif proposal.learned:
+            run.replans += 1
+        run.step, run.attempt = proposal.to_step, proposal.to_attempt
+
+    async def _act(self, run: RecoveryRun) -> StepResult:
+        if run.lock_lost.is_set():
+            raise LockLostError(f"lock on job {run.job.id} lost before {run.step.value}")
+        result = await self.steps.by_step[run.step](run)
+        with Session(self.deps.engine) as session:
+            service.end_step(
+                session,
+                recovery_id=run.recovery_id,
+                fence=run.handle.fence,
+                step=run.step,
+                attempt=run.attempt,
+                at=self.deps.clock.now(),
+                data=result.data,
+                then=result.then,
+                outcome=result.outcome,
+            )
+        return result
+
+    async def _after_move(self, run: RecoveryRun) -> None:
+        if run.step not in TERMINAL_STEPS:
+            await self._publish(run, "step", run.step, started=True)
+            return
+        with Session(self.deps.engine) as session:
+            recovery = session.get_one(Recovery, run.recovery_id)
+            run.job = jobs.get(session, job_id=run.job.id)
+        outcome = recovery.outcome or Outcome.TRANSITION_REFUSED
+        if run.step is not RecoveryStep.RUNNING:
+            await self._wind_down(run)
+        change: RecoveryChangeKind = "succeeded" if run.step is RecoveryStep.RUNNING else "failed"
+        await self._publish(run, change, run.step, recovery.detail, outcome=outcome)
+        if run.restore is not None:
+            await self.deps.registry.unpin(run.restore.checkpoint_id, holder=run.recovery_id)
+        log.info(
+            "recovery finished",
+            extra={"recovery_id": run.recovery_id, "outcome": outcome.value, "detail": recovery.detail},
+        )
+
+    async def _wind_down(self, run: RecoveryRun) -> None:
+        """A job that failed or waits for a human runs nothing: stop what is left and tell the detector."""
+        node_ids = list(dict.fromkeys([*run.job.nodes(), *(r.node_id for r in run.ranks)]))
+        operation = f"{run.recovery_id}:end"
+        await self.deps.compute.stop(run.job.id, node_ids, operation_id=operation, fence=run.handle.fence)
+        await publish_inactive(self.deps.bus, run.job, msg_id=f"{run.recovery_id}:inactive")
 
     async def _renew(self, run: RecoveryRun) -> None:
         interval = self.deps.settings.lock_ttl_s / 3
@@ -229,59 +253,6 @@ class RecoveryFlow:
                 run.lock_lost.set()
                 return
 
-    async def _step(self, run: RecoveryRun, step: RecoveryStep, action: Any) -> StepResult:
-        if run.lock_lost.is_set():
-            raise LockLostError(f"lock on job {run.job.id} lost before {step.value}")
-        started = self.deps.clock.now()
-        self._record(run, step, started, None)
-        await self._publish(run, "step", step, started=started)
-        result: StepResult = await action(run)
-        self._record(run, step, started, self.deps.clock.now(), data=result.data)
-        return result
-
-    def _record(
-        self, run: RecoveryRun, step: RecoveryStep, started: datetime, ended: datetime | None, **kwargs: Any
-    ) -> None:
-        with Session(self.deps.engine) as session:
-            service.record_step(
-                session,
-                recovery_id=run.recovery_id,
-                fence=run.handle.fence,
-                step=step,
-                started_at=started,
-                ended_at=ended,
-                attempt=run.attempt,
-                **kwargs,
-            )
-
-    async def _finish(self, run: RecoveryRun, step: RecoveryStep, outcome: Outcome, detail: str) -> None:
-        now = self.deps.clock.now()
-        self._record(run, step, now, now, detail=detail, finished_at=now, outcome=outcome)
-        with Session(self.deps.engine) as session:
-            jobs.update_fenced(
-                session,
-                job_id=run.job.id,
-                fence=run.handle.fence,
-                state=END_STATES[step],
-                detail=detail if step is not RecoveryStep.RUNNING else "",
-            )
-        if step is not RecoveryStep.RUNNING:
-            await self._wind_down(run)
-        await self._publish(
-            run, "succeeded" if step is RecoveryStep.RUNNING else "failed", step, detail, outcome=outcome
-        )
-        if run.restore is not None:
-            await self.deps.registry.unpin(run.restore.checkpoint_id, holder=run.recovery_id)
-        log.info(
-            "recovery finished", extra={"recovery_id": run.recovery_id, "outcome": outcome.value, "detail": detail}
-        )
-
-    async def _wind_down(self, run: RecoveryRun) -> None:
-        """A job that failed or waits for a human runs nothing: stop what is left and tell the detector."""
-        nodes_ = list(dict.fromkeys([r["node_id"] for r in run.job.placement] + [r.node_id for r in run.ranks]))
-        await stop_nodes(self.deps, f"{run.recovery_id}:end", run.job.id, run.handle.fence, nodes_)
-        await publish_inactive(self.deps, run.job, msg_id=f"{run.recovery_id}:inactive")
-
     async def _publish(
         self,
         run: RecoveryRun,
@@ -290,7 +261,7 @@ class RecoveryFlow:
         detail: str = "",
         *,
         outcome: Outcome | None = None,
-        started: datetime | None = None,
+        started: bool = False,
     ) -> None:
         event = RecoveryChange(
             source="orchestrator",
@@ -303,44 +274,56 @@ class RecoveryFlow:
             detail=detail,
             attempt=run.attempt,
             outcome=outcome.value if outcome else "",
-            step_started_at=started,
+            step_started_at=self.deps.clock.now() if started else None,
             labels=run.job.labels,
         )
+        replan = f":{run.replans}" if run.replans else ""
         try:
             await self.deps.bus.publish(
                 subjects.recovery(run.job.id, change),
                 event,
-                msg_id=f"{run.recovery_id}:{run.attempt}:{change}:{step.value}",
+                msg_id=f"{run.recovery_id}:{run.attempt}:{change}:{step.value}{replan}",
             )
         except BusError as exc:  # the recovery itself matters more than its announcement
             log.warning("could not publish a recovery change", extra={"error": str(exc)})
 
 
-async def publish_inactive(deps: Deps, job: Job, *, msg_id: str) -> None:
-    """Tell the detector the job runs nowhere now (it stops expecting progress from it)."""
-    event = JobPlacement(
-        source="orchestrator",
-        job_id=job.id,
-        restart_epoch=job.restart_epoch,
-        world_size=0,
-        active=False,
-        labels=job.labels,
+async def cancel(deps: Deps, job_id: str) -> Job:
+    """Cancel a job: a fresh fence (no lock needed) fences out any running recovery, which ends as cancelled; then
+    the job's ranks are stopped."""
+    with Session(deps.engine) as session:
+        job = jobs.get(session, job_id=job_id)
+        if job.state in (JobState.CANCELLED, JobState.FAILED, JobState.COMPLETED):
+            return job
+    fence = await deps.locks.next_fence(job_id)
+    with Session(deps.engine) as session:
+        if not jobs.claim_fence(session, job_id=job_id, fence=fence):
+            raise ConflictError(f"job {job_id}: a newer fencing token owns it; try again")
+        active = service.find_active(session, job_id=job_id)
+        if active is not None:
+            _end_cancelled(session, deps, active, fence)
+        jobs.update_fenced(session, job_id=job_id, fence=fence, state=JobState.CANCELLED, detail="cancelled")
+        job = jobs.get(session, job_id=job_id)
+    operation = f"{job_id}:cancel:{fence}"
+    await deps.compute.stop(job_id, job.nodes(), operation_id=operation, fence=fence)
+    await publish_inactive(deps.bus, job, msg_id=operation)
+    log.info("job cancelled", extra={"job_id": job_id, "fence": fence})
+    return job
+
+
+def _end_cancelled(session: Session, deps: Deps, recovery: Recovery, fence: int) -> None:
+    job = jobs.get(session, job_id=recovery.job_id)
+    proposal = Proposal(
+        from_step=recovery.step,
+        from_attempt=recovery.attempt,
+        to_step=rules.end_step(Outcome.CANCELLED),
+        to_attempt=recovery.attempt,
+        job=job,
+        incident=incident_of(recovery.steps),
+        policy=job.job_spec().policy,
+        now=deps.clock.now(),
+        baseline=baseline_of(recovery.steps),
+        outcome=Outcome.CANCELLED,
+        detail="the job was cancelled",
     )
-    try:
-        await deps.bus.publish(subjects.placement(job.id), event, msg_id=msg_id)
-    except BusError as exc:
-        log.warning("could not publish the job's end", extra={"error": str(exc)})
-
-
-def _end_step(outcome: Outcome | None) -> RecoveryStep:
-    return RecoveryStep.HELD if outcome in HOLD_OUTCOMES else RecoveryStep.FAILED
-
-
-def _entry(step: RecoveryStep, started: datetime, ended: datetime, data: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "step": step.value,
-        "attempt": 1,
-        "started_at": started.isoformat(),
-        "ended_at": ended.isoformat(),
-        "data": data,
-    }
+    service.move(session, recovery_id=recovery.id, fence=fence, proposal=proposal, at=deps.clock.now())

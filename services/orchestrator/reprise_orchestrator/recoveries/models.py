@@ -1,51 +1,17 @@
-"""Recovery records: one row per recovery, every step with its start and end time."""
+"""Recovery records: one row per recovery, every step with its start and end time and its typed result."""
 
 from __future__ import annotations
 
 from datetime import datetime
-from enum import StrEnum
-from typing import Any
 
 from sqlalchemy import JSON, Column
 from sqlmodel import Field, SQLModel
 
 from reprise_common.clock import utcnow
-from reprise_common.db import UTCDateTime
-
-
-class RecoveryStep(StrEnum):
-    """The steps of a recovery, in order; a recovery ends in RUNNING or FAILED (or HELD, waiting for a human)."""
-
-    DETECTED = "detected"
-    LOCKED = "locked"
-    STOPPING_RANKS = "stopping_ranks"
-    ISOLATING = "isolating"
-    PLACING = "placing"
-    RESTORING = "restoring"
-    LAUNCHING = "launching"
-    VERIFYING = "verifying"
-    RUNNING = "running"
-    FAILED = "failed"
-    HELD = "held"
-
-
-TERMINAL_STEPS = frozenset({RecoveryStep.RUNNING, RecoveryStep.FAILED, RecoveryStep.HELD})
-
-
-class Outcome(StrEnum):
-    """Why a recovery ended as it did."""
-
-    RECOVERED = "recovered"
-    BUDGET_SPENT = "restart_budget_spent"
-    NON_RETRYABLE = "non_retryable_exit_code"
-    SAME_ERROR = "same_error_repeated"
-    NO_PROGRESS = "no_checkpoint_progress"
-    CIRCUIT_BREAKER = "circuit_breaker_open"
-    HUMAN_ASKED = "detector_asked_for_a_human"
-    NO_CAPACITY = "no_capacity"
-    ATTEMPTS_SPENT = "attempts_spent"
-    REGISTRY_UNAVAILABLE = "registry_unavailable"
-    CANCELLED = "cancelled"
+from reprise_common.db import TypedJSON, UTCDateTime
+from reprise_common.events import IncidentChange
+from reprise_orchestrator.recoveries.records import StepRecord
+from reprise_orchestrator.recoveries.states import Outcome, RecoveryStep
 
 
 class Recovery(SQLModel, table=True):
@@ -58,7 +24,12 @@ class Recovery(SQLModel, table=True):
     fence: int = Field(index=True)
     owner: str
     step: RecoveryStep = Field(default=RecoveryStep.DETECTED, index=True)
-    steps: list[dict[str, Any]] = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
+    steps: list[StepRecord] = Field(default_factory=list, sa_column=Column(TypedJSON(list[StepRecord]), nullable=False))
+    learned: IncidentChange | None = Field(
+        default=None,
+        sa_column=Column(TypedJSON(IncidentChange | None), nullable=True),
+        description="the newest version of the incident, when it learned something the plan did not know",
+    )
     attempt: int = 1
     outcome: Outcome | None = None
     detail: str = ""
@@ -76,7 +47,8 @@ class RecoveryPublic(SQLModel):
     fence: int
     owner: str
     step: RecoveryStep
-    steps: list[dict[str, Any]]
+    steps: list[StepRecord]
+    learned: IncidentChange | None = None
     attempt: int
     outcome: Outcome | None
     detail: str

@@ -1,20 +1,30 @@
-"""Data access for recoveries; every write is fenced against the job's highest fencing token."""
+"""Data access for recoveries; every write of a recovery's steps is fenced against the job's highest fencing token,
+and a new step is written only when the policy (recoveries/rules.py) accepts the transition."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import datetime
-from typing import Any
 
 from sqlmodel import Session, col, select
 
 from reprise_common.errors import RepriseError
+from reprise_common.events import IncidentChange
+from reprise_orchestrator.jobs import service as jobs
 from reprise_orchestrator.jobs.models import Job
-from reprise_orchestrator.recoveries.models import TERMINAL_STEPS, Outcome, Recovery, RecoveryStep
+from reprise_orchestrator.recoveries import rules
+from reprise_orchestrator.recoveries.models import Recovery
+from reprise_orchestrator.recoveries.records import StepData, StepRecord, Then, launched_epoch, relaunched_at
+from reprise_orchestrator.recoveries.rules import Answer, Decision, Proposal
+from reprise_orchestrator.recoveries.states import TERMINAL_STEPS, Outcome, RecoveryStep
 
 
 class FencedOutError(RepriseError):
     """A newer fencing token owns the job: this writer must stand down."""
+
+
+class TransitionRefusedError(RepriseError):
+    """The policy refused a transition, or the recovery is not where the proposal says it is."""
 
 
 def get_all_by_job(session: Session, *, job_id: str) -> Sequence[Recovery]:
@@ -42,29 +52,67 @@ def knows_incident(session: Session, *, job_id: str, incident_id: str) -> bool:
     return any(started == incident_id or incident_id in attached for started, attached in session.exec(query).all())
 
 
-def covering(session: Session, *, job_id: str, symptom_at: datetime) -> Recovery | None:
-    """The latest recovery that already stopped the ranks a symptom at `symptom_at` came from, if any.
+def newest_for_incident(session: Session, *, job_id: str, incident_id: str) -> Recovery | None:
+    """The newest recovery of the job that was started by, or attached, this incident."""
+    query = select(Recovery.id, Recovery.incident_id, Recovery.attached_incidents).where(Recovery.job_id == job_id)
+    query = query.order_by(col(Recovery.started_at).desc())
+    for recovery_id, started, attached in session.exec(query).all():
+        if started == incident_id or incident_id in attached:
+            return session.get(Recovery, recovery_id)
+    return None
 
-    A symptom older than a recovery's relaunch is about processes that recovery replaced: it is not a new fault.
-    Recoveries are read one at a time, newest first, and usually only the newest is: each holds its step data, which
-    is large for a job of thousands of ranks, and a long job has many.
+
+def covering(
+    session: Session, *, job_id: str, symptom_at: datetime, restart_epoch: int | None = None
+) -> Recovery | None:
+    """The latest recovery that already replaced the ranks a symptom came from, if any.
+
+    A symptom of a restart epoch older than the one a recovery launched is about processes that recovery replaced,
+    however late it was noticed; without an epoch, a symptom older than the recovery's relaunch is. Recoveries are
+    read one at a time, newest first, and usually only the newest is: each holds its step data, which is large for a
+    job of thousands of ranks, and a long job has many.
     """
     newest_first = select(Recovery.id).where(Recovery.job_id == job_id).order_by(col(Recovery.started_at).desc())
     for recovery_id in session.exec(newest_first).all():
         recovery = session.get_one(Recovery, recovery_id)
-        relaunched = next((s["started_at"] for s in recovery.steps if s["step"] == RecoveryStep.LAUNCHING), None)
-        if relaunched is not None and symptom_at < datetime.fromisoformat(relaunched):
-            return recovery
+        epoch = launched_epoch(recovery.steps)
+        if restart_epoch is not None and epoch is not None:
+            if restart_epoch < epoch:
+                return recovery
+            return None  # the symptom's epoch is the one this recovery launched (or newer): a new fault
+        relaunched = relaunched_at(recovery.steps)
         if relaunched is not None:
-            return None  # the newest relaunch is older than the symptom: it is a new fault
+            return recovery if symptom_at < relaunched else None
     return None
 
 
 def attach(session: Session, *, recovery: Recovery, incident_id: str) -> None:
-    """Attach a duplicate incident to a running recovery."""
+    """Attach a duplicate incident to a recovery."""
     recovery.attached_incidents = [*recovery.attached_incidents, incident_id]
     session.add(recovery)
     session.commit()
+
+
+def learn(session: Session, *, recovery_id: str, incident: IncidentChange) -> bool:
+    """Keep the newest version of a running recovery's incident for its owner to re-plan by (no fence: it is news,
+    not a decision); False when the recovery ended or already knows a version as new."""
+    recovery = session.get(Recovery, recovery_id)
+    if recovery is None or recovery.step in TERMINAL_STEPS:
+        return False
+    known = recovery.learned
+    if known is not None and known.symptom_count >= incident.symptom_count:
+        return False
+    recovery.learned = incident
+    session.add(recovery)
+    session.commit()
+    return True
+
+
+def learned_incident(session: Session, *, recovery_id: str) -> IncidentChange | None:
+    """The newest version of the recovery's incident that it was told about, if any (only that column is read)."""
+    query = select(Recovery.learned).where(Recovery.id == recovery_id)  # type: ignore[type-var]
+    learned: IncidentChange | None = session.exec(query).one_or_none()
+    return learned
 
 
 def _check_fence(session: Session, *, job_id: str, fence: int) -> None:
@@ -101,43 +149,62 @@ def _get(session: Session, recovery_id: str) -> Recovery:
     return recovery
 
 
-def record_step(
+def move(session: Session, *, recovery_id: str, fence: int, proposal: Proposal, at: datetime) -> Answer:
+    """Ask the policy about a transition and, when it accepts, record the new step as begun (an end also finishes
+    the recovery and sets the job's end state in the same transaction). FencedOutError when fenced out;
+    TransitionRefusedError when the recovery is not at the proposal's step and attempt."""
+    recovery = _get(session, recovery_id)
+    _check_fence(session, job_id=recovery.job_id, fence=fence)
+    if (recovery.step, recovery.attempt) != (proposal.from_step, proposal.from_attempt):
+        raise TransitionRefusedError(
+            f"recovery {recovery_id} is at {recovery.step.value} (attempt {recovery.attempt}), not at "
+            f"{proposal.from_step.value} (attempt {proposal.from_attempt})"
+        )
+    answer = rules.decide(proposal, recovery_id=recovery_id)
+    if answer.decision is not Decision.ACCEPT:
+        session.rollback()
+        return answer
+    end = proposal.to_step in TERMINAL_STEPS
+    record = StepRecord(
+        step=proposal.to_step,
+        attempt=proposal.to_attempt,
+        started_at=at,
+        ended_at=at if end else None,
+        outcome=proposal.outcome if end else None,
+    )
+    recovery.steps = [*recovery.steps, record]
+    recovery.step, recovery.attempt = proposal.to_step, proposal.to_attempt
+    if end:
+        recovery.outcome, recovery.detail, recovery.finished_at = proposal.outcome, proposal.detail, at
+        state = rules.END_STATE[proposal.to_step]
+        detail = "" if proposal.outcome is Outcome.RECOVERED else proposal.detail
+        jobs.update_fenced(
+            session, job_id=recovery.job_id, fence=fence, commit=False, state=state, detail=detail, reserved_nodes=[]
+        )
+    session.add(recovery)
+    session.commit()
+    return answer
+
+
+def end_step(
     session: Session,
     *,
     recovery_id: str,
     fence: int,
     step: RecoveryStep,
-    started_at: datetime,
-    ended_at: datetime | None,
     attempt: int,
-    data: dict[str, Any] | None = None,
-    detail: str | None = None,
-    finished_at: datetime | None = None,
+    at: datetime,
+    data: StepData,
+    then: Then,
     outcome: Outcome | None = None,
 ) -> None:
-    """Start or finish a step (same step and attempt twice updates its end); FencedOutError if fenced out."""
+    """Record the end of the recovery's current step with its result; FencedOutError if fenced out."""
     recovery = _get(session, recovery_id)
     _check_fence(session, job_id=recovery.job_id, fence=fence)
-    entry = {
-        "step": step.value,
-        "attempt": attempt,
-        "started_at": started_at.isoformat(),
-        "ended_at": ended_at.isoformat() if ended_at else None,
-        "data": data or {},
-    }
-    steps = list(recovery.steps)
-    if steps and steps[-1]["step"] == step.value and steps[-1].get("attempt", 1) == attempt:
-        steps[-1] = entry
-    else:
-        steps.append(entry)
-    recovery.steps = steps
-    recovery.step = step
-    recovery.attempt = attempt
-    if outcome is not None:
-        recovery.outcome = outcome
-    if detail is not None:
-        recovery.detail = detail
-    if finished_at is not None:
-        recovery.finished_at = finished_at
+    current = recovery.steps[-1] if recovery.steps else None
+    if current is None or (current.step, current.attempt) != (step, attempt) or recovery.step is not step:
+        raise TransitionRefusedError(f"recovery {recovery_id} is not running {step.value} (attempt {attempt})")
+    ended = current.model_copy(update={"ended_at": at, "data": data, "then": then, "outcome": outcome})
+    recovery.steps = [*recovery.steps[:-1], ended]
     session.add(recovery)
     session.commit()

@@ -1,54 +1,61 @@
-"""The recovery's steps, one method each, and the table that orders them.
+"""The actions of one recovery attempt: stop, isolate, place, restore, launch, verify.
 
-Every step is safe to run again: commands carry ids derived from (recovery, attempt, action, node), cordons and
-pins are idempotent, and what a step decided (the placement, the restore point, the rendezvous) is persisted with
-its end, so a replica that resumes a recovery re-uses it instead of deciding again.
+Each action works on the recovery's RecoveryRun (what the finished steps decided) and returns a StepResult: its
+typed data for the record and what should follow. Actions raise FencedOutError when they learn the job has a newer
+owner. Whether what follows may happen is for the policy to say (recoveries/rules.py), not for the actions.
 """
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from datetime import timedelta
-from enum import StrEnum
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlmodel import Session
 
 from reprise_common.errors import BusError
-from reprise_common.events import CommandAction, IncidentChange, RankAssignment
+from reprise_common.events import IncidentChange, RankAssignment
 from reprise_common.logging import get_logger
-from reprise_orchestrator.agents import answers_record, command_nodes
 from reprise_orchestrator.deps import Deps
 from reprise_orchestrator.jobs import service as jobs
 from reprise_orchestrator.jobs.launch import launch, rendezvous_for
 from reprise_orchestrator.jobs.models import Job
 from reprise_orchestrator.jobs.placement import PlacementDecision, assign_ranks, replan
 from reprise_orchestrator.locks import LockHandle
+from reprise_orchestrator.nodes import flows as node_flows
 from reprise_orchestrator.nodes import service as nodes
-from reprise_orchestrator.recoveries import policy
-from reprise_orchestrator.recoveries.models import Outcome, RecoveryStep
+from reprise_orchestrator.recoveries import rules, service
+from reprise_orchestrator.recoveries.records import (
+    Baseline,
+    CheckpointRef,
+    Isolated,
+    Launched,
+    Placed,
+    Restored,
+    StepData,
+    StepRecord,
+    Stopped,
+    Then,
+    Verified,
+)
+from reprise_orchestrator.recoveries.rules import CordonFacts, Decision, Proposal
 from reprise_orchestrator.recoveries.service import FencedOutError
+from reprise_orchestrator.recoveries.states import Outcome, RecoveryStep
 from reprise_orchestrator.registry_client import RegistryUnavailableError, RestorePoint
 
 log = get_logger("reprise.orchestrator.recovery")
 PIN_TTL_S = 3600.0  # a pin outlives any sane recovery, and expires if its owner dies holding it
 POLL_S = 0.25
-
-
-class Then(StrEnum):
-    """What the recovery does after a step."""
-
-    NEXT = "next"  # go on with the next step
-    RETRY = "retry"  # a new attempt from stopping_ranks, after a backoff
-    STOP = "stop"  # the recovery ends with the result's outcome (the job fails, or is held for a human)
+NEWS_EVERY_S = 1.0  # how often a long wait looks for what the incident learned meanwhile
+RESTART_TIMES_KEPT = 1000  # the restart budget never counts more (RecoveryPolicy.max_restarts <= 1000)
 
 
 @dataclass(frozen=True)
 class StepResult:
     """A step's data for the record, and what follows it."""
 
-    data: dict[str, Any]
+    data: StepData
     then: Then = Then.NEXT
     outcome: Outcome | None = None
     detail: str = ""
@@ -56,126 +63,150 @@ class StepResult:
 
 @dataclass
 class RecoveryRun:
-    """One recovery while it runs: who owns it, and what its finished steps decided."""
+    """One recovery while it runs: who owns it, what the plan answers, and what its finished steps decided."""
 
     handle: LockHandle
     recovery_id: str
     job: Job
-    incident: IncidentChange
+    incident: IncidentChange  # the version of the incident the current plan answers
+    baseline: Baseline
     attempt: int = 1
     lock_lost: asyncio.Event = field(default_factory=asyncio.Event)
+    news: asyncio.Event = field(default_factory=asyncio.Event)  # set when this replica learned of an update
     exclude: set[str] = field(default_factory=set)
     ranks: list[RankAssignment] = field(default_factory=list)
     restore: RestorePoint | None = None
-    failed_loads: set[int] = field(default_factory=set)
-    baseline: dict[str, Any] = field(default_factory=dict)  # the job's progress counters when the recovery began
-    admission: policy.Verdict = policy.GO  # what the policy said before the first step
+    step: RecoveryStep = RecoveryStep.LOCKED  # the step it is at
+    replans: int = 0  # re-plans made in this attempt
 
     @property
     def operation(self) -> str:
         """The command-id prefix of this attempt: a retry sends new commands, a resume repeats the same ones."""
         return f"{self.recovery_id}:{self.attempt}"
 
-    def adopt(self, step: RecoveryStep, data: dict[str, Any]) -> None:
-        """Take over what a finished step decided (used when a recovery is resumed by another replica)."""
-        if step is RecoveryStep.STOPPING_RANKS:
-            self.exclude |= set(data.get("agents_gone", []))
-        elif step is RecoveryStep.ISOLATING:
-            self.exclude |= set(data.get("excluded", []))
-        elif step is RecoveryStep.PLACING and "ranks" in data:
-            self.ranks = [RankAssignment.model_validate(r) for r in data["ranks"]]
-        elif step is RecoveryStep.RESTORING and data.get("checkpoint"):
-            c = data["checkpoint"]
-            self.restore = RestorePoint(checkpoint_id=int(c["id"]), step=int(c["step"]), path=str(c["path"]))
+    def adopt(self, record: StepRecord) -> None:
+        """Take over what a finished step decided (used when a recovery is resumed, by this or another replica)."""
+        data = record.data
+        if isinstance(data, Stopped):
+            self.exclude |= set(data.agents_gone)
+        elif isinstance(data, Isolated):
+            self.exclude |= set(data.excluded)
+        elif isinstance(data, Placed) and data.ranks:
+            self.ranks = list(data.ranks)
+        elif isinstance(data, Restored) and data.checkpoint is not None:
+            c = data.checkpoint
+            self.restore = RestorePoint(checkpoint_id=c.id, step=c.step, path=c.path)
+
+    def proposal(
+        self, to_step: RecoveryStep, *, now: datetime, to_attempt: int | None = None, **facts: Any
+    ) -> Proposal:
+        """A transition from where the run is, with the facts the rules need."""
+        return Proposal(
+            from_step=self.step,
+            from_attempt=self.attempt,
+            to_step=to_step,
+            to_attempt=self.attempt if to_attempt is None else to_attempt,
+            job=self.job,
+            incident=self.incident,
+            policy=self.job.job_spec().policy,
+            now=now,
+            baseline=self.baseline,
+            replans=self.replans,
+            **facts,
+        )
 
 
 class RecoverySteps:
-    """The step actions; each returns a StepResult and raises FencedOutError when it learns it lost the job."""
+    """The step actions, looked up by step."""
 
     def __init__(self, deps: Deps) -> None:
         self.deps = deps
+        self.by_step = {
+            RecoveryStep.STOPPING_RANKS: self.stop_ranks,
+            RecoveryStep.ISOLATING: self.isolate,
+            RecoveryStep.PLACING: self.place,
+            RecoveryStep.RESTORING: self.restore,
+            RecoveryStep.LAUNCHING: self.launch,
+            RecoveryStep.VERIFYING: self.verify,
+        }
 
-    def plan(self) -> list[tuple[RecoveryStep, Any]]:
-        """The steps of one attempt, in order."""
-        return [
-            (RecoveryStep.STOPPING_RANKS, self.stop_ranks),
-            (RecoveryStep.ISOLATING, self.isolate),
-            (RecoveryStep.PLACING, self.place),
-            (RecoveryStep.RESTORING, self.restore),
-            (RecoveryStep.LAUNCHING, self.launch),
-            (RecoveryStep.VERIFYING, self.verify),
-        ]
+    def news(self, run: RecoveryRun) -> str:
+        """What the incident learned since the plan was made ("" when nothing); the run then plans with it."""
+        with Session(self.deps.engine) as session:
+            latest = service.learned_incident(session, recovery_id=run.recovery_id)
+        if latest is None:
+            return ""
+        what = rules.learned(run.incident, latest)
+        if what:
+            run.incident = latest
+        return what
 
     async def stop_ranks(self, run: RecoveryRun) -> StepResult:
         """A fenced stop to every node the job ran on (or was just launched on); silence counts as stopped."""
-        nodes_ = list(dict.fromkeys([r["node_id"] for r in run.job.placement] + [r.node_id for r in run.ranks]))
-        answers = await stop_nodes(self.deps, run.operation, run.job.id, run.handle.fence, nodes_)
-        if any(a.stale for a in answers):
-            raise FencedOutError("an agent refused our fence as stale")
-        gone = sorted(a.node_id for a in answers if a.gone)
+        node_ids = list(dict.fromkeys([*run.job.nodes(), *(r.node_id for r in run.ranks)]))
+        answers = await self.deps.compute.stop(run.job.id, node_ids, operation_id=run.operation, fence=run.handle.fence)
+        if answers.stale:
+            raise FencedOutError("a node refused our fence as stale")
+        gone = answers.gone()
         run.exclude |= set(gone)  # no agent listens there: do not wait for the detector to call the node lost
-        return StepResult({"answers": answers_record(answers), "agents_gone": gone})
+        return StepResult(Stopped(answers=answers.record(), agents_gone=gone))
 
     async def isolate(self, run: RecoveryRun) -> StepResult:
-        """Cordon the culprit node of a hardware fault (within the circuit breaker); leave a lost node out."""
+        """Cordon the culprit node of a hardware fault (if the circuit breaker allows); leave a lost node out."""
         incident, culprit = run.incident, run.incident.culprit.node_id
-        if culprit is None or not policy.should_exclude(incident):
-            return StepResult({"excluded": sorted(run.exclude), "cordoned": None})
+
+        def isolated(**fields: Any) -> Isolated:
+            return Isolated(excluded=sorted(run.exclude), culprit=culprit, symptoms=incident.symptom_count, **fields)
+
+        if culprit is None or not rules.should_exclude(incident):
+            return StepResult(isolated())
         run.exclude |= {culprit}
-        if not policy.should_cordon(incident):
-            note = "lost node left out, not cordoned"
-            return StepResult({"excluded": sorted(run.exclude), "cordoned": None, "note": note})
-        spec = run.job.job_spec().policy
+        if not rules.should_cordon(incident):
+            return StepResult(isolated(note="lost node left out, not cordoned"))
+        by = f"{nodes.RECOVERY_PREFIX}{run.recovery_id}"
         now = self.deps.clock.now()
+        window = timedelta(seconds=run.job.job_spec().policy.cordon_window_s)
         with Session(self.deps.engine) as session:
-            if culprit not in nodes.cordoned_ids(session):
-                since = now - timedelta(seconds=spec.cordon_window_s)
-                verdict = policy.cordon_allowed(
-                    recent=nodes.count_recovery_cordons(session, since=since),
-                    known_nodes=self.deps.inventory.known(),
-                    share=spec.max_cordon_share,
-                )
-                if not verdict.proceed:
-                    return StepResult({"excluded": sorted(run.exclude)}, Then.STOP, verdict.outcome, verdict.detail)
-                nodes.cordon(
-                    session,
-                    node_id=culprit,
-                    reason=incident.root_cause,
-                    by=f"{nodes.RECOVERY_PREFIX}{run.recovery_id}",
-                    job_id=run.job.id,
-                    now=now,
-                )
-        return StepResult({"excluded": sorted(run.exclude), "cordoned": culprit})
+            already = culprit in nodes.cordoned_ids(session)
+            recent = nodes.count_recovery_cordons(session, since=now - window, other_than=by)
+        if not already:
+            facts = CordonFacts(node_id=culprit, recent=recent, known_nodes=self.deps.compute.known_nodes())
+            leaving = run.proposal(RecoveryStep.PLACING, now=now, cordon=facts)
+            answer = rules.decide(leaving, recovery_id=run.recovery_id)
+            if answer.decision is Decision.ABORT:
+                return StepResult(isolated(), Then.STOP, answer.outcome, answer.detail)
+            await node_flows.cordon(self.deps, node_id=culprit, reason=incident.root_cause, by=by, job_id=run.job.id)
+        return StepResult(isolated(cordoned=culprit))
 
     async def place(self, run: RecoveryRun) -> StepResult:
         """Spares in place of unusable nodes, else shrink within the elastic minimum, else wait for capacity."""
         spec = run.job.job_spec()
-        current = list(dict.fromkeys(r["node_id"] for r in run.job.placement))
+        current = run.job.nodes()
         deadline = self.deps.clock.monotonic() + spec.policy.placement_timeout_s
         while True:
             with Session(self.deps.engine) as session:
                 unavailable = nodes.cordoned_ids(session) | jobs.busy_nodes(session, except_job=run.job.id)
-            unavailable |= run.exclude
-            inventory = self.deps.inventory
-            spares = inventory.placeable(spares=True, exclude=unavailable)
-            usable = set(inventory.placeable(exclude=unavailable)) | set(spares)
-            plan = replan(current, usable=usable, spares=spares, policy=spec.policy)
+            pool = self.deps.compute.pool(exclude=unavailable | run.exclude)
+            plan = replan(current, usable=pool.usable(), spares=pool.spares, policy=spec.policy)
             if plan.decision is not PlacementDecision.WAIT:
                 break
             if self.deps.clock.monotonic() > deadline:
                 detail = f"no capacity for {len(plan.dropped)} node(s) within {spec.policy.placement_timeout_s:g} s"
-                return StepResult({"decision": plan.decision.value}, Then.STOP, Outcome.NO_CAPACITY, detail)
+                return StepResult(Placed(decision=plan.decision), Then.STOP, Outcome.NO_CAPACITY, detail)
             await asyncio.sleep(POLL_S * 4)
         run.ranks = assign_ranks(plan.nodes, ranks_per_node=spec.ranks_per_node, inventory=self.deps.inventory)
+        with Session(self.deps.engine) as session:  # other placements keep off these nodes until the launch
+            if not jobs.update_fenced(session, job_id=run.job.id, fence=run.handle.fence, reserved_nodes=plan.nodes):
+                raise FencedOutError("job taken over while placing")
         return StepResult(
-            {
-                "decision": plan.decision.value,
-                "nodes": plan.nodes,
-                "replaced": plan.replaced,
-                "dropped": plan.dropped,
-                "world_size": len(run.ranks),
-                "ranks": [r.model_dump(mode="json") for r in run.ranks],
-            }
+            Placed(
+                decision=plan.decision,
+                nodes=plan.nodes,
+                replaced=plan.replaced,
+                dropped=plan.dropped,
+                world_size=len(run.ranks),
+                ranks=run.ranks,
+            )
         )
 
     async def restore(self, run: RecoveryRun) -> StepResult:
@@ -186,22 +217,22 @@ class RecoverySteps:
                 break
             except RegistryUnavailableError as exc:
                 if attempt == 5:
-                    return StepResult({}, Then.STOP, Outcome.REGISTRY_UNAVAILABLE, str(exc))
+                    return StepResult(Restored(), Then.STOP, Outcome.REGISTRY_UNAVAILABLE, str(exc))
                 await asyncio.sleep(0.5 * 2**attempt)
         self._count_progress(run)
         if run.restore is None:
-            return StepResult({"checkpoint": None, "note": "no validated checkpoint: the job restarts from its start"})
+            return StepResult(Restored(note="no validated checkpoint: the job restarts from its start"))
         pinned = await self.deps.registry.pin(run.restore.checkpoint_id, holder=run.recovery_id, ttl_s=PIN_TTL_S)
-        checkpoint = {"id": run.restore.checkpoint_id, "step": run.restore.step, "path": run.restore.path}
-        return StepResult({"checkpoint": checkpoint, "pinned": pinned})
+        checkpoint = CheckpointRef(id=run.restore.checkpoint_id, step=run.restore.step, path=run.restore.path)
+        return StepResult(Restored(checkpoint=checkpoint, pinned=pinned))
 
     def _count_progress(self, run: RecoveryRun) -> None:
         """Record on the job whether this recovery restores a newer checkpoint than the one before (idempotent)."""
-        before = run.baseline.get("last_restore_step")
+        before = run.baseline.last_restore_step
         step = run.restore.step if run.restore else None
         progress = (step if step is not None else -1) > (before if before is not None else -1)
         values: dict[str, Any] = {"last_restore_step": step if step is not None else before}
-        values["no_progress_streak"] = 0 if progress else int(run.baseline.get("no_progress_streak", 0)) + 1
+        values["no_progress_streak"] = 0 if progress else run.baseline.no_progress_streak + 1
         if progress:
             values["same_error_streak"] = 1
         with Session(self.deps.engine) as session:
@@ -209,7 +240,7 @@ class RecoverySteps:
                 raise FencedOutError("job taken over while restoring")
 
     async def launch(self, run: RecoveryRun) -> StepResult:
-        """Publish the placement and a fenced launch with a new restart epoch and master port to every node."""
+        """Publish the placement and have the backend launch a new restart epoch with a new master port."""
         epoch = run.job.restart_epoch + 1
         rendezvous = rendezvous_for(
             run.ranks,
@@ -222,6 +253,7 @@ class RecoverySteps:
         try:
             answers = await launch(
                 self.deps.bus,
+                self.deps.compute,
                 operation_id=run.operation,
                 job_id=run.job.id,
                 fence=run.handle.fence,
@@ -229,19 +261,15 @@ class RecoverySteps:
                 ranks=run.ranks,
                 rendezvous=rendezvous,
                 restore=run.restore,
-                timeout_s=self.deps.settings.command_timeout_s,
             )
         except BusError as exc:  # the placement could not be published, so nothing was launched: try again
-            return StepResult({"restart_epoch": epoch, "error": str(exc)}, Then.RETRY, detail=str(exc))
-        if any(a.stale for a in answers):
-            raise FencedOutError("an agent refused our fence as stale")
-        data = {
-            "restart_epoch": epoch,
-            "master_port": rendezvous.master_port,
-            "answers": answers_record(answers),
-        }
-        if not all(a.ok for a in answers):
+            return StepResult(Launched(restart_epoch=epoch, error=str(exc)), Then.RETRY, detail=str(exc))
+        if answers.stale:
+            raise FencedOutError("a node refused our fence as stale")
+        data = Launched(restart_epoch=epoch, master_port=rendezvous.master_port, answers=answers.record())
+        if not answers.all_done:
             return StepResult(data, Then.RETRY, detail="launch not confirmed by every node")
+        now = self.deps.clock.now()
         with Session(self.deps.engine) as session:
             if not jobs.update_fenced(
                 session,
@@ -249,20 +277,26 @@ class RecoverySteps:
                 fence=run.handle.fence,
                 restart_epoch=epoch,
                 master_port=rendezvous.master_port,
-                placement=[r.model_dump(mode="json") for r in run.ranks],
+                placement=run.ranks,
+                reserved_nodes=[],
                 restarts=run.job.restarts + 1,
-                restart_times=[*run.job.restart_times, self.deps.clock.now().isoformat()],
+                restart_times=[*run.job.restart_times, now][-RESTART_TIMES_KEPT:],
             ):
                 raise FencedOutError("job taken over during launch")
             run.job = jobs.get(session, job_id=run.job.id)
         return StepResult(data)
 
     async def verify(self, run: RecoveryRun) -> StepResult:
-        """Wait until every rank of the new epoch reports a step at or past the restored checkpoint's."""
+        """Wait until every rank of the new epoch reports a step at or past the restored checkpoint's.
+
+        While it waits it looks for what the incident learned: a culprit found now (a second fault of the same storm)
+        means a new attempt without that node.
+        """
         target = run.restore.step if run.restore else 0
         epoch = run.job.restart_epoch
         timeout = run.job.job_spec().policy.verify_timeout_s
         deadline = self.deps.clock.monotonic() + timeout
+        next_news = self.deps.clock.monotonic() + NEWS_EVERY_S
         wanted = {r.rank for r in run.ranks}
         while True:
             seen = self.deps.inventory.ranks_of(run.job.id, restart_epoch=epoch)
@@ -271,32 +305,26 @@ class RecoverySteps:
                 return await self._verify_failed(run, dead, seen, target)
             ready = [r for r in wanted if r in seen and seen[r].step is not None and (seen[r].step or 0) >= target]
             if len(ready) == len(wanted):
-                return StepResult({"target_step": target, "steps": {str(r): seen[r].step for r in sorted(wanted)}})
-            if self.deps.clock.monotonic() > deadline:
+                steps = {str(r): seen[r].step for r in sorted(wanted)}
+                return StepResult(Verified(target_step=target, steps=steps))
+            now = self.deps.clock.monotonic()
+            if run.news.is_set() or now >= next_news:
+                run.news.clear()
+                next_news = now + NEWS_EVERY_S
+                news = self.news(run)
+                if news:
+                    return StepResult(Verified(target_step=target, learned=news), Then.RETRY, detail=news)
+            if now > deadline:
                 missing = sorted(wanted - set(ready))
                 detail = f"ranks {missing} did not pass step {target} within {timeout:g} s"
-                return StepResult({"target_step": target, "missing": missing}, Then.RETRY, detail=detail)
+                return StepResult(Verified(target_step=target, missing=missing), Then.RETRY, detail=detail)
             await asyncio.sleep(POLL_S)
 
     async def _verify_failed(self, run: RecoveryRun, dead: list[int], seen: dict[int, Any], target: int) -> StepResult:
-        data: dict[str, Any] = {"target_step": target, "dead_ranks": dead}
+        data = Verified(target_step=target, dead_ranks=dead)
         never_stepped = all(seen[r].step is None for r in dead)
         if run.restore is not None and never_stepped:  # died before training one step: loading failed
             reason = f"ranks {dead} exited before their first step after restoring it (recovery {run.recovery_id})"
-            data["load_failed"] = await self.deps.registry.load_failed(run.restore.checkpoint_id, reason=reason)
-            run.failed_loads.add(run.restore.checkpoint_id)
+            failed = await self.deps.registry.load_failed(run.restore.checkpoint_id, reason=reason)
+            data = data.model_copy(update={"load_failed": failed})
         return StepResult(data, Then.RETRY, detail=f"ranks {dead} exited while the recovery was verified")
-
-
-async def stop_nodes(deps: Deps, operation: str, job_id: str, fence: int, node_ids: list[str]) -> list[Any]:
-    """A fenced stop (with the grace period) to each node; every answer, or its absence, is returned."""
-    grace = deps.settings.stop_grace_s
-    return await command_nodes(
-        deps.bus,
-        operation_id=operation,
-        job_id=job_id,
-        fence=fence,
-        action=CommandAction.STOP,
-        args_by_node={node: {"grace_s": grace} for node in node_ids},
-        timeout_s=deps.settings.command_timeout_s + grace,
-    )

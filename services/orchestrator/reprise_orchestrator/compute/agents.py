@@ -1,0 +1,106 @@
+"""The built-in compute backend: Reprise's own agents, one per node, commanded over NATS request/reply.
+
+Each command carries an id (`<operation>:<action>:<node>`, so a resend is executed once) and the job's fence (an
+agent refuses one lower than the highest it saw for the job). A node where nothing listens answers at once that no
+one will reply: its agent is gone. The usable nodes are the ones whose reports are fresh and whose GPUs are usable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence, Set
+
+from reprise_common import subjects
+from reprise_common.bus import Bus
+from reprise_common.clock import utcnow
+from reprise_common.errors import BusError
+from reprise_common.events import AgentCommand, CommandReply, LaunchCommand, RankAssignment, StopArgs, StopCommand
+from reprise_common.logging import get_logger
+from reprise_orchestrator.compute.backend import Answers, LaunchRequest, NodeAnswer, NodePool, SignalSink
+from reprise_orchestrator.nodes.inventory import Inventory
+
+log = get_logger("reprise.orchestrator.compute")
+
+
+class AgentsBackend:
+    """Runs ranks through the platform's own agents."""
+
+    name = "agents"
+
+    def __init__(self, *, bus: Bus, inventory: Inventory, command_timeout_s: float, stop_grace_s: float) -> None:
+        self.bus = bus
+        self.inventory = inventory
+        self.command_timeout_s = command_timeout_s
+        self.stop_grace_s = stop_grace_s
+
+    def pool(self, *, exclude: Set[str] = frozenset()) -> NodePool:
+        """Nodes with fresh reports and usable GPUs, workers and spares apart."""
+        return NodePool(
+            workers=self.inventory.placeable(exclude=exclude),
+            spares=self.inventory.placeable(spares=True, exclude=exclude),
+        )
+
+    def known_nodes(self) -> int:
+        """Every node that has reported."""
+        return self.inventory.known()
+
+    async def launch(self, request: LaunchRequest, *, operation_id: str, fence: int) -> Answers:
+        """One launch per node, carrying that node's ranks and the job-wide rendezvous."""
+        by_node: dict[str, list[RankAssignment]] = {}
+        for rank in request.args.ranks:  # one pass: thousands of nodes times their ranks must not block the loop
+            by_node.setdefault(rank.node_id, []).append(rank)
+        issued_at = utcnow()
+        commands = {
+            node_id: LaunchCommand(
+                command_id=f"{operation_id}:launch:{node_id}",
+                job_id=request.job_id,
+                fence=fence,
+                issued_at=issued_at,
+                args=request.args.model_copy(update={"ranks": ranks}),
+            )
+            for node_id, ranks in by_node.items()
+        }
+        return await command_nodes(self.bus, commands, timeout_s=self.command_timeout_s)
+
+    async def stop(self, job_id: str, node_ids: Sequence[str], *, operation_id: str, fence: int) -> Answers:
+        """A stop with the grace period to each node; the wait covers the grace."""
+        issued_at = utcnow()
+        args = StopArgs(grace_s=self.stop_grace_s)
+        commands = {
+            node_id: StopCommand(
+                command_id=f"{operation_id}:stop:{node_id}", job_id=job_id, fence=fence, issued_at=issued_at, args=args
+            )
+            for node_id in dict.fromkeys(node_ids)
+        }
+        return await command_nodes(self.bus, commands, timeout_s=self.command_timeout_s + self.stop_grace_s)
+
+    async def cordon(self, node_id: str, *, reason: str) -> None:
+        """Nothing to tell the agent: it takes ranks only from launches, and placement leaves cordoned nodes out."""
+        log.info("node cordoned", extra={"node_id": node_id, "reason": reason})
+
+    async def uncordon(self, node_id: str) -> None:
+        """Nothing to tell the agent (see cordon)."""
+        log.info("node uncordoned", extra={"node_id": node_id})
+
+    async def watch(self, emit: SignalSink) -> None:
+        """No signals of its own: the agents publish their nodes' events to the detector themselves."""
+        return
+
+    async def close(self) -> None:
+        """The bus belongs to the orchestrator: nothing to release."""
+        return
+
+
+async def command_nodes(bus: Bus, commands: Mapping[str, AgentCommand], *, timeout_s: float) -> Answers:
+    """Send each node its command at once; every node's answer, or the bus error saying why none came."""
+    subject_of = {node_id: subjects.node_command(node_id) for node_id in commands}
+    replies = await bus.request_many(
+        {subject_of[node_id]: command for node_id, command in commands.items()}, CommandReply, timeout=timeout_s
+    )
+    found = []
+    for node_id, subject in subject_of.items():
+        reply = replies[subject]
+        if isinstance(reply, BusError):
+            found.append(NodeAnswer(node_id=node_id, reply=None, error=reply))
+        else:
+            found.append(NodeAnswer(node_id=node_id, reply=reply))
+    return Answers(tuple(found))

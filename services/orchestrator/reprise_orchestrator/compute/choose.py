@@ -1,0 +1,70 @@
+"""Which compute backend a replica uses: the one its setting names.
+
+`REPRISE_COMPUTE_BACKEND` names a built-in backend (`agents`) or a factory as `package.module:callable`; the factory
+is called with a `BackendContext` and returns an object that implements `ComputeBackend` (compute/backend.py).
+Adding a backend needs nothing else: no flow, step or rule knows which backend runs.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from reprise_common.bus import Bus
+from reprise_common.clock import Clock
+from reprise_common.errors import ConfigError
+from reprise_orchestrator.compute.agents import AgentsBackend
+from reprise_orchestrator.compute.backend import ComputeBackend
+from reprise_orchestrator.nodes.inventory import Inventory
+from reprise_orchestrator.settings import OrchestratorSettings
+
+
+@dataclass(frozen=True)
+class BackendContext:
+    """What a backend factory may use: the replica's settings, its bus, the node inventory and the clock."""
+
+    settings: OrchestratorSettings
+    bus: Bus
+    inventory: Inventory
+    clock: Clock
+
+
+BackendFactory = Callable[[BackendContext], ComputeBackend]
+
+
+def _agents(context: BackendContext) -> ComputeBackend:
+    settings = context.settings
+    return AgentsBackend(
+        bus=context.bus,
+        inventory=context.inventory,
+        command_timeout_s=settings.command_timeout_s,
+        stop_grace_s=settings.stop_grace_s,
+    )
+
+
+BUILT_IN: dict[str, BackendFactory] = {"agents": _agents}
+
+
+def open_backend(context: BackendContext) -> ComputeBackend:
+    """The backend the settings name: a built-in one, or `module:factory`; ConfigError says what is wrong."""
+    name = context.settings.compute_backend
+    factory = BUILT_IN.get(name)
+    if factory is None:
+        factory = _import_factory(name)
+    return factory(context)
+
+
+def _import_factory(path: str) -> BackendFactory:
+    module_name, _, attribute = path.partition(":")
+    if not module_name or not attribute:
+        raise ConfigError(
+            f"REPRISE_COMPUTE_BACKEND={path!r}: use one of {', '.join(BUILT_IN)} or package.module:factory"
+        )
+    try:
+        factory = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"REPRISE_COMPUTE_BACKEND={path!r} cannot be loaded: {exc}") from exc
+    if not callable(factory):
+        raise ConfigError(f"REPRISE_COMPUTE_BACKEND={path!r} is not callable")
+    return factory  # type: ignore[no-any-return]

@@ -1,0 +1,159 @@
+"""The incident consumers: claim a recovery for an incident, or tell a running recovery what its incident learned.
+
+A handler only claims: it takes the job's lock and a fence, persists the recovery as `locked`, hands it to the
+replica's runner and acknowledges; it never holds a delivery for longer than the claim takes. An incident whose
+recovery already runs (or already replaced the ranks it is about) attaches to that recovery instead.
+"""
+
+from __future__ import annotations
+
+from sqlmodel import Session
+
+from reprise_common.bus import Delivery
+from reprise_common.bus import Outcome as Ack
+from reprise_common.events import Event, IncidentChange, RecommendedAction, Severity, new_id
+from reprise_common.logging import get_logger
+from reprise_orchestrator.deps import Deps
+from reprise_orchestrator.jobs import service as jobs
+from reprise_orchestrator.jobs.models import ACTIVE_STATES, Job, JobState
+from reprise_orchestrator.locks import LockHandle
+from reprise_orchestrator.recoveries import rules, service
+from reprise_orchestrator.recoveries.flows import RecoveryFlow
+from reprise_orchestrator.recoveries.models import Recovery
+from reprise_orchestrator.recoveries.records import Baseline, Locked, StepRecord, incident_of
+from reprise_orchestrator.recoveries.runner import RecoveryRunner
+from reprise_orchestrator.recoveries.states import TERMINAL_STEPS, Outcome, RecoveryStep
+
+log = get_logger("reprise.orchestrator.claims")
+
+
+class Claims:
+    """Turns incident changes into claimed recoveries, run side by side by the runner."""
+
+    def __init__(self, deps: Deps, flow: RecoveryFlow, runner: RecoveryRunner) -> None:
+        self.deps = deps
+        self.flow = flow
+        self.runner = runner
+
+    async def on_opened(self, event: Event, delivery: Delivery) -> Ack:
+        """Claim a recovery for an opened incident, or attach it to the recovery that already answers it."""
+        if not isinstance(event, IncidentChange) or event.change != "opened" or not _actionable(event):
+            return Ack.ACK
+        with Session(self.deps.engine) as session:
+            if self._attach_if_known(session, event):
+                return Ack.ACK
+        return await self._claim(event, fresh=False)
+
+    async def on_updated(self, event: Event, delivery: Delivery) -> Ack:
+        """Give a running recovery the newest version of its incident; after a recovery ended, a version that knows
+        more (a deeper cause, a culprit node to leave out) is a fault that recovery did not answer: claim another."""
+        if not isinstance(event, IncidentChange) or event.change != "updated" or not _actionable(event):
+            return Ack.ACK
+        with Session(self.deps.engine) as session:
+            recovery = service.newest_for_incident(session, job_id=event.job_id, incident_id=event.incident_id)
+            if recovery is None:  # the opened change is not claimed yet (or never was): claim with what is known now
+                return Ack.ACK if self._attach_if_known(session, event) else await self._claim(event, fresh=False)
+            if recovery.step not in TERMINAL_STEPS:
+                if service.learn(session, recovery_id=recovery.id, incident=event):
+                    self.flow.notify(recovery.id)
+                return Ack.ACK
+            answered = recovery.learned or incident_of(recovery.steps)
+            if recovery.outcome is not Outcome.RECOVERED or not rules.learned(answered, event):
+                return Ack.ACK
+        log.info("the incident learned more after its recovery ended", extra={"incident_id": event.incident_id})
+        return await self._claim(event, fresh=True)
+
+    def _attach_if_known(self, session: Session, incident: IncidentChange) -> bool:
+        if service.knows_incident(session, job_id=incident.job_id, incident_id=incident.incident_id):
+            return True
+        target = service.find_active(session, job_id=incident.job_id) or service.covering(
+            session,
+            job_id=incident.job_id,
+            symptom_at=incident.first_symptom_at,
+            restart_epoch=incident.culprit.restart_epoch,
+        )
+        if target is None:
+            return False
+        service.attach(session, recovery=target, incident_id=incident.incident_id)
+        log.info(
+            "incident attached to a recovery", extra={"recovery_id": target.id, "incident_id": incident.incident_id}
+        )
+        return True
+
+    async def _claim(self, incident: IncidentChange, *, fresh: bool) -> Ack:
+        """Lock, fence, persist the recovery as locked, hand it to the runner; RETRY when the job is busy here or
+        elsewhere, or this replica runs as many recoveries as it may (another replica may take it meanwhile)."""
+        if not self.runner.has_room():
+            return Ack.RETRY
+        handle = await self.deps.locks.acquire(incident.job_id, owner=self.deps.settings.replica_id)
+        if handle is None:
+            return Ack.RETRY  # another replica is claiming or running one; next time we attach to it
+        started = False
+        try:
+            recovery_id = self._persist(handle, incident, fresh=fresh)
+            started = recovery_id is not None and self.runner.start(handle, recovery_id)
+        finally:
+            if not started:  # nothing claimed, or the runner filled up meanwhile (the reconciler resumes it)
+                await self.deps.locks.release(handle)
+        return Ack.ACK
+
+    def _persist(self, handle: LockHandle, incident: IncidentChange, *, fresh: bool) -> str | None:
+        now = self.deps.clock.now()
+        with Session(self.deps.engine) as session:
+            if not fresh and self._attach_if_known(session, incident):  # it was claimed while we took the lock
+                return None
+            job = session.get(Job, incident.job_id)
+            if job is None or job.state not in ACTIVE_STATES:
+                log.info("incident for a job that is not running", extra={"job_id": incident.job_id})
+                return None
+            active = service.find_active(session, job_id=job.id) if fresh else None
+            if active is not None:  # a recovery began meanwhile: it takes the news instead
+                if service.learn(session, recovery_id=active.id, incident=incident):
+                    self.flow.notify(active.id)
+                return None
+            if not jobs.claim_fence(session, job_id=incident.job_id, fence=handle.fence):
+                log.warning("fence claim refused: a newer owner exists", extra={"job_id": incident.job_id})
+                return None
+            streak = rules.same_error_streak(job, incident)
+            baseline = Baseline(
+                last_restore_step=job.last_restore_step,
+                no_progress_streak=job.no_progress_streak,
+                same_error_streak=streak,
+            )
+            recovery = Recovery(
+                id=f"rec-{new_id()[:12]}",
+                job_id=incident.job_id,
+                incident_id=incident.incident_id,
+                fence=handle.fence,
+                owner=self.deps.settings.replica_id,
+                step=RecoveryStep.LOCKED,
+                steps=[
+                    StepRecord(
+                        step=RecoveryStep.DETECTED,
+                        started_at=incident.first_symptom_at,
+                        ended_at=incident.time,
+                        data=incident,
+                    ),
+                    StepRecord(
+                        step=RecoveryStep.LOCKED, started_at=incident.time, ended_at=now, data=Locked(baseline=baseline)
+                    ),
+                ],
+            )
+            service.create(session, recovery=recovery)
+            jobs.update_fenced(
+                session,
+                job_id=incident.job_id,
+                fence=handle.fence,
+                state=JobState.RECOVERING,
+                last_error=rules.error_signature(incident),
+                same_error_streak=streak,
+            )
+            return recovery.id
+
+
+def _actionable(incident: IncidentChange) -> bool:
+    """Warnings and incidents that recommend nothing are for people, not for recoveries."""
+    if incident.severity is Severity.WARNING or incident.recommended_action is RecommendedAction.NONE:
+        log.info("incident needs no recovery", extra={"incident_id": incident.incident_id, "job_id": incident.job_id})
+        return False
+    return True

@@ -1,0 +1,179 @@
+"""What a recovery records of each step: one typed result per step, so resuming a recovery reads fields.
+
+A recovery's `steps` column holds a list of StepRecord; each record's `data` is the result model of its step
+(`DATA_OF`). The JSON keeps the shape the API always showed (the detected step's data is the incident itself), so
+records written before the types existed read back as they are.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+from typing import Any
+
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, SerializeAsAny, ValidationInfo, field_validator
+
+from reprise_common.events import IncidentChange, RankAssignment
+from reprise_orchestrator.compute.backend import CommandRecord
+from reprise_orchestrator.jobs.placement import PlacementDecision
+from reprise_orchestrator.recoveries.states import Outcome, RecoveryStep
+
+
+class Then(StrEnum):
+    """What a step's result asks to happen next."""
+
+    NEXT = "next"  # go on with the next step
+    RETRY = "retry"  # a new attempt from stopping_ranks, after a backoff
+    STOP = "stop"  # the recovery ends with the result's outcome (the job fails, or is held for a human)
+
+
+class StepData(BaseModel):
+    """Base of every step's result; unknown fields of older records are ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+class Baseline(StepData):
+    """The job's progress counters when the recovery was claimed (what the give-up rules compare against)."""
+
+    last_restore_step: int | None = None
+    no_progress_streak: int = 0
+    same_error_streak: int = Field(default=1, description="recoveries in a row answering this error, this one too")
+
+
+class Locked(StepData):
+    """The claim."""
+
+    baseline: Baseline = Field(default_factory=Baseline)
+
+
+class Stopped(StepData):
+    """The fenced stop to every node the job ran on."""
+
+    answers: CommandRecord = Field(default_factory=CommandRecord)
+    agents_gone: list[str] = Field(default_factory=list)
+
+
+class Isolated(StepData):
+    """Which nodes the new placement leaves out, and the node cordoned, if any."""
+
+    excluded: list[str] = Field(default_factory=list)
+    cordoned: str | None = None
+    culprit: str | None = Field(default=None, description="the culprit node of the incident this plan answers")
+    symptoms: int = Field(default=0, description="the symptom count of the incident version this plan answers")
+    note: str = ""
+
+
+class Placed(StepData):
+    """Where the job runs next."""
+
+    decision: PlacementDecision | None = None
+    nodes: list[str] = Field(default_factory=list)
+    replaced: dict[str, str] = Field(default_factory=dict)
+    dropped: list[str] = Field(default_factory=list)
+    world_size: int = 0
+    ranks: list[RankAssignment] = Field(default_factory=list)
+
+
+class CheckpointRef(BaseModel):
+    """A validated checkpoint the recovery restores."""
+
+    id: int
+    step: int
+    path: str
+
+
+class Restored(StepData):
+    """The checkpoint chosen (pinned while the recovery runs), or none."""
+
+    checkpoint: CheckpointRef | None = None
+    pinned: bool = False
+    note: str = ""
+
+
+class Launched(StepData):
+    """The new epoch's launch."""
+
+    restart_epoch: int | None = None
+    master_port: int | None = None
+    answers: CommandRecord | None = None
+    error: str = ""
+
+
+class Verified(StepData):
+    """Whether every rank of the new epoch passed the restored step."""
+
+    target_step: int = 0
+    steps: dict[str, int | None] = Field(default_factory=dict)
+    missing: list[int] = Field(default_factory=list)
+    dead_ranks: list[int] = Field(default_factory=list)
+    load_failed: bool | None = None
+    learned: str = Field(default="", description="what the incident learned while the new epoch was verified")
+
+
+class Ended(StepData):
+    """A recovery's end (running, failed or held): its detail is on the recovery."""
+
+
+DATA_OF: dict[RecoveryStep, type[BaseModel]] = {
+    RecoveryStep.DETECTED: IncidentChange,
+    RecoveryStep.LOCKED: Locked,
+    RecoveryStep.STOPPING_RANKS: Stopped,
+    RecoveryStep.ISOLATING: Isolated,
+    RecoveryStep.PLACING: Placed,
+    RecoveryStep.RESTORING: Restored,
+    RecoveryStep.LAUNCHING: Launched,
+    RecoveryStep.VERIFYING: Verified,
+    RecoveryStep.RUNNING: Ended,
+    RecoveryStep.FAILED: Ended,
+    RecoveryStep.HELD: Ended,
+}
+
+
+class StepRecord(BaseModel):
+    """One step of one attempt, with its start, end (None while it runs), result and what the result asked for."""
+
+    step: RecoveryStep
+    attempt: int = Field(default=1, ge=1)
+    started_at: AwareDatetime
+    ended_at: AwareDatetime | None = None
+    data: SerializeAsAny[BaseModel] = Field(default_factory=Ended, validate_default=True)
+    then: Then = Then.NEXT
+    outcome: Outcome | None = None
+
+    @field_validator("data", mode="before")
+    @classmethod
+    def _typed_by_step(cls, value: Any, info: ValidationInfo) -> Any:
+        kind = DATA_OF.get(info.data.get("step", RecoveryStep.FAILED), Ended)
+        if isinstance(value, kind):
+            return value
+        return kind.model_validate(value.model_dump() if isinstance(value, BaseModel) else value or {})
+
+    @property
+    def done(self) -> bool:
+        """True once the step ended."""
+        return self.ended_at is not None
+
+
+def incident_of(records: list[StepRecord]) -> IncidentChange:
+    """The incident a recovery was claimed for (its detected step)."""
+    data = records[0].data
+    assert isinstance(data, IncidentChange), records[0].step
+    return data
+
+
+def baseline_of(records: list[StepRecord]) -> Baseline:
+    """The job's counters when the recovery was claimed (its locked step)."""
+    locked = next((r.data for r in records if isinstance(r.data, Locked)), None)
+    return locked.baseline if locked is not None else Baseline()
+
+
+def relaunched_at(records: list[StepRecord]) -> datetime | None:
+    """When the recovery last began launching a new epoch (its newest attempt's launch), if it did."""
+    return next((r.started_at for r in reversed(records) if r.step is RecoveryStep.LAUNCHING), None)
+
+
+def launched_epoch(records: list[StepRecord]) -> int | None:
+    """The newest restart epoch the recovery launched, if any."""
+    epochs = [r.data.restart_epoch for r in records if isinstance(r.data, Launched) and r.done and r.then is Then.NEXT]
+    return max((e for e in epochs if e is not None), default=None)

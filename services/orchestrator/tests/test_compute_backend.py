@@ -1,0 +1,146 @@
+"""A second compute backend needs nothing but an implementation of the protocol and the setting that names it.
+
+The orchestrator runs with `REPRISE_COMPUTE_BACKEND=backend_double:create` (tests/backend_double.py, a scheduler
+that cannot run here, in memory) on the real nats-server, Redis and checkpoint registry: a job is placed on the
+backend's nodes, a GPU fault on one of them is recovered through the backend (stop, cordon with the incident's
+reason, a spare in its place, a launch of the new epoch), and the backend's own failure signal is announced on the
+COMPUTE stream. Also: a setting naming no loadable backend stops the replica with a clear error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from reprise_cli.client import poll
+from reprise_cli.servers import ManagedProcess, NatsServer, free_port, wait_until
+from reprise_common import subjects
+from reprise_common.bus import Bus
+from reprise_common.clock import utcnow
+from reprise_common.errors import ConfigError
+from reprise_common.events import (
+    Category,
+    ComputeSignal,
+    ComputeSignalKind,
+    Culprit,
+    IncidentChange,
+    RecommendedAction,
+    Severity,
+)
+from reprise_orchestrator.app import create_app
+from reprise_orchestrator.settings import OrchestratorSettings
+
+from .conftest import AdminClient
+from .stack_harness import stored
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture
+def registry(nats_server: NatsServer, tmp_path: Path) -> Iterator[str]:
+    """The checkpoint registry as a process; its URL."""
+    port = free_port()
+    env = {
+        "REPRISE_NATS_URL": nats_server.url,
+        "REPRISE_HTTP_HOST": "127.0.0.1",
+        "REPRISE_HTTP_PORT": str(port),
+        "REPRISE_STATE_DIR": str(tmp_path / "registry"),
+        "REPRISE_DATABASE_URL": f"sqlite:///{tmp_path / 'r.db'}",
+    }
+    process = ManagedProcess("registry", [sys.executable, "-m", "reprise_registry"], tmp_path / "registry.log", env)
+    process.start()
+    url = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        try:
+            return httpx.get(f"{url}/readyz", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        assert wait_until(ready, timeout_s=45, interval_s=0.2), process.log_tail()
+        yield url
+    finally:
+        process.stop(grace_s=10)
+
+
+@pytest.fixture
+def double(monkeypatch: pytest.MonkeyPatch) -> object:
+    """The double's module, importable by the name the setting gives, with its record of calls cleared."""
+    monkeypatch.syspath_prepend(str(HERE))
+    import backend_double
+
+    backend_double.CALLS.__init__()  # type: ignore[misc]
+    return backend_double
+
+
+async def _publish(url: str, incident: IncidentChange) -> None:
+    bus = Bus(url=url, service="test-backend")
+    await bus.connect(attempts=10)
+    try:
+        await bus.publish(subjects.incident(incident.job_id, "opened"), incident)
+    finally:
+        await bus.close()
+
+
+def test_a_job_is_placed_and_recovered_through_a_backend_named_by_a_setting(
+    admin_client: AdminClient, nats_server: NatsServer, registry: str, double: object
+) -> None:
+    calls = double.CALLS  # type: ignore[attr-defined]
+    settings = {"compute_backend": "backend_double:create", "registry_url": registry, "stop_grace_s": 1}
+    with admin_client(nats_server.url, **settings) as client:
+        body = {"name": "on-the-double", "node_count": 2, "command": ["train"], "policy": {"backoff_initial_s": 0}}
+        job = client.post("/v1/jobs", json=body).raise_for_status().json()
+        assert (job["state"], [r["node_id"] for r in job["placement"]]) == ("running", ["d-1", "d-2"])
+        assert calls.launches == [(0, ["d-1", "d-2"])]
+
+        xid = IncidentChange(
+            source="detector",
+            change="opened",
+            incident_id="inc-double",
+            job_id=job["id"],
+            category=Category.GPU_HARDWARE,
+            severity=Severity.CRITICAL,
+            root_cause="XID 79 on GPU 0: GPU has fallen off the bus",
+            culprit=Culprit(node_id="d-2", gpu=0, rank=1),
+            recommended_action=RecommendedAction.RESTART_EXCLUDE_NODE,
+            first_symptom_at=utcnow(),
+        )
+        asyncio.run(_publish(nats_server.url, xid))
+
+        def recovered() -> list[dict[str, object]]:
+            return list(client.get(f"/v1/jobs/{job['id']}/recoveries").json()["data"])
+
+        found = poll(recovered, lambda r: bool(r) and r[0]["step"] in ("running", "failed", "held"), timeout_s=30)
+        assert found and (found[0]["step"], found[0]["outcome"]) == ("running", "recovered"), found[:1]
+        after = client.get(f"/v1/jobs/{job['id']}").json()
+        nodes = {n["node_id"]: n for n in client.get("/v1/nodes").json()}
+
+    assert [r["node_id"] for r in after["placement"]] == ["d-1", "d-spare"]  # the spare in the lost GPU's place
+    assert calls.stops[0] == ["d-1", "d-2"]
+    assert calls.cordons == [("d-2", xid.root_cause)]  # the backend was told, with the incident's reason
+    assert calls.launches[-1] == (1, ["d-1", "d-spare"])
+    assert nodes["d-2"]["cordoned"] and nodes["d-2"]["cordon_reason"] == xid.root_cause
+    signals = asyncio.run(stored(nats_server.url, subjects.compute_signal("double"), subjects.COMPUTE_STREAM))
+    assert [(s.kind, s.node_id) for s in signals if isinstance(s, ComputeSignal)] == [
+        (ComputeSignalKind.NODE_DOWN, "d-3")
+    ]
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("slurmish", "use one of agents or package.module:factory"),
+        ("no_such_module:create", "cannot be loaded"),
+        ("reprise_orchestrator.settings:MIN_ADMIN_KEY_LENGTH", "is not callable"),
+    ],
+)
+def test_a_backend_that_cannot_be_loaded_is_a_clear_configuration_error(name: str, message: str) -> None:
+    settings = OrchestratorSettings(compute_backend=name, admin_api_key="k" * 16 + "0123456789abcdef")
+    with pytest.raises(ConfigError, match=message):
+        create_app(settings)
