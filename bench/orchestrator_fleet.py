@@ -4,7 +4,9 @@ For each node id it publishes NodeReports (every 1 to 2 s, phases spread) and an
 agent's real CommandBook (fence check, at-most-once per command id, highest fence kept in a state file per node).
 Its executor starts no process: a launch is recorded, the launched ranks appear in the node's next reports (with
 their restart epoch and step = resume step + 1, so the orchestrator can verify the recovery), and the time each
-node acknowledged each launch is kept. The benchmark asks for those times on ``bench.fleet.launch-acks.<shard>``.
+node acknowledged each launch is kept, and how many launch commands each node executed per job and restart epoch
+(repeats of a command id answered from the CommandBook are not executions). The benchmark asks for both on
+``bench.fleet.launch-acks.<shard>``. Every read of a command's arguments is in `launch_args`.
 
 The fleet may be split into shards, one process each (``--shards S --shard k`` takes every S-th node from the k-th):
 real agents answer a command at the same time on their own machines, one process answers them one after the other.
@@ -64,27 +66,40 @@ def shard_nodes(count: int, *, shard: int, shards: int) -> list[str]:
     return node_names(count)[shard::shards]
 
 
+def shard_of(node_id: str, *, shards: int) -> int:
+    """Which shard simulates a node (the inverse of `shard_nodes`)."""
+    return int(node_id.rsplit("-", 1)[1]) % shards
+
+
+def launch_args(command: AgentCommand) -> tuple[int, list[RankAssignment]]:
+    """A launch command's restart epoch and rank assignments: the one place the fleet reads a command's arguments."""
+    ranks = [RankAssignment.model_validate(r) for r in command.args["ranks"]]
+    return int(command.args["restart_epoch"]), ranks
+
+
 def acks_subject(shard: int) -> str:
     """Where one shard answers the benchmark's LaunchAcksQuery."""
     return f"bench.fleet.launch-acks.{shard}"
 
 
 class LaunchAcksQuery(Wire):
-    """Wait until `nodes` nodes acknowledged the launch of a job's restart epoch, then answer with their times."""
+    """Wait until `nodes` nodes acknowledged the launch of a job's restart epoch, then answer (0: answer now)."""
 
     job_id: str
     restart_epoch: int = Field(ge=0)
-    nodes: int = Field(ge=1)
+    nodes: int = Field(ge=0)
     timeout_s: float = Field(default=60.0, gt=0)
 
 
 class LaunchAcks(Wire):
-    """Unix time at which each node acknowledged the launch (its first answer, not repeats)."""
+    """Unix time at which each node acknowledged the launch (its first answer, not repeats), and the launch commands
+    each node executed for the job so far, per restart epoch (every epoch, not only the one asked about)."""
 
     job_id: str
     restart_epoch: int
     acked_at: dict[str, float] = Field(default_factory=dict)
     complete: bool = False
+    launches: dict[str, dict[int, int]] = Field(default_factory=dict)
 
 
 @dataclass
@@ -113,6 +128,7 @@ class Fleet:
         }
         self.random = random.Random(seed + shard)  # noqa: S311 - report jitter, not a secret
         self._acks: dict[tuple[str, int], dict[str, float]] = {}
+        self._launches: dict[str, dict[str, dict[int, int]]] = {}  # job → node → restart epoch → executed
         self._acked = asyncio.Condition()
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -140,14 +156,17 @@ class Fleet:
         return on_command
 
     async def _record_ack(self, node_id: str, command: AgentCommand) -> None:
-        key = (command.job_id, int(command.args["restart_epoch"]))
+        epoch, _ranks = launch_args(command)
+        key = (command.job_id, epoch)
         async with self._acked:
             self._acks.setdefault(key, {})[node_id] = time.time()  # wall clock: compared with the publisher's
             self._acked.notify_all()
 
     async def _execute(self, node: SimNode, command: AgentCommand) -> CommandReply:
         if command.action is CommandAction.LAUNCH:
-            epoch = int(command.args["restart_epoch"])
+            epoch, ranks = launch_args(command)
+            per_epoch = self._launches.setdefault(command.job_id, {}).setdefault(node.node_id, {})
+            per_epoch[epoch] = per_epoch.get(epoch, 0) + 1
             resume_step = 0  # the benchmark's jobs have no validated checkpoint: they resume from the beginning
             node.ranks = {  # one job per node at a time, as the benchmark runs them
                 (command.job_id, a.rank): RankStatus(
@@ -159,7 +178,7 @@ class Fleet:
                     phase="training",
                     heartbeat_age_s=0.1,
                 )
-                for a in (RankAssignment.model_validate(r) for r in command.args["ranks"])
+                for a in ranks
             }
             node.report = None
             data: dict[str, object] = {"pids": [0] * len(node.ranks)}
@@ -182,8 +201,13 @@ class Fleet:
                     self._acked.wait_for(lambda: len(self._acks.get(key, {})) >= query.nodes), query.timeout_s
                 )
             acked = dict(self._acks.get(key, {}))
+        launches = {node: dict(epochs) for node, epochs in self._launches.get(query.job_id, {}).items()}
         return LaunchAcks(
-            job_id=query.job_id, restart_epoch=query.restart_epoch, acked_at=acked, complete=len(acked) >= query.nodes
+            job_id=query.job_id,
+            restart_epoch=query.restart_epoch,
+            acked_at=acked,
+            complete=len(acked) >= query.nodes,
+            launches=launches,
         )
 
     async def _report_loop(self) -> None:
