@@ -14,7 +14,7 @@ NODES ?= 4
 SPARES ?= 1
 
 .PHONY: venv test lint typecheck pytest up demo clean bench-agent bench-sdk bench-registry bench-detector bench-orchestrator \
-	bench-vs-torchrun
+	bench-orchestrator-concurrent bench-vs-torchrun
 
 venv: $(STAMP)
 
@@ -57,8 +57,13 @@ bench-registry: $(STAMP)
 bench-detector: $(STAMP)
 	$(BIN)/python -m bench.bench_detector
 
+# Both scenarios (fleet sizes, and many jobs faulted at once on 1 and 3 replicas) → bench/results/orchestrator.json
 bench-orchestrator: $(STAMP)
 	$(BIN)/python -m bench.bench_orchestrator
+
+# Only the concurrent scenario → bench/results/orchestrator-concurrent.json (orchestrator.json is left as it is)
+bench-orchestrator-concurrent: $(STAMP)
+	$(BIN)/python -m bench.bench_orchestrator --scenario concurrent
 
 bench-vs-torchrun: $(STAMP)
 	$(BIN)/python -m bench.bench_vs_torchrun

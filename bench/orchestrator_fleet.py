@@ -4,7 +4,9 @@ For each node id it publishes NodeReports (every 1 to 2 s, phases spread) and an
 agent's real CommandBook (fence check, at-most-once per command id, highest fence kept in a state file per node).
 Its executor starts no process: a launch is recorded, the launched ranks appear in the node's next reports (with
 their restart epoch and step = resume step + 1, so the orchestrator can verify the recovery), and the time each
-node acknowledged each launch is kept. The benchmark asks for those times on ``bench.fleet.launch-acks.<shard>``.
+node acknowledged each launch is kept, and how many launch commands each node executed per job and restart epoch
+(repeats of a command id answered from the CommandBook are not executions). The benchmark asks for both on
+``bench.fleet.launch-acks.<shard>``.
 
 The fleet may be split into shards, one process each (``--shards S --shard k`` takes every S-th node from the k-th):
 real agents answer a command at the same time on their own machines, one process answers them one after the other.
@@ -65,27 +67,34 @@ def shard_nodes(count: int, *, shard: int, shards: int) -> list[str]:
     return node_names(count)[shard::shards]
 
 
+def shard_of(node_id: str, *, shards: int) -> int:
+    """Which shard simulates a node (the inverse of `shard_nodes`)."""
+    return int(node_id.rsplit("-", 1)[1]) % shards
+
+
 def acks_subject(shard: int) -> str:
     """Where one shard answers the benchmark's LaunchAcksQuery."""
     return f"bench.fleet.launch-acks.{shard}"
 
 
 class LaunchAcksQuery(Wire):
-    """Wait until `nodes` nodes acknowledged the launch of a job's restart epoch, then answer with their times."""
+    """Wait until `nodes` nodes acknowledged the launch of a job's restart epoch, then answer (0: answer now)."""
 
     job_id: str
     restart_epoch: int = Field(ge=0)
-    nodes: int = Field(ge=1)
+    nodes: int = Field(ge=0)
     timeout_s: float = Field(default=60.0, gt=0)
 
 
 class LaunchAcks(Wire):
-    """Unix time at which each node acknowledged the launch (its first answer, not repeats)."""
+    """Unix time at which each node acknowledged the launch (its first answer, not repeats), and the launch commands
+    each node executed for the job so far, per restart epoch (every epoch, not only the one asked about)."""
 
     job_id: str
     restart_epoch: int
     acked_at: dict[str, float] = Field(default_factory=dict)
     complete: bool = False
+    launches: dict[str, dict[int, int]] = Field(default_factory=dict)
 
 
 @dataclass
@@ -114,6 +123,7 @@ class Fleet:
         }
         self.random = random.Random(seed + shard)  # noqa: S311 - report jitter, not a secret
         self._acks: dict[tuple[str, int], dict[str, float]] = {}
+        self._launches: dict[str, dict[str, dict[int, int]]] = {}  # job → node → restart epoch → executed
         self._acked = asyncio.Condition()
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -149,6 +159,8 @@ class Fleet:
     async def _execute(self, node: SimNode, command: PingCommand | LaunchCommand | StopCommand) -> CommandReply:
         if isinstance(command, LaunchCommand):
             epoch = command.args.restart_epoch
+            per_epoch = self._launches.setdefault(command.job_id, {}).setdefault(node.node_id, {})
+            per_epoch[epoch] = per_epoch.get(epoch, 0) + 1
             resume_step = 0  # the benchmark's jobs have no validated checkpoint: they resume from the beginning
             node.ranks = {  # one job per node at a time, as the benchmark runs them
                 (command.job_id, a.rank): RankStatus(
@@ -183,8 +195,13 @@ class Fleet:
                     self._acked.wait_for(lambda: len(self._acks.get(key, {})) >= query.nodes), query.timeout_s
                 )
             acked = dict(self._acks.get(key, {}))
+        launches = {node: dict(epochs) for node, epochs in self._launches.get(query.job_id, {}).items()}
         return LaunchAcks(
-            job_id=query.job_id, restart_epoch=query.restart_epoch, acked_at=acked, complete=len(acked) >= query.nodes
+            job_id=query.job_id,
+            restart_epoch=query.restart_epoch,
+            acked_at=acked,
+            complete=len(acked) >= query.nodes,
+            launches=launches,
         )
 
     async def _report_loop(self) -> None:

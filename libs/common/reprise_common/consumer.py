@@ -300,16 +300,38 @@ def one_at_a_time(handler: Handler) -> BatchHandler:
     """A batch handler that hands each event to `handler` in order; its errors are settled per message."""
 
     async def handle(items: list[Item]) -> list[Verdict]:
-        verdicts = []
-        for item in items:
+        return [await _verdict(handler, item) for item in items]
+
+    return handle
+
+
+def side_by_side(handler: Handler, key: Callable[[Event], str]) -> BatchHandler:
+    """A batch handler that hands the events of different keys to `handler` at the same time, and those of one key
+    in order (e.g. one job's incidents one after the other, different jobs' together); errors settle per message."""
+
+    async def in_order(items: list[tuple[int, Item]]) -> list[tuple[int, Verdict]]:
+        return [(index, await _verdict(handler, item)) for index, item in items]
+
+    async def handle(items: list[Item]) -> list[Verdict]:
+        by_key: dict[str, list[tuple[int, Item]]] = {}
+        for index, item in enumerate(items):
             assert item.event is not None  # per-event handlers always get parsed events
-            try:
-                verdicts.append(Verdict(await handler(item.event, item.delivery)))
-            except MalformedEventError as exc:  # the handler found the event unusable and says why
-                verdicts.append(Verdict(Outcome.REJECT, f"unusable: {exc.reason}"))
-            except Exception as exc:  # a handler bug must not kill the consumer; the message is retried
-                log.exception("handler failed", extra={"subject": item.delivery.subject})
-                verdicts.append(Verdict(Outcome.RETRY, f"handler error: {exc!r}"))
+            by_key.setdefault(key(item.event), []).append((index, item))
+        verdicts: list[Verdict] = [ACK] * len(items)
+        for group in await asyncio.gather(*(in_order(group) for group in by_key.values())):
+            for index, verdict in group:
+                verdicts[index] = verdict
         return verdicts
 
     return handle
+
+
+async def _verdict(handler: Handler, item: Item) -> Verdict:
+    assert item.event is not None  # per-event handlers always get parsed events
+    try:
+        return Verdict(await handler(item.event, item.delivery))
+    except MalformedEventError as exc:  # the handler found the event unusable and says why
+        return Verdict(Outcome.REJECT, f"unusable: {exc.reason}")
+    except Exception as exc:  # a handler bug must not kill the consumer; the message is retried
+        log.exception("handler failed", extra={"subject": item.delivery.subject})
+        return Verdict(Outcome.RETRY, f"handler error: {exc!r}")

@@ -186,6 +186,7 @@ class RankExited(Event):
     signal: str | None = None
     oom_killed: bool = False
     log_tail: list[str] = Field(default_factory=list)
+    restart_epoch: int | None = Field(default=None, ge=0, description="the launch the process belonged to")
 
 
 class FileDigest(Wire):

@@ -13,7 +13,17 @@ from reprise_cli.servers import NatsServer
 from reprise_common import subjects
 from reprise_common.aio import poll_until
 from reprise_common.bus import Bus
-from reprise_common.consumer import ACK, BatchHandler, Consumer, Delivery, Item, Verdict, delivery_of
+from reprise_common.consumer import (
+    ACK,
+    BatchHandler,
+    Consumer,
+    Delivery,
+    Item,
+    Outcome,
+    Verdict,
+    delivery_of,
+    side_by_side,
+)
 from reprise_common.events import GpuXid
 
 
@@ -88,3 +98,31 @@ def test_a_delivery_is_read_from_the_ack_subject_as_nats_py_reads_it() -> None:
         assert delivery_of(msg) == Delivery(msg.subject, meta.num_delivered, meta.sequence.stream)
     with pytest.raises(nats.errors.Error):  # not a JetStream message
         delivery_of(Msg(_client=None, subject="x", reply="_INBOX.abc", data=b""))  # type: ignore[arg-type]
+
+
+async def test_side_by_side_handles_keys_at_once_and_each_key_in_order() -> None:
+    events = [GpuXid(source=node, node_id=node, gpu=gpu, xid=48) for node, gpu in
+              [("a", 0), ("b", 0), ("a", 1), ("c", 0), ("b", 1), ("a", 2)]]  # fmt: skip
+    items = [Item(event=e, delivery=Delivery("s", 1, n), data=b"") for n, e in enumerate(events)]
+    running: dict[str, int] = {}
+    most = 0
+    order: list[tuple[str, int]] = []
+
+    async def handle(event: object, delivery: Delivery) -> Outcome:
+        nonlocal most
+        assert isinstance(event, GpuXid)
+        running[event.node_id] = running.get(event.node_id, 0) + 1
+        most = max(most, sum(running.values()))
+        assert running[event.node_id] == 1, f"two events of {event.node_id} at once"
+        await asyncio.sleep(0.01)
+        order.append((event.node_id, event.gpu))
+        running[event.node_id] -= 1
+        if event.gpu == 1 and event.node_id == "b":
+            raise RuntimeError("a handler bug")
+        return Outcome.ACK
+
+    verdicts = await side_by_side(handle, key=lambda e: e.node_id if isinstance(e, GpuXid) else "")(items)
+    assert most == 3  # a, b and c together
+    assert [gpu for node, gpu in order if node == "a"] == [0, 1, 2]  # one key in order
+    assert [v.outcome for v in verdicts] == [Outcome.ACK] * 4 + [Outcome.RETRY, Outcome.ACK]  # in the batch's order
+    assert "handler error" in verdicts[4].reason

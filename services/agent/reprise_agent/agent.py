@@ -231,6 +231,7 @@ class Agent:
             signal=rank.exit_signal,
             oom_killed=rank.oom_killed,
             log_tail=list(rank.tail),
+            restart_epoch=rank.restart_epoch,
         )
         self.outbox.put(subjects.node_event(self.node_id, "rank.exited"), event)
 

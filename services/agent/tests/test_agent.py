@@ -155,6 +155,7 @@ async def test_killed_rank_is_reported_with_signal_and_log_tail(harness: Harness
     assert isinstance(exited, RankExited)
     assert exited.rank == 1 and exited.signal == "SIGKILL" and exited.exit_code is None
     assert exited.log_tail == ["rank 1"]
+    assert exited.restart_epoch == 0  # the launch it belonged to (the detector puts it on the incident)
 
 
 async def test_xid79_kills_rank_on_that_gpu_and_reports_gpu_lost(harness: Harness) -> None:

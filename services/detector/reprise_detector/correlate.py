@@ -37,8 +37,14 @@ def targets(observation: Observation, placements: PlacementMap) -> list[Target]:
     node_id = observation.node_id
     if observation.job_id is not None and observation.rank is not None:
         gpu = placements.gpu_of(job_id=observation.job_id, node_id=node_id, rank=observation.rank)
-        exit_code = observation.event.exit_code if isinstance(observation.event, RankExited) else None
-        culprit = Culprit(node_id=node_id, gpu=gpu, rank=observation.rank, exit_code=exit_code)
+        exited = observation.event if isinstance(observation.event, RankExited) else None
+        culprit = Culprit(
+            node_id=node_id,
+            gpu=gpu,
+            rank=observation.rank,
+            exit_code=exited.exit_code if exited else None,
+            restart_epoch=exited.restart_epoch if exited else None,
+        )
         return [Target(observation.job_id, culprit)]
     if observation.job_id is not None:  # a job's own dependency (its rendezvous master): that job only
         placed_here = observation.job_id in placements.jobs_on(node_id)

@@ -244,3 +244,20 @@ async def test_incident_changes_carry_the_labels_of_the_jobs_placement(detector:
     response = await h.client.post(f"/v1/incidents/{opened.incident_id}/resolve")
     assert response.status_code == 200, response.text
     assert [(c.change, c.labels) for c in await h.changes("job-a")] == [("opened", labels), ("resolved", labels)]
+
+
+async def test_an_incident_names_the_launch_its_culprit_rank_belonged_to(
+    start_detector: StartDetector, database_url: str
+) -> None:
+    h = await start_detector(database_url)
+    await h.place("job-a", [(0, "node-1", 0), (1, "node-2", 0)])
+    await h.emit(
+        "node-2",
+        RankExited(source="node-2", node_id="node-2", job_id="job-a", rank=1, exit_code=1, restart_epoch=3),
+    )
+    await h.settled()
+
+    [incident] = (await h.incidents(job_id="job-a"))["data"]
+    assert (incident["culprit_rank"], incident["culprit_restart_epoch"]) == (1, 3)
+    [change] = await h.changes("job-a")
+    assert (change.culprit.rank, change.culprit.restart_epoch) == (1, 3)  # what the orchestrator reads

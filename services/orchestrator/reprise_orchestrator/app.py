@@ -13,6 +13,7 @@ from redis.asyncio import Redis
 from reprise_common import subjects
 from reprise_common.bus import Bus
 from reprise_common.clock import SystemClock
+from reprise_common.consumer import side_by_side
 from reprise_common.db import db_check, make_engine
 from reprise_common.errors import BusError
 from reprise_common.events import ComputeSignal
@@ -41,7 +42,7 @@ from reprise_orchestrator.nodes import views as node_views
 from reprise_orchestrator.nodes.flows import QuarantineFlow
 from reprise_orchestrator.nodes.inventory import Inventory
 from reprise_orchestrator.recoveries import views as recovery_views
-from reprise_orchestrator.recoveries.claims import Claims
+from reprise_orchestrator.recoveries.claims import Claims, job_of
 from reprise_orchestrator.recoveries.flows import RecoveryFlow
 from reprise_orchestrator.recoveries.reconciler import Reconciler
 from reprise_orchestrator.recoveries.runner import RecoveryRunner
@@ -55,6 +56,7 @@ QUARANTINE_DURABLE = "orchestrator-quarantine"
 # A claim takes milliseconds; an incident waits (redelivered with a growing delay: 0.5 s, 1 s, ...) only while its job
 # is locked by another replica's claim or every replica runs as many recoveries as it may. 50 deliveries span ~10 min.
 INCIDENT_MAX_DELIVER = 50
+INCIDENT_BATCH = 256
 
 
 def _redis_check(redis: Redis) -> Callable[[], Awaitable[bool]]:
@@ -113,11 +115,12 @@ def create_app(settings: OrchestratorSettings) -> FastAPI:
             (INCIDENTS_DURABLE, subjects.INCIDENTS_OPENED, claims.on_opened),
             (INCIDENT_UPDATES_DURABLE, subjects.INCIDENTS_UPDATED, claims.on_updated),
         ):
-            bus.consumer(
+            bus.batch_consumer(
                 stream=subjects.INCIDENTS_STREAM,
                 durable=durable,
                 filter_subject=subject,
-                handler=handler,
+                handler=side_by_side(handler, key=job_of),  # different jobs' claims at once, one job's in order
+                batch=INCIDENT_BATCH,
                 max_deliver=INCIDENT_MAX_DELIVER,
             ).start()
         bus.consumer(

@@ -50,6 +50,7 @@ def pending_change(
             gpu=incident.culprit_gpu,
             rank=incident.culprit_rank,
             exit_code=incident.culprit_exit_code,
+            restart_epoch=incident.culprit_restart_epoch,
         ),
         recommended_action=RecommendedAction(incident.recommended_action),
         symptom_count=seq,

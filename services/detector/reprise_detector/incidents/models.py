@@ -44,6 +44,7 @@ class IncidentBase(SQLModel):
     culprit_gpu: int | None = None
     culprit_rank: int | None = None
     culprit_exit_code: int | None = None
+    culprit_restart_epoch: int | None = Field(default=None, description="the launch the culprit rank belonged to")
     recommended_action: RecommendedAction = Field(sa_type=String(32))
     symptom_count: int = 0
     first_symptom_at: datetime = Field(sa_type=UTCDateTime)

@@ -166,6 +166,7 @@ def set_culprit(incident: Incident, culprit: Culprit) -> None:
     incident.culprit_gpu = culprit.gpu
     incident.culprit_rank = culprit.rank
     incident.culprit_exit_code = culprit.exit_code
+    incident.culprit_restart_epoch = culprit.restart_epoch
 
 
 def add_symptom(

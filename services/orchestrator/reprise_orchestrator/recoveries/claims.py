@@ -151,6 +151,11 @@ class Claims:
             return recovery.id
 
 
+def job_of(event: Event) -> str:
+    """The job an incident change is about (claims of one job are made one after the other)."""
+    return event.job_id if isinstance(event, IncidentChange) else ""
+
+
 def _actionable(incident: IncidentChange) -> bool:
     """Warnings and incidents that recommend nothing are for people, not for recoveries."""
     if incident.severity is Severity.WARNING or incident.recommended_action is RecommendedAction.NONE:
