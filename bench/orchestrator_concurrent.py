@@ -94,9 +94,11 @@ async def one_round(
             raise RuntimeError(f"{len(not_running)} of {jobs} jobs not running after submit: {not_running[0]}")
         incidents = [incident_for(job) for _http, job in submitted]
         ended = [recoveries.expect(job["id"]) for _http, job in submitted]
+        cpu_before = stack.cpu_s()
         await asyncio.gather(*(bus.publish(subjects.incident(i.job_id, "opened"), i) for i in incidents))
         spread_s = time.time() - incidents[0].time.timestamp()
         await asyncio.wait(ended, timeout=job_timeout_s)  # the event only wakes us early: the records count
+        cpu_after = stack.cpu_s()
         await asyncio.sleep(SETTLE_S)
         # One read at a time: a burst of reads would load the orchestrator being measured (with 50 at once, one
         # replica ran out of database connections and stalled for 30 s)
@@ -107,8 +109,11 @@ async def one_round(
     finally:  # a new job may only use nodes no active job runs on: free them for the next round
         for http, job in submitted:
             (await http.post(f"/v1/jobs/{job['id']}/cancel")).raise_for_status()
+    # CPU seconds each process used from the publish to the last recovery's end (per job: the orchestrators' cost)
+    cpu = {name: round(cpu_after[name] - cpu_before[name], 3) for name in cpu_after if name != "wall"}
     timing = {"submit_s": round(submit_s, 3), "publish_spread_s": round(spread_s, 3),
-              "wall_s": round(time.perf_counter() - began, 1)}  # fmt: skip
+              "wall_s": round(time.perf_counter() - began, 1), "cpu_s_during_recoveries": cpu,
+              "recoveries_wall_s": round(cpu_after["wall"] - cpu_before["wall"], 3)}  # fmt: skip
     return list(samples), timing
 
 

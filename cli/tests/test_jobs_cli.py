@@ -21,6 +21,7 @@ from reprise_cli.servers import ManagedProcess, NatsServer, RedisServer, free_po
 from reprise_common.db import make_engine
 from reprise_common.events import Category, Culprit, IncidentChange, RecommendedAction, Severity
 from reprise_orchestrator.jobs.models import Job
+from reprise_orchestrator.recoveries import service as recoveries
 from reprise_orchestrator.recoveries.models import Recovery
 from reprise_orchestrator.recoveries.records import StepRecord
 from reprise_orchestrator.recoveries.states import RecoveryStep
@@ -146,21 +147,15 @@ def _add_recovery(platform: Platform, job_id: str) -> None:
     engine = make_engine(platform.database_url)
     with Session(engine) as session:
         assert session.get(Job, job_id) is not None  # the recovery's job, as the orchestrator stored it
-        session.add(
-            Recovery(
-                id="rec-cli",
-                job_id=job_id,
-                fence=1,
-                owner="test",
-                step=RecoveryStep.LAUNCHING,
-                steps=[
-                    step(RecoveryStep.DETECTED, 0, 0.25, **incident.model_dump()),
-                    step(RecoveryStep.STOPPING_RANKS, 0.25, 1.75),
-                    step(RecoveryStep.LAUNCHING, 1.75, None),
-                ],
-                started_at=start,
-            )
+        recovery = Recovery(
+            id="rec-cli", job_id=job_id, fence=1, owner="test", step=RecoveryStep.LAUNCHING, started_at=start
         )
+        steps = [
+            step(RecoveryStep.DETECTED, 0, 0.25, **incident.model_dump()),
+            step(RecoveryStep.STOPPING_RANKS, 0.25, 1.75),
+            step(RecoveryStep.LAUNCHING, 1.75, None),
+        ]
+        recoveries.insert_claimed(session, recovery=recovery, steps=steps)
         session.commit()
     engine.dispose()
 

@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pydantic import TypeAdapter
+from pydantic import BaseModel, TypeAdapter
 from sqlalchemy import JSON, DateTime, Table, event, func, text
 from sqlalchemy.engine import Connection, Dialect, Engine
 from sqlalchemy.types import TypeDecorator
@@ -63,14 +63,23 @@ class TypedJSON(TypeDecorator[Any]):
         self._adapter: TypeAdapter[Any] = TypeAdapter(model)
 
     def process_bind_param(self, value: Any, dialect: Dialect) -> Any:
-        """Validate (models or plain values alike) and dump to JSON-compatible values."""
+        """Validate plain values (models of the type are valid already) and dump to JSON-compatible values."""
         if value is None:
             return None
-        return self._adapter.dump_python(self._adapter.validate_python(value), mode="json")
+        if not _built(value):
+            value = self._adapter.validate_python(value)
+        return self._adapter.dump_python(value, mode="json")
 
     def process_result_value(self, value: Any, dialect: Dialect) -> Any:
         """Parse the stored JSON back into the type."""
         return None if value is None else self._adapter.validate_python(value)
+
+
+def _built(value: Any) -> bool:
+    """True for a pydantic model, or a list of them: what the code built is valid already (a dict may not be)."""
+    if isinstance(value, list):
+        return bool(value) and all(isinstance(item, BaseModel) for item in value)
+    return isinstance(value, BaseModel)
 
 
 def normalise_url(url: str) -> str:

@@ -10,6 +10,8 @@ upgraded from there.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,7 +50,7 @@ class Migrations:
 
     def upgrade(self, engine: Engine, revision: str = "head") -> None:
         """Bring this service's tables to `revision` (idempotent): what a service does at every start."""
-        with engine.begin() as connection:
+        with _migrating(engine) as connection:
             config = self.config(connection)
             if self._made_by_create_all(connection):
                 command.stamp(config, self.baseline)
@@ -63,7 +65,7 @@ class Migrations:
 
     def downgrade(self, engine: Engine, revision: str) -> None:
         """Take this service's tables back to `revision` (tests, and operators rolling back a release)."""
-        with engine.begin() as connection:
+        with _migrating(engine) as connection:
             command.downgrade(self.config(connection), revision)
 
     def run(self, context: Any, metadata: MetaData) -> None:
@@ -93,3 +95,26 @@ class Migrations:
     def _made_by_create_all(self, connection: Connection) -> bool:
         existing = set(inspect(connection).get_table_names())
         return self.version_table not in existing and bool(existing & self.tables)
+
+
+@contextmanager
+def _migrating(engine: Engine) -> Iterator[Connection]:
+    """A connection in a transaction for migrations. On SQLite, foreign keys are off while they run and checked
+    before the commit: SQLite alters a table by copying it and dropping the old one, which with foreign keys on would
+    delete (or refuse to delete) the rows that point at it."""
+    with engine.connect() as connection:
+        sqlite = connection.dialect.name == "sqlite"
+        if sqlite:
+            connection.exec_driver_sql("PRAGMA foreign_keys=OFF")
+            connection.commit()
+        try:
+            with connection.begin():
+                yield connection
+                if sqlite:
+                    broken = connection.exec_driver_sql("PRAGMA foreign_key_check").fetchall()
+                    if broken:
+                        raise RuntimeError(f"migrations left rows pointing at nothing: {broken[:5]}")
+        finally:
+            if sqlite:
+                connection.exec_driver_sql("PRAGMA foreign_keys=ON")
+                connection.commit()

@@ -90,7 +90,7 @@ class ProgressBook:
 
     def update(self, node_id: str, status: RankProgress, now: float | None = None) -> tuple[JobTrack, RankTrack]:
         """Fold one rank status into the book (`now`: the monotonic time it arrived, the clock's by default); a step
-        change resets the stall (and a reported hang)."""
+        change or a new restart epoch resets the stall (and a reported hang)."""
         if now is None:
             now = self.clock.monotonic()
         job = self.jobs.get(status.job_id)
@@ -109,7 +109,9 @@ class ProgressBook:
         # Updated in place (a report of 8 ranks a second per node must not churn objects); straggler state carries
         # over. A new step resets the stall, the phase clock and the CPU count of the stall.
         seen, track.status, track.node_id = track.status, status, node_id
-        if status.step != seen.step:
+        # A new step is progress, and so is a new launch of the rank: its step counts again from where it restored,
+        # and the same number as the replaced process's last step is no stall.
+        if status.step != seen.step or status.restart_epoch != seen.restart_epoch:
             track.phase_since = phase_since = now - (status.phase_age_s or 0.0)
             track.advanced_at = now - (status.heartbeat_age_s or 0.0) if status.step is not None else phase_since
             track.cpu_at_advance = status.cpu_s

@@ -108,6 +108,21 @@ def test_a_hang_names_the_ranks_that_stopped_first_and_those_that_lag() -> None:
     assert not book.jobs["job-a"].hung
 
 
+def test_a_relaunched_rank_at_the_step_its_predecessor_stopped_at_is_not_stalled() -> None:
+    clock = ManualClock(T0)
+    book = ProgressBook(clock)
+    watch = HangWatch(clock=clock, book=book, defaults=LIMITS)
+    for rank in range(2):
+        book.update("node-1", _status(rank, 4, restart_epoch=0))
+    clock.advance(LIMITS.floor_s - 1)  # the recovery replaces both ranks; the new ones reach step 4 again
+    for rank in range(2):
+        book.update("node-1", _status(rank, 4, restart_epoch=1))
+    clock.advance(2)  # past the floor since epoch 0's step 4, not since epoch 1's
+    assert watch.check() == []
+    clock.advance(LIMITS.floor_s)
+    assert [h.rank for h in watch.check()] == [0]  # epoch 1 really stalled at step 4
+
+
 # Four ranks stop at the same step at the same time (every peer waits in the same collective); per rank: the process
 # state and the CPU seconds used during the 70 s stall, then the rank blamed and the start of the reason.
 CULPRIT_TABLE = [

@@ -61,10 +61,9 @@ def recoveries(database_url: str) -> Iterator[tuple[Engine, str]]:
             if at is not None:
                 launch = Launched(restart_epoch=index + 1)
                 steps.append(StepRecord(step=RecoveryStep.LAUNCHING, started_at=_at(at), ended_at=_at(at), data=launch))
-            recovery = Recovery(
-                id=recovery_id, job_id=job.id, fence=index + 1, owner="o", steps=steps, started_at=_at(5 + 10 * index)
-            )
-            session.add(recovery)
+            opened_at = _at(5 + 10 * index)
+            recovery = Recovery(id=recovery_id, job_id=job.id, fence=index + 1, owner="o", started_at=opened_at)
+            service.insert_claimed(session, recovery=recovery, steps=steps)
         session.commit()
         yield engine, job.id
     engine.dispose()

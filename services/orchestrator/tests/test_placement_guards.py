@@ -37,24 +37,23 @@ def test_a_taken_port_is_skipped_and_a_full_span_is_refused() -> None:
 
 def test_ports_in_use_are_those_of_active_jobs_whose_master_shares_the_host(tmp_path: Path) -> None:
     engine = _engine(tmp_path)
-    hosts = {"node-1": "10.0.0.1", "node-2": "10.0.0.1", "node-3": "10.0.0.2"}
-    rows = [  # master node, state, port
-        ("node-1", JobState.RUNNING, 29501),
-        ("node-2", JobState.RECOVERING, 29502),
-        ("node-3", JobState.RUNNING, 29503),  # another host
-        ("node-2", JobState.COMPLETED, 29504),  # over
+    rows = [  # master's host, state, port
+        ("10.0.0.1", JobState.RUNNING, 29501),
+        ("10.0.0.1", JobState.RECOVERING, 29502),
+        ("10.0.0.2", JobState.RUNNING, 29503),  # another host
+        ("10.0.0.1", JobState.COMPLETED, 29504),  # over
+        ("", JobState.RUNNING, 29505),  # launched before hosts were recorded: counts on every host
     ]
     with Session(engine) as session:
-        for node, state, port in rows:
-            spec = JobCreate(name="j", nodes=[node], command=["true"])
-            job = service.create(
-                session, spec=spec, placement=[RankAssignment(rank=0, node_id=node, gpu=0, local_rank=0)]
-            )
-            job.state, job.master_port = state, port
+        for host, state, port in rows:
+            spec = JobCreate(name="j", nodes=["node-1"], command=["true"])
+            master = RankAssignment(rank=0, node_id="node-1", gpu=0, local_rank=0)
+            job = service.create(session, spec=spec, placement=[master])
+            job.state, job.master_port, job.master_addr = state, port, host
             session.add(job)
             session.commit()
-        taken = service.master_ports_at(session, address="10.0.0.1", address_of=hosts.__getitem__)
-    assert taken == {29501, 29502}
+        taken = service.master_ports_at(session, address="10.0.0.1")
+    assert taken == {29501, 29502, 29505}
 
 
 def _engine(tmp_path: Path) -> Engine:

@@ -18,6 +18,7 @@ from reprise_orchestrator.jobs import service as jobs
 from reprise_orchestrator.jobs.models import JobState
 from reprise_orchestrator.recoveries import service as recoveries
 from reprise_orchestrator.recoveries.models import Recovery
+from reprise_orchestrator.recoveries.records import StepRecord
 from reprise_orchestrator.recoveries.states import Outcome, RecoveryStep
 
 log = get_logger("reprise.orchestrator.drills")
@@ -82,11 +83,13 @@ class DrillRunner:
     async def _watch(self, drill_id: str, job_id: str, injected_at: datetime, objective_s: float) -> None:
         deadline = self.deps.clock.monotonic() + max(3 * objective_s, 60.0)
         recovery: Recovery | None = None
+        records: list[StepRecord] = []
         while self.deps.clock.monotonic() < deadline:
             with Session(self.deps.engine) as session:
-                recovery = next(
-                    (r for r in recoveries.get_all_by_job(session, job_id=job_id) if _after(r, injected_at)), None
-                )
+                found = recoveries.get_all_by_job(session, job_id=job_id)
+                steps = recoveries.records_of(session, recovery_ids=[r.id for r in found])
+                recovery = next((r for r in found if _after(r, steps.get(r.id, []), injected_at)), None)
+                records = steps.get(recovery.id, []) if recovery is not None else []
             if recovery is not None and recovery.finished_at is not None:
                 break
             await asyncio.sleep(POLL_S)
@@ -95,7 +98,7 @@ class DrillRunner:
                 session,
                 drill_id=drill_id,
                 finished_at=self.deps.clock.now(),
-                **_measure(recovery, injected_at, objective_s),
+                **_measure(recovery, records, injected_at, objective_s),
             )
         log.info("drill finished", extra={"drill_id": drill_id, "job_id": job_id})
 
@@ -106,20 +109,22 @@ class DrillRunner:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
-def _after(recovery: Recovery, injected_at: datetime) -> bool:
-    detected = recovery.steps[0].started_at if recovery.steps else recovery.started_at
+def _after(recovery: Recovery, records: list[StepRecord], injected_at: datetime) -> bool:
+    detected = records[0].started_at if records else recovery.started_at
     return detected >= injected_at - timedelta(seconds=1)  # the first symptom may be stamped on another host
 
 
-def _measure(recovery: Recovery | None, injected_at: datetime, objective_s: float) -> dict[str, object]:
+def _measure(
+    recovery: Recovery | None, records: list[StepRecord], injected_at: datetime, objective_s: float
+) -> dict[str, object]:
     if recovery is None or recovery.finished_at is None:
         return {
             "state": DrillState.FAILED,
             "detail": "no recovery finished in time",
             "recovery_id": recovery and recovery.id,
         }
-    detected = recovery.steps[0].ended_at or recovery.steps[0].started_at
-    verified = [s.ended_at for s in recovery.steps if s.step is RecoveryStep.VERIFYING and s.ended_at is not None]
+    detected = (records[0].ended_at or records[0].started_at) if records else recovery.started_at
+    verified = [s.ended_at for s in records if s.step is RecoveryStep.VERIFYING and s.ended_at is not None]
     done = verified[-1] if verified else recovery.finished_at
     values: dict[str, object] = {
         "recovery_id": recovery.id,

@@ -66,7 +66,12 @@ async def submit(deps: Deps, spec: JobCreate) -> Job:
         state = JobState.RUNNING if answers.all_done else JobState.FAILED
         with Session(deps.engine) as session:
             service.update_fenced(
-                session, job_id=job_id, fence=handle.fence, state=state, master_port=rendezvous.master_port
+                session,
+                job_id=job_id,
+                fence=handle.fence,
+                state=state,
+                master_port=rendezvous.master_port,
+                master_addr=rendezvous.master_addr,
             )
         if state is JobState.FAILED:
             log.error("job launch failed", extra={"job_id": job_id, "answers": answers.record().model_dump()})

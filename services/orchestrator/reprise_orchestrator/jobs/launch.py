@@ -54,7 +54,7 @@ def rendezvous_for(
     master = next(r for r in ranks if r.rank == 0)
     address = inventory.address(master.node_id)
     with Session(engine) as session:
-        taken = service.master_ports_at(session, address=address, address_of=inventory.address)
+        taken = service.master_ports_at(session, address=address)
     return Rendezvous(epoch, address, master_port_for(port_base, job_id=job_id, epoch=epoch, taken=taken))
 
 

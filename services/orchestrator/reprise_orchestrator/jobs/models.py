@@ -7,7 +7,7 @@ from enum import StrEnum
 from typing import Any
 
 from pydantic import AwareDatetime, model_validator
-from sqlalchemy import JSON, Column, Index
+from sqlalchemy import JSON, Column, Index, String
 from sqlmodel import Field, SQLModel
 
 from reprise_common.clock import utcnow
@@ -147,6 +147,11 @@ class Job(JobBase, table=True):
     same_error_streak: int = 0
     detail: str = Field(default="", description="why the job failed or is held")
     master_port: int = 0
+    master_addr: str = Field(
+        default="",
+        sa_column=Column(String(255), nullable=False, server_default=""),
+        description="the rendezvous host of the current launch",
+    )
     max_fence: int = Field(default=0, description="highest fencing token that has written to this job")
     created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
     updated_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, cast
 
 from sqlalchemy import delete, exists, update
@@ -15,6 +15,9 @@ from reprise_common.events import RankAssignment, new_id
 from reprise_orchestrator.jobs.models import ACTIVE_STATES, Job, JobCreate, JobLabel, JobState
 
 OCCUPYING_STATES = ACTIVE_STATES | {JobState.PENDING}  # a job in these states holds its nodes
+# Fenced updates go straight to the table: a job loaded in the session is not kept in step (callers read the job
+# again when they need it), which spares the ORM's bookkeeping on the writes every recovery step makes.
+JOBS = Job.__table__  # type: ignore[attr-defined]
 
 
 def create(session: Session, *, spec: JobCreate, placement: list[RankAssignment]) -> Job:
@@ -71,11 +74,13 @@ def get_all_epochs(session: Session, *, state: JobState) -> list[tuple[str, int]
     return [(job_id, epoch) for job_id, epoch in session.exec(query).all()]
 
 
-def claim_fence(session: Session, *, job_id: str, fence: int) -> bool:
-    """Compare-and-set: record `fence` as the job's highest only if it is higher than any before it."""
-    statement = update(Job).where(col(Job.id) == job_id, col(Job.max_fence) < fence).values(max_fence=fence)
-    result = session.execute(statement)
-    session.commit()
+def claim_fence(session: Session, *, job_id: str, fence: int, commit: bool = True, **values: Any) -> bool:
+    """Compare-and-set: record `fence` as the job's highest only if it is higher than any before it (with `values`
+    written in the same statement); commit=False leaves the transaction open for what the claim writes next."""
+    statement = update(JOBS).where(JOBS.c.id == job_id, JOBS.c.max_fence < fence).values(max_fence=fence, **values)
+    result = session.connection().execute(statement)
+    if commit:
+        session.commit()
     return cast("CursorResult[Any]", result).rowcount == 1
 
 
@@ -85,10 +90,8 @@ def update_fenced(session: Session, *, job_id: str, fence: int, commit: bool = T
     With commit=False the update joins the session's transaction (a recovery's last step and the job's end state
     are written together).
     """
-    statement = (
-        update(Job).where(col(Job.id) == job_id, col(Job.max_fence) == fence).values(**values, updated_at=utcnow())
-    )
-    result = session.execute(statement)
+    statement = update(JOBS).where(JOBS.c.id == job_id, JOBS.c.max_fence == fence).values(**values, updated_at=utcnow())
+    result = session.connection().execute(statement)
     if commit:
         session.commit()
     return cast("CursorResult[Any]", result).rowcount == 1
@@ -116,14 +119,10 @@ def placement_conflict(session: Session, job: Job) -> str | None:
     return None
 
 
-def master_ports_at(session: Session, *, address: str, address_of: Callable[[str], str]) -> set[int]:
-    """Rendezvous ports of active jobs whose master (rank 0's node) is at `address`: nodes may share a host."""
-    query = select(Job.master_port, Job.placement).where(
-        col(Job.state).in_(list(ACTIVE_STATES)), col(Job.master_port) > 0
+def master_ports_at(session: Session, *, address: str) -> set[int]:
+    """Rendezvous ports of active jobs whose master (rank 0's node) is at `address`: nodes may share a host. A job
+    launched before its master's host was recorded counts wherever it is."""
+    query = select(Job.master_port).where(
+        col(Job.state).in_(list(ACTIVE_STATES)), col(Job.master_port) > 0, col(Job.master_addr).in_([address, ""])
     )
-    return {
-        port
-        for port, placement in session.exec(query).all()
-        for rank in placement
-        if rank.rank == 0 and address_of(rank.node_id) == address
-    }
+    return set(session.exec(query).all())

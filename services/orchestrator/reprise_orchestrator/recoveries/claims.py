@@ -18,11 +18,12 @@ from reprise_orchestrator.jobs import service as jobs
 from reprise_orchestrator.jobs.models import ACTIVE_STATES, Job, JobState
 from reprise_orchestrator.locks import LockHandle
 from reprise_orchestrator.recoveries import rules, service
-from reprise_orchestrator.recoveries.flows import RecoveryFlow
+from reprise_orchestrator.recoveries.flows import RecoveryFlow, Started
 from reprise_orchestrator.recoveries.models import Recovery
 from reprise_orchestrator.recoveries.records import Baseline, Locked, StepRecord, incident_of
 from reprise_orchestrator.recoveries.runner import RecoveryRunner
 from reprise_orchestrator.recoveries.states import TERMINAL_STEPS, Outcome, RecoveryStep
+from reprise_orchestrator.recoveries.steps import RecoveryRun
 
 log = get_logger("reprise.orchestrator.claims")
 
@@ -57,7 +58,7 @@ class Claims:
                 if service.learn(session, recovery_id=recovery.id, incident=event):
                     self.flow.notify(recovery.id)
                 return Ack.ACK
-            answered = recovery.learned or incident_of(recovery.steps)
+            answered = recovery.learned or incident_of(service.records(session, recovery_id=recovery.id))
             if recovery.outcome is not Outcome.RECOVERED or not rules.learned(answered, event):
                 return Ack.ACK
         log.info("the incident learned more after its recovery ended", extra={"incident_id": event.incident_id})
@@ -90,16 +91,17 @@ class Claims:
             return Ack.RETRY  # another replica is claiming or running one; next time we attach to it
         started = False
         try:
-            recovery_id = self._persist(handle, incident, fresh=fresh)
-            started = recovery_id is not None and self.runner.start(handle, recovery_id)
+            claimed = self._persist(handle, incident, fresh=fresh)
+            started = claimed is not None and self.runner.start(handle, claimed[0].recovery_id, claimed)
         finally:
             if not started:  # nothing claimed, or the runner filled up meanwhile (the reconciler resumes it)
                 await self.deps.locks.release(handle)
         return Ack.ACK
 
-    def _persist(self, handle: LockHandle, incident: IncidentChange, *, fresh: bool) -> str | None:
+    def _persist(self, handle: LockHandle, incident: IncidentChange, *, fresh: bool) -> Started | None:
+        """Claim the recovery in one transaction; what the run starts from (no need to read it back)."""
         now = self.deps.clock.now()
-        with Session(self.deps.engine) as session:
+        with Session(self.deps.engine, expire_on_commit=False) as session:
             if not fresh and self._attach_if_known(session, incident):  # it was claimed while we took the lock
                 return None
             job = session.get(Job, incident.job_id)
@@ -111,10 +113,21 @@ class Claims:
                 if service.learn(session, recovery_id=active.id, incident=incident):
                     self.flow.notify(active.id)
                 return None
-            if not jobs.claim_fence(session, job_id=incident.job_id, fence=handle.fence):
+            streak = rules.same_error_streak(job, incident)
+            claimed = jobs.claim_fence(
+                session,
+                job_id=incident.job_id,
+                fence=handle.fence,
+                commit=False,
+                state=JobState.RECOVERING,
+                last_error=rules.error_signature(incident),
+                same_error_streak=streak,
+                updated_at=now,
+            )
+            if not claimed:
+                session.rollback()
                 log.warning("fence claim refused: a newer owner exists", extra={"job_id": incident.job_id})
                 return None
-            streak = rules.same_error_streak(job, incident)
             baseline = Baseline(
                 last_restore_step=job.last_restore_step,
                 no_progress_streak=job.no_progress_streak,
@@ -127,28 +140,17 @@ class Claims:
                 fence=handle.fence,
                 owner=self.deps.settings.replica_id,
                 step=RecoveryStep.LOCKED,
-                steps=[
-                    StepRecord(
-                        step=RecoveryStep.DETECTED,
-                        started_at=incident.first_symptom_at,
-                        ended_at=incident.time,
-                        data=incident,
-                    ),
-                    StepRecord(
-                        step=RecoveryStep.LOCKED, started_at=incident.time, ended_at=now, data=Locked(baseline=baseline)
-                    ),
-                ],
             )
-            service.create(session, recovery=recovery)
-            jobs.update_fenced(
-                session,
-                job_id=incident.job_id,
-                fence=handle.fence,
-                state=JobState.RECOVERING,
-                last_error=rules.error_signature(incident),
-                same_error_streak=streak,
+            detected = StepRecord(
+                step=RecoveryStep.DETECTED, started_at=incident.first_symptom_at, ended_at=incident.time, data=incident
             )
-            return recovery.id
+            locked = StepRecord(
+                step=RecoveryStep.LOCKED, started_at=incident.time, ended_at=now, data=Locked(baseline=baseline)
+            )
+            service.insert_claimed(session, recovery=recovery, steps=[detected, locked])
+            session.commit()  # with the fence claimed and the job recovering, in one transaction
+            run = RecoveryRun(handle, recovery.id, job, incident, baseline, step=RecoveryStep.LOCKED)
+            return run, locked
 
 
 def job_of(event: Event) -> str:

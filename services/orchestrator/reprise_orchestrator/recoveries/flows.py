@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 from datetime import datetime
+from functools import partial
 from typing import Literal, cast
 
 from sqlmodel import Session
@@ -35,18 +37,20 @@ from reprise_orchestrator.recoveries.records import (
     Isolated,
     Placed,
     StepData,
+    StepRecord,
     Then,
     Verified,
     baseline_of,
     incident_of,
 )
 from reprise_orchestrator.recoveries.rules import Decision, Proposal
-from reprise_orchestrator.recoveries.service import FencedOutError, TransitionRefusedError
+from reprise_orchestrator.recoveries.service import Current, Ending, FencedOutError, TransitionRefusedError
 from reprise_orchestrator.recoveries.states import ATTEMPT_STEPS, TERMINAL_STEPS, Outcome, RecoveryStep
 from reprise_orchestrator.recoveries.steps import RecoveryRun, RecoverySteps, StepResult
 
 log = get_logger("reprise.orchestrator.recovery")
 RecoveryChangeKind = Literal["started", "step", "succeeded", "failed"]
+Started = tuple[RecoveryRun, StepRecord]  # a run to drive, and the newest record of its recovery
 # Steps after which news of the incident means isolating and placing again within the attempt; after the launch,
 # news means a new attempt (the new epoch runs on a plan that did not know it).
 REPLANNABLE = frozenset({RecoveryStep.ISOLATING, RecoveryStep.PLACING, RecoveryStep.RESTORING})
@@ -70,16 +74,18 @@ class RecoveryFlow:
         if run is not None:
             run.news.set()
 
-    async def run(self, handle: LockHandle, recovery_id: str) -> None:
-        """Own the recovery under `handle` (taking it over from a dead owner if needed) and drive it to its end."""
-        start = self._own(handle, recovery_id)
+    async def run(self, handle: LockHandle, recovery_id: str, claimed: Started | None = None) -> None:
+        """Own the recovery under `handle` (taking it over from a dead owner if needed) and drive it to its end.
+
+        A fresh claim hands over what it just wrote (`claimed`); anything else is rebuilt from the records.
+        """
+        start = claimed or self._own(handle, recovery_id)
         if start is None:
             return
-        run, recovery = start
+        run, last = start
         self.runs[recovery_id] = run
         renewal = asyncio.create_task(self._renew(run), name=f"renew:{recovery_id}")
         try:
-            last = recovery.steps[-1]
             if run.step is RecoveryStep.LOCKED:
                 await self._publish(run, "started", RecoveryStep.LOCKED)
             elif last.done:
@@ -94,7 +100,8 @@ class RecoveryFlow:
             with contextlib.suppress(asyncio.CancelledError):
                 await renewal
 
-    def _own(self, handle: LockHandle, recovery_id: str) -> tuple[RecoveryRun, Recovery] | None:
+    def _own(self, handle: LockHandle, recovery_id: str) -> Started | None:
+        """The run of a recovery this replica now owns, rebuilt from its records, and its newest record."""
         with Session(self.deps.engine) as session:
             recovery = session.get(Recovery, recovery_id)
             if recovery is None or recovery.step in TERMINAL_STEPS:
@@ -106,7 +113,7 @@ class RecoveryFlow:
                     session, recovery_id=recovery_id, fence=handle.fence, owner=self.deps.settings.replica_id
                 )
             job = jobs.get(session, job_id=recovery.job_id)
-        records = recovery.steps
+            records = service.records(session, recovery_id=recovery_id)
         run = RecoveryRun(
             handle,
             recovery.id,
@@ -124,43 +131,46 @@ class RecoveryFlow:
                 run.adopt(record)
         isolations = sum(r.attempt == run.attempt and r.step is RecoveryStep.ISOLATING for r in records)
         run.replans = max(0, isolations - 1)  # the first isolation of an attempt is no re-plan
-        return run, recovery
+        return run, records[-1]
 
     async def _drive(self, run: RecoveryRun, result: StepResult | None) -> None:
-        """Run the current step (unless it already ended with `result`), propose what follows, until an end."""
+        """Run the current step (unless it already ended with `result`), then move on as the policy says, until an
+        end; each transition (the step's end, the next one's start) is one transaction."""
         while run.step not in TERMINAL_STEPS:
+            ending = None
             if result is None:
                 result = await self._act(run)
-            proposal = self._next(run, result)
-            answer = self._move(run, proposal)
+                ending = Ending(run.step, run.attempt, result.data, result.then, result.outcome)
+            answer, proposal = self._transition(run, partial(self._next, run, result), ending)
             if answer.decision is Decision.WAIT:
                 await asyncio.sleep(answer.delay_s)
                 continue  # the same proposal again, with the time then
             if answer.decision is Decision.REJECT and proposal.learned:
                 continue  # no re-plan: go on with the plan as it is (the run already took the news)
             if answer.decision is Decision.REJECT:
-                proposal = self._end(run, Outcome.TRANSITION_REFUSED, f"refused: {answer.detail} ({answer.rule})")
-                answer = self._move(run, proposal)
+                refused = self._end(run, Outcome.TRANSITION_REFUSED, f"refused: {answer.detail} ({answer.rule})")
+                answer, proposal = self._transition(run, refused)
             elif answer.decision is Decision.ABORT:
-                assert answer.outcome is not None
-                proposal = self._end(run, answer.outcome, answer.detail)
-                answer = self._move(run, proposal)
+                aborted = self._end(run, answer.outcome or Outcome.TRANSITION_REFUSED, answer.detail)
+                answer, proposal = self._transition(run, aborted)
             if answer.decision is not Decision.ACCEPT:
                 raise TransitionRefusedError(f"the policy did not let recovery {run.recovery_id} end: {answer}")
             self._moved(run, proposal)
-            await self._after_move(run)
+            await self._after_move(run, proposal)
             result = None
 
-    def _next(self, run: RecoveryRun, result: StepResult) -> Proposal:
-        """The transition a step's result asks for, re-planning when the incident learned something meanwhile."""
+    def _next(self, run: RecoveryRun, result: StepResult | None, current: Current) -> Proposal:
+        """The transition a step's result asks for, re-planning when the incident learned something meanwhile
+        (`current`: the recovery as this transaction reads it, the news of its incident, when its step ended)."""
         now = self.deps.clock.now()
+        assert result is not None  # the step ran, or had ended before this replica took the recovery over
         if result.then is Then.STOP:
             assert result.outcome is not None
             return self._end(run, result.outcome, result.detail)
         if result.then is Then.RETRY:
             news = isinstance(result.data, Verified) and bool(result.data.learned)  # not a failure: no backoff
-            return self._new_attempt(run, result.detail, ended=None if news else self._ended_at(run))
-        learned = self.steps.news(run) if run.step in ATTEMPT_STEPS else ""
+            return self._new_attempt(run, result.detail, ended=None if news else current.ended_at)
+        learned = run.take_news(current.learned) if run.step in ATTEMPT_STEPS else ""
         if learned and run.step in REPLANNABLE:
             return run.proposal(RecoveryStep.ISOLATING, now=now, learned=learned)
         if learned and run.step in (RecoveryStep.LAUNCHING, RecoveryStep.VERIFYING):
@@ -179,18 +189,20 @@ class RecoveryFlow:
     def _end(self, run: RecoveryRun, outcome: Outcome, detail: str) -> Proposal:
         return run.proposal(rules.end_step(outcome), now=self.deps.clock.now(), outcome=outcome, detail=detail)
 
-    def _ended_at(self, run: RecoveryRun) -> datetime | None:
+    def _transition(
+        self, run: RecoveryRun, propose: Proposal | Callable[[Current], Proposal], ending: Ending | None = None
+    ) -> tuple[rules.Answer, Proposal]:
+        """Record the ending (if any) and make the proposed move, in one transaction; a callable proposes with the
+        recovery as the transaction reads it."""
+        known = propose
         with Session(self.deps.engine) as session:
-            return session.get_one(Recovery, run.recovery_id).steps[-1].ended_at
-
-    def _move(self, run: RecoveryRun, proposal: Proposal) -> rules.Answer:
-        with Session(self.deps.engine) as session:
-            return service.move(
+            return service.transition(
                 session,
                 recovery_id=run.recovery_id,
                 fence=run.handle.fence,
-                proposal=proposal,
                 at=self.deps.clock.now(),
+                propose=known if callable(known) else lambda _: known,
+                ending=ending,
             )
 
     def _moved(self, run: RecoveryRun, proposal: Proposal) -> None:
@@ -204,38 +216,21 @@ class RecoveryFlow:
     async def _act(self, run: RecoveryRun) -> StepResult:
         if run.lock_lost.is_set():
             raise LockLostError(f"lock on job {run.job.id} lost before {run.step.value}")
-        result = await self.steps.by_step[run.step](run)
-        with Session(self.deps.engine) as session:
-            service.end_step(
-                session,
-                recovery_id=run.recovery_id,
-                fence=run.handle.fence,
-                step=run.step,
-                attempt=run.attempt,
-                at=self.deps.clock.now(),
-                data=result.data,
-                then=result.then,
-                outcome=result.outcome,
-            )
-        return result
+        return await self.steps.by_step[run.step](run)
 
-    async def _after_move(self, run: RecoveryRun) -> None:
+    async def _after_move(self, run: RecoveryRun, moved: Proposal) -> None:
         if run.step not in TERMINAL_STEPS:
             await self._publish(run, "step", run.step, started=True)
             return
-        with Session(self.deps.engine) as session:
-            recovery = session.get_one(Recovery, run.recovery_id)
-            run.job = jobs.get(session, job_id=run.job.id)
-        outcome = recovery.outcome or Outcome.TRANSITION_REFUSED
+        outcome, detail = moved.outcome or Outcome.TRANSITION_REFUSED, moved.detail
         if run.step is not RecoveryStep.RUNNING:
             await self._wind_down(run)
         change: RecoveryChangeKind = "succeeded" if run.step is RecoveryStep.RUNNING else "failed"
-        await self._publish(run, change, run.step, recovery.detail, outcome=outcome)
+        await self._publish(run, change, run.step, detail, outcome=outcome)
         if run.restore is not None:
             await self.deps.registry.unpin(run.restore.checkpoint_id, holder=run.recovery_id)
         log.info(
-            "recovery finished",
-            extra={"recovery_id": run.recovery_id, "outcome": outcome.value, "detail": recovery.detail},
+            "recovery finished", extra={"recovery_id": run.recovery_id, "outcome": outcome.value, "detail": detail}
         )
 
     async def _wind_down(self, run: RecoveryRun) -> None:
@@ -313,16 +308,17 @@ async def cancel(deps: Deps, job_id: str) -> Job:
 
 def _end_cancelled(session: Session, deps: Deps, recovery: Recovery, fence: int) -> None:
     job = jobs.get(session, job_id=recovery.job_id)
+    steps = service.records(session, recovery_id=recovery.id)
     proposal = Proposal(
         from_step=recovery.step,
         from_attempt=recovery.attempt,
         to_step=rules.end_step(Outcome.CANCELLED),
         to_attempt=recovery.attempt,
         job=job,
-        incident=incident_of(recovery.steps),
+        incident=incident_of(steps),
         policy=job.job_spec().policy,
         now=deps.clock.now(),
-        baseline=baseline_of(recovery.steps),
+        baseline=baseline_of(steps),
         outcome=Outcome.CANCELLED,
         detail="the job was cancelled",
     )

@@ -1,10 +1,11 @@
-"""Recovery records: one row per recovery, every step with its start and end time and its typed result."""
+"""Recovery records: one row per recovery, and one row per step it went through (start, end, typed result)."""
 
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Any
 
-from sqlalchemy import JSON, Column
+from sqlalchemy import JSON, Column, String
 from sqlmodel import Field, SQLModel
 
 from reprise_common.clock import utcnow
@@ -15,7 +16,7 @@ from reprise_orchestrator.recoveries.states import Outcome, RecoveryStep
 
 
 class Recovery(SQLModel, table=True):
-    """One recovery of one job, owned by the holder of its fencing token."""
+    """One recovery of one job, owned by the holder of its fencing token; `seq` numbers its newest step row."""
 
     id: str = Field(primary_key=True)
     job_id: str = Field(index=True, foreign_key="job.id")
@@ -24,7 +25,7 @@ class Recovery(SQLModel, table=True):
     fence: int = Field(index=True)
     owner: str
     step: RecoveryStep = Field(default=RecoveryStep.DETECTED, index=True)
-    steps: list[StepRecord] = Field(default_factory=list, sa_column=Column(TypedJSON(list[StepRecord]), nullable=False))
+    seq: int = Field(default=0, sa_column_kwargs={"server_default": "0"}, description="the newest step row's number")
     learned: IncidentChange | None = Field(
         default=None,
         sa_column=Column(TypedJSON(IncidentChange | None), nullable=True),
@@ -35,6 +36,39 @@ class Recovery(SQLModel, table=True):
     detail: str = ""
     started_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
     finished_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+
+
+class RecoveryStepRow(SQLModel, table=True):
+    """One step of one recovery: a row of its own, so that a step begins and ends without rewriting the others.
+
+    `data` is the step's typed result (recoveries/records.py) as JSON; read rows back through `StepRecord`.
+    """
+
+    __tablename__ = "recovery_step"
+
+    recovery_id: str = Field(foreign_key="recovery.id", primary_key=True, ondelete="CASCADE")
+    seq: int = Field(primary_key=True)
+    step: str = Field(sa_type=String(32))
+    attempt: int = 1
+    started_at: datetime = Field(sa_type=UTCDateTime)
+    ended_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+    then: str = Field(default="next", sa_type=String(16))
+    outcome: str | None = Field(default=None, sa_type=String(64))
+    data: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+
+    def record(self) -> StepRecord:
+        """The row as the typed record it stores."""
+        return StepRecord.model_validate(
+            {
+                "step": self.step,
+                "attempt": self.attempt,
+                "started_at": self.started_at,
+                "ended_at": self.ended_at,
+                "data": self.data,
+                "then": self.then,
+                "outcome": self.outcome,
+            }
+        )
 
 
 class RecoveryPublic(SQLModel):

@@ -7,7 +7,6 @@ records written before the types existed read back as they are.
 
 from __future__ import annotations
 
-from datetime import datetime
 from enum import StrEnum
 from typing import Any
 
@@ -166,14 +165,3 @@ def baseline_of(records: list[StepRecord]) -> Baseline:
     """The job's counters when the recovery was claimed (its locked step)."""
     locked = next((r.data for r in records if isinstance(r.data, Locked)), None)
     return locked.baseline if locked is not None else Baseline()
-
-
-def relaunched_at(records: list[StepRecord]) -> datetime | None:
-    """When the recovery last began launching a new epoch (its newest attempt's launch), if it did."""
-    return next((r.started_at for r in reversed(records) if r.step is RecoveryStep.LAUNCHING), None)
-
-
-def launched_epoch(records: list[StepRecord]) -> int | None:
-    """The newest restart epoch the recovery launched, if any."""
-    epochs = [r.data.restart_epoch for r in records if isinstance(r.data, Launched) and r.done and r.then is Then.NEXT]
-    return max((e for e in epochs if e is not None), default=None)

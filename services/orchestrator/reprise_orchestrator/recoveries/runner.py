@@ -13,7 +13,7 @@ import contextlib
 
 from reprise_common.logging import get_logger
 from reprise_orchestrator.locks import JobLocks, LockHandle
-from reprise_orchestrator.recoveries.flows import RecoveryFlow
+from reprise_orchestrator.recoveries.flows import RecoveryFlow, Started
 
 log = get_logger("reprise.orchestrator.runner")
 
@@ -37,18 +37,18 @@ class RecoveryRunner:
         """True when another recovery may start here."""
         return not self._stopping and len(self._tasks) < self.limit
 
-    def start(self, handle: LockHandle, recovery_id: str) -> bool:
+    def start(self, handle: LockHandle, recovery_id: str, claimed: Started | None = None) -> bool:
         """Drive the recovery in a task of its own, which owns `handle` from now on; False (the caller keeps the
-        handle) when the runner is full, stopping, or already runs it."""
+        handle) when the runner is full, stopping, or already runs it. A fresh claim hands over what it wrote."""
         if not self.has_room() or recovery_id in self._tasks:
             return False
-        task = asyncio.create_task(self._run(handle, recovery_id), name=f"recovery:{recovery_id}")
+        task = asyncio.create_task(self._run(handle, recovery_id, claimed), name=f"recovery:{recovery_id}")
         self._tasks[recovery_id] = task
         return True
 
-    async def _run(self, handle: LockHandle, recovery_id: str) -> None:
+    async def _run(self, handle: LockHandle, recovery_id: str, claimed: Started | None) -> None:
         try:
-            await self.flow.run(handle, recovery_id)
+            await self.flow.run(handle, recovery_id, claimed)
         except asyncio.CancelledError:
             log.info("recovery left to another replica", extra={"recovery_id": recovery_id})
             raise

@@ -1,11 +1,20 @@
 """Data access for recoveries; every write of a recovery's steps is fenced against the job's highest fencing token,
-and a new step is written only when the policy (recoveries/rules.py) accepts the transition."""
+and a new step is written only when the policy (recoveries/rules.py) accepts the transition.
+
+A recovery's steps are rows of `recovery_step`, numbered by `seq`; the recovery row says which is the newest. A step
+begins with an insert and ends with an update of its own row, so no write rewrites the steps before it.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from datetime import datetime
+from typing import Any, cast
 
+from sqlalchemy import bindparam, insert, update
+from sqlalchemy import select as core_select
+from sqlalchemy.engine import CursorResult
 from sqlmodel import Session, col, select
 
 from reprise_common.errors import RepriseError
@@ -13,10 +22,12 @@ from reprise_common.events import IncidentChange
 from reprise_orchestrator.jobs import service as jobs
 from reprise_orchestrator.jobs.models import Job
 from reprise_orchestrator.recoveries import rules
-from reprise_orchestrator.recoveries.models import Recovery
-from reprise_orchestrator.recoveries.records import StepData, StepRecord, Then, launched_epoch, relaunched_at
+from reprise_orchestrator.recoveries.models import Recovery, RecoveryStepRow
+from reprise_orchestrator.recoveries.records import StepData, StepRecord, Then
 from reprise_orchestrator.recoveries.rules import Answer, Decision, Proposal
 from reprise_orchestrator.recoveries.states import TERMINAL_STEPS, Outcome, RecoveryStep
+
+STEPS = RecoveryStepRow.__table__  # type: ignore[attr-defined]
 
 
 class FencedOutError(RepriseError):
@@ -27,10 +38,25 @@ class TransitionRefusedError(RepriseError):
     """The policy refused a transition, or the recovery is not where the proposal says it is."""
 
 
+# --- reading ----------------------------------------------------------------------------------------------------
 def get_all_by_job(session: Session, *, job_id: str) -> Sequence[Recovery]:
     """A job's recoveries, newest first."""
     query = select(Recovery).where(Recovery.job_id == job_id).order_by(col(Recovery.started_at).desc())
     return session.exec(query).all()
+
+
+def records(session: Session, *, recovery_id: str) -> list[StepRecord]:
+    """A recovery's steps, in order, as typed records."""
+    return records_of(session, recovery_ids=[recovery_id]).get(recovery_id, [])
+
+
+def records_of(session: Session, *, recovery_ids: Iterable[str]) -> dict[str, list[StepRecord]]:
+    """The steps of each of these recoveries, in order, in one query."""
+    query = select(RecoveryStepRow).where(col(RecoveryStepRow.recovery_id).in_(list(recovery_ids)))
+    found: dict[str, list[StepRecord]] = {}
+    for row in session.exec(query.order_by(col(RecoveryStepRow.recovery_id), col(RecoveryStepRow.seq))).all():
+        found.setdefault(row.recovery_id, []).append(row.record())
+    return found
 
 
 def find_active(session: Session, *, job_id: str) -> Recovery | None:
@@ -47,7 +73,6 @@ def get_all_active_ids(session: Session) -> list[tuple[str, str]]:
 
 def knows_incident(session: Session, *, job_id: str, incident_id: str) -> bool:
     """True when a recovery of the job was started by, or has attached, this incident."""
-    # Only the incident columns: a recovery's steps hold its placement, thousands of ranks at scale.
     query = select(Recovery.incident_id, Recovery.attached_incidents).where(Recovery.job_id == job_id)
     return any(started == incident_id or incident_id in attached for started, attached in session.exec(query).all())
 
@@ -67,23 +92,43 @@ def covering(
 ) -> Recovery | None:
     """The latest recovery that already replaced the ranks a symptom came from, if any.
 
-    A symptom of a restart epoch older than the one a recovery launched is about processes that recovery replaced,
-    however late it was noticed; without an epoch, a symptom older than the recovery's relaunch is. Recoveries are
-    read one at a time, newest first, and usually only the newest is: each holds its step data, which is large for a
-    job of thousands of ranks, and a long job has many.
+    A symptom of a restart epoch older than the newest one a recovery launched is about processes that recovery
+    replaced, however late it was noticed; without an epoch, a symptom older than the recovery's newest relaunch is.
+    Only the launching steps are read, newest recovery first; usually only the newest recovery is.
     """
     newest_first = select(Recovery.id).where(Recovery.job_id == job_id).order_by(col(Recovery.started_at).desc())
     for recovery_id in session.exec(newest_first).all():
-        recovery = session.get_one(Recovery, recovery_id)
-        epoch = launched_epoch(recovery.steps)
+        launches = session.exec(
+            select(RecoveryStepRow)
+            .where(RecoveryStepRow.recovery_id == recovery_id, RecoveryStepRow.step == RecoveryStep.LAUNCHING.value)
+            .order_by(col(RecoveryStepRow.seq))
+        ).all()
+        if not launches:
+            continue
+        epochs = [
+            row.data.get("restart_epoch") for row in launches if row.ended_at is not None and row.then == Then.NEXT
+        ]
+        epoch = max((e for e in epochs if isinstance(e, int)), default=None)
         if restart_epoch is not None and epoch is not None:
-            if restart_epoch < epoch:
-                return recovery
-            return None  # the symptom's epoch is the one this recovery launched (or newer): a new fault
-        relaunched = relaunched_at(recovery.steps)
-        if relaunched is not None:
-            return recovery if symptom_at < relaunched else None
+            return session.get(Recovery, recovery_id) if restart_epoch < epoch else None
+        return session.get(Recovery, recovery_id) if symptom_at < launches[-1].started_at else None
     return None
+
+
+def learned_incident(session: Session, *, recovery_id: str) -> IncidentChange | None:
+    """The newest version of the recovery's incident that it was told about, if any (only that column is read)."""
+    query = select(Recovery.learned).where(Recovery.id == recovery_id)  # type: ignore[type-var]
+    learned: IncidentChange | None = session.exec(query).one_or_none()
+    return learned
+
+
+# --- writing ----------------------------------------------------------------------------------------------------
+def insert_claimed(session: Session, *, recovery: Recovery, steps: Sequence[StepRecord]) -> None:
+    """Add a claimed recovery with its first steps to the session's transaction (the caller commits)."""
+    recovery.seq = len(steps) - 1
+    session.add(recovery)
+    session.flush()  # the recovery row before its step rows (their foreign key)
+    session.execute(insert(STEPS), [_row(recovery.id, seq, record) for seq, record in enumerate(steps)])
 
 
 def attach(session: Session, *, recovery: Recovery, incident_id: str) -> None:
@@ -108,11 +153,17 @@ def learn(session: Session, *, recovery_id: str, incident: IncidentChange) -> bo
     return True
 
 
-def learned_incident(session: Session, *, recovery_id: str) -> IncidentChange | None:
-    """The newest version of the recovery's incident that it was told about, if any (only that column is read)."""
-    query = select(Recovery.learned).where(Recovery.id == recovery_id)  # type: ignore[type-var]
-    learned: IncidentChange | None = session.exec(query).one_or_none()
-    return learned
+def take_over(session: Session, *, recovery_id: str, fence: int, owner: str) -> Recovery:
+    """Make the holder of `fence` (already claimed on the job) the recovery's owner."""
+    recovery = session.get(Recovery, recovery_id)
+    if recovery is None:
+        raise RepriseError(f"recovery {recovery_id} vanished")
+    _check_fence(session, job_id=recovery.job_id, fence=fence)
+    recovery.fence, recovery.owner = fence, owner
+    session.add(recovery)
+    session.commit()
+    session.refresh(recovery)
+    return recovery
 
 
 def _check_fence(session: Session, *, job_id: str, fence: int) -> None:
@@ -122,48 +173,132 @@ def _check_fence(session: Session, *, job_id: str, fence: int) -> None:
         raise FencedOutError(f"job {job_id} is owned by fence {highest}, not {fence}")
 
 
-def create(session: Session, *, recovery: Recovery) -> Recovery:
-    """Insert a recovery claimed under its fence."""
-    _check_fence(session, job_id=recovery.job_id, fence=recovery.fence)
-    session.add(recovery)
-    session.commit()
-    session.refresh(recovery)
-    return recovery
+# The statements of a transition, built once. Enum columns are bound by name, as SQLAlchemy stores them.
+_RECOVERIES = Recovery.__table__  # type: ignore[attr-defined]
+_JOBS = Job.__table__  # type: ignore[attr-defined]
+_HEAD = (
+    core_select(
+        _RECOVERIES.c.job_id,
+        _RECOVERIES.c.step,
+        _RECOVERIES.c.attempt,
+        _RECOVERIES.c.seq,
+        _RECOVERIES.c.learned,
+        _JOBS.c.max_fence,
+    )
+    .join(_JOBS, _JOBS.c.id == _RECOVERIES.c.job_id)
+    .where(_RECOVERIES.c.id == bindparam("rid"))
+    .with_for_update(of=_JOBS)
+)
+_AT_STEP = (STEPS.c.recovery_id == bindparam("rid"), STEPS.c.seq == bindparam("at_seq"))
+_ENDED_AT = core_select(STEPS.c.ended_at).where(*_AT_STEP)
+_END_STEP = (
+    update(STEPS)
+    .where(*_AT_STEP, STEPS.c.ended_at.is_(None))
+    .values(
+        ended_at=bindparam("p_ended_at"),
+        data=bindparam("p_data"),
+        then=bindparam("p_then"),
+        outcome=bindparam("p_outcome"),
+    )
+)
+_INSERT_STEP = insert(STEPS)
+_AT_RECOVERY = (_RECOVERIES.c.id == bindparam("rid"), _RECOVERIES.c.seq == bindparam("at_seq"))
+_MOVE = (
+    update(_RECOVERIES)
+    .where(*_AT_RECOVERY)
+    .values(step=bindparam("p_step"), attempt=bindparam("p_attempt"), seq=_RECOVERIES.c.seq + 1)
+)
+_FINISH = _MOVE.values(
+    outcome=bindparam("p_outcome"), detail=bindparam("p_detail"), finished_at=bindparam("p_finished_at")
+)
 
 
-def take_over(session: Session, *, recovery_id: str, fence: int, owner: str) -> Recovery:
-    """Make the holder of `fence` (already claimed on the job) the recovery's owner."""
-    recovery = _get(session, recovery_id)
-    _check_fence(session, job_id=recovery.job_id, fence=fence)
-    recovery.fence, recovery.owner = fence, owner
-    session.add(recovery)
-    session.commit()
-    session.refresh(recovery)
-    return recovery
+@dataclass(frozen=True)
+class Ending:
+    """The result a step ended with, to record before the transition that follows it."""
+
+    step: RecoveryStep
+    attempt: int
+    data: StepData
+    then: Then
+    outcome: Outcome | None = None
 
 
-def _get(session: Session, recovery_id: str) -> Recovery:
-    recovery = session.get(Recovery, recovery_id)
-    if recovery is None:
+@dataclass(frozen=True)
+class Current:
+    """Where a recovery is, as a transition reads it: its step and attempt, when that step ended, the news."""
+
+    step: RecoveryStep
+    attempt: int
+    ended_at: datetime | None
+    learned: IncidentChange | None
+
+
+def transition(
+    session: Session,
+    *,
+    recovery_id: str,
+    fence: int,
+    at: datetime,
+    propose: Callable[[Current], Proposal],
+    ending: Ending | None = None,
+) -> tuple[Answer, Proposal]:
+    """One transaction for one transition: record how the current step ended (if `ending`), ask `propose` for the
+    next move with the recovery as it now is, ask the policy, and record the next step as begun only when it accepts
+    (an end also finishes the recovery and sets the job's end state).
+
+    FencedOutError when fenced out; TransitionRefusedError when the recovery is not at the step and attempt the
+    ending or the proposal says. A transition runs for every step of every recovery, so its statements are built
+    once (below) and run on the session's connection.
+    """
+    connection = session.connection()
+    head = connection.execute(_HEAD, {"rid": recovery_id}).one_or_none()
+    if head is None:
         raise RepriseError(f"recovery {recovery_id} vanished")
-    return recovery
-
-
-def move(session: Session, *, recovery_id: str, fence: int, proposal: Proposal, at: datetime) -> Answer:
-    """Ask the policy about a transition and, when it accepts, record the new step as begun (an end also finishes
-    the recovery and sets the job's end state in the same transaction). FencedOutError when fenced out;
-    TransitionRefusedError when the recovery is not at the proposal's step and attempt."""
-    recovery = _get(session, recovery_id)
-    _check_fence(session, job_id=recovery.job_id, fence=fence)
-    if (recovery.step, recovery.attempt) != (proposal.from_step, proposal.from_attempt):
+    job_id, step, attempt, seq, learned, highest = head
+    if highest != fence:
+        raise FencedOutError(f"job {job_id} is owned by fence {highest}, not {fence}")
+    if ending is not None:
+        if (ending.step, ending.attempt) != (step, attempt):
+            raise TransitionRefusedError(f"recovery {recovery_id} is not running {ending.step.value} ({attempt})")
+        ended = connection.execute(
+            _END_STEP,
+            {
+                "rid": recovery_id,
+                "at_seq": seq,
+                "p_ended_at": at,
+                "p_data": ending.data.model_dump(mode="json"),
+                "p_then": ending.then.value,
+                "p_outcome": ending.outcome.value if ending.outcome else None,
+            },
+        )
+        if cast("CursorResult[Any]", ended).rowcount != 1:
+            raise TransitionRefusedError(f"recovery {recovery_id}: its {step.value} step already ended")
+        ended_at: datetime | None = at
+    else:
+        ended_at = connection.execute(_ENDED_AT, {"rid": recovery_id, "at_seq": seq}).scalar_one_or_none()
+    proposal = propose(Current(step=step, attempt=attempt, ended_at=ended_at, learned=learned))
+    if (step, attempt) != (proposal.from_step, proposal.from_attempt):
         raise TransitionRefusedError(
-            f"recovery {recovery_id} is at {recovery.step.value} (attempt {recovery.attempt}), not at "
+            f"recovery {recovery_id} is at {step.value} (attempt {attempt}), not at "
             f"{proposal.from_step.value} (attempt {proposal.from_attempt})"
         )
     answer = rules.decide(proposal, recovery_id=recovery_id)
-    if answer.decision is not Decision.ACCEPT:
-        session.rollback()
-        return answer
+    if answer.decision is Decision.ACCEPT:
+        _begin(session, recovery_id, job_id, seq, proposal, fence=fence, at=at)
+    session.commit()
+    return answer, proposal
+
+
+def move(session: Session, *, recovery_id: str, fence: int, proposal: Proposal, at: datetime) -> Answer:
+    """A transition whose proposal is known beforehand (an end imposed from outside, such as a cancel)."""
+    answer, _ = transition(session, recovery_id=recovery_id, fence=fence, at=at, propose=lambda _: proposal)
+    return answer
+
+
+def _begin(
+    session: Session, recovery_id: str, job_id: str, seq: int, proposal: Proposal, *, fence: int, at: datetime
+) -> None:
     end = proposal.to_step in TERMINAL_STEPS
     record = StepRecord(
         step=proposal.to_step,
@@ -172,39 +307,34 @@ def move(session: Session, *, recovery_id: str, fence: int, proposal: Proposal, 
         ended_at=at if end else None,
         outcome=proposal.outcome if end else None,
     )
-    recovery.steps = [*recovery.steps, record]
-    recovery.step, recovery.attempt = proposal.to_step, proposal.to_attempt
+    connection = session.connection()
+    connection.execute(_INSERT_STEP, [_row(recovery_id, seq + 1, record)])
+    moved = {"rid": recovery_id, "at_seq": seq, "p_step": proposal.to_step.name, "p_attempt": proposal.to_attempt}
     if end:
-        recovery.outcome, recovery.detail, recovery.finished_at = proposal.outcome, proposal.detail, at
         state = rules.END_STATE[proposal.to_step]
         detail = "" if proposal.outcome is Outcome.RECOVERED else proposal.detail
         jobs.update_fenced(
-            session, job_id=recovery.job_id, fence=fence, commit=False, state=state, detail=detail, reserved_nodes=[]
+            session, job_id=job_id, fence=fence, commit=False, state=state, detail=detail, reserved_nodes=[]
         )
-    session.add(recovery)
-    session.commit()
-    return answer
+        outcome = proposal.outcome.name if proposal.outcome else None
+        result = connection.execute(
+            _FINISH, moved | {"p_outcome": outcome, "p_detail": proposal.detail, "p_finished_at": at}
+        )
+    else:
+        result = connection.execute(_MOVE, moved)
+    if cast("CursorResult[Any]", result).rowcount != 1:
+        raise TransitionRefusedError(f"recovery {recovery_id} moved on meanwhile")
 
 
-def end_step(
-    session: Session,
-    *,
-    recovery_id: str,
-    fence: int,
-    step: RecoveryStep,
-    attempt: int,
-    at: datetime,
-    data: StepData,
-    then: Then,
-    outcome: Outcome | None = None,
-) -> None:
-    """Record the end of the recovery's current step with its result; FencedOutError if fenced out."""
-    recovery = _get(session, recovery_id)
-    _check_fence(session, job_id=recovery.job_id, fence=fence)
-    current = recovery.steps[-1] if recovery.steps else None
-    if current is None or (current.step, current.attempt) != (step, attempt) or recovery.step is not step:
-        raise TransitionRefusedError(f"recovery {recovery_id} is not running {step.value} (attempt {attempt})")
-    ended = current.model_copy(update={"ended_at": at, "data": data, "then": then, "outcome": outcome})
-    recovery.steps = [*recovery.steps[:-1], ended]
-    session.add(recovery)
-    session.commit()
+def _row(recovery_id: str, seq: int, record: StepRecord) -> dict[str, Any]:
+    return {
+        "recovery_id": recovery_id,
+        "seq": seq,
+        "step": record.step.value,
+        "attempt": record.attempt,
+        "started_at": record.started_at,
+        "ended_at": record.ended_at,
+        "then": record.then.value,
+        "outcome": record.outcome.value if record.outcome else None,
+        "data": record.data.model_dump(mode="json"),
+    }

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from functools import cached_property
 from typing import Any
 
 from sqlmodel import Session
@@ -20,7 +21,7 @@ from reprise_common.logging import get_logger
 from reprise_orchestrator.deps import Deps
 from reprise_orchestrator.jobs import service as jobs
 from reprise_orchestrator.jobs.launch import launch, rendezvous_for
-from reprise_orchestrator.jobs.models import Job
+from reprise_orchestrator.jobs.models import Job, RecoveryPolicy
 from reprise_orchestrator.jobs.placement import PlacementDecision, assign_ranks, replan
 from reprise_orchestrator.locks import LockHandle
 from reprise_orchestrator.nodes import flows as node_flows
@@ -97,6 +98,19 @@ class RecoveryRun:
             c = data.checkpoint
             self.restore = RestorePoint(checkpoint_id=c.id, step=c.step, path=c.path)
 
+    def take_news(self, latest: IncidentChange | None) -> str:
+        """What `latest` (the newest version of the incident) knows that the plan did not ("" when nothing); the run
+        plans with it from now on."""
+        what = rules.learned(self.incident, latest) if latest is not None else ""
+        if what and latest is not None:
+            self.incident = latest
+        return what
+
+    @cached_property
+    def policy(self) -> RecoveryPolicy:
+        """The job's recovery policy (its spec does not change while the job lives)."""
+        return self.job.job_spec().policy
+
     def proposal(
         self, to_step: RecoveryStep, *, now: datetime, to_attempt: int | None = None, **facts: Any
     ) -> Proposal:
@@ -108,7 +122,7 @@ class RecoveryRun:
             to_attempt=self.attempt if to_attempt is None else to_attempt,
             job=self.job,
             incident=self.incident,
-            policy=self.job.job_spec().policy,
+            policy=self.policy,
             now=now,
             baseline=self.baseline,
             replans=self.replans,
@@ -131,15 +145,9 @@ class RecoverySteps:
         }
 
     def news(self, run: RecoveryRun) -> str:
-        """What the incident learned since the plan was made ("" when nothing); the run then plans with it."""
+        """What the incident learned since the plan was made ("" when nothing), read from the recovery's record."""
         with Session(self.deps.engine) as session:
-            latest = service.learned_incident(session, recovery_id=run.recovery_id)
-        if latest is None:
-            return ""
-        what = rules.learned(run.incident, latest)
-        if what:
-            run.incident = latest
-        return what
+            return run.take_news(service.learned_incident(session, recovery_id=run.recovery_id))
 
     async def stop_ranks(self, run: RecoveryRun) -> StepResult:
         """A fenced stop to every node the job ran on (or was just launched on); silence counts as stopped."""
@@ -269,21 +277,20 @@ class RecoverySteps:
         data = Launched(restart_epoch=epoch, master_port=rendezvous.master_port, answers=answers.record())
         if not answers.all_done:
             return StepResult(data, Then.RETRY, detail="launch not confirmed by every node")
-        now = self.deps.clock.now()
+        launched: dict[str, Any] = {
+            "restart_epoch": epoch,
+            "master_port": rendezvous.master_port,
+            "master_addr": rendezvous.master_addr,
+            "placement": run.ranks,
+            "reserved_nodes": [],
+            "restarts": run.job.restarts + 1,
+            "restart_times": [*run.job.restart_times, self.deps.clock.now()][-RESTART_TIMES_KEPT:],
+        }
         with Session(self.deps.engine) as session:
-            if not jobs.update_fenced(
-                session,
-                job_id=run.job.id,
-                fence=run.handle.fence,
-                restart_epoch=epoch,
-                master_port=rendezvous.master_port,
-                placement=run.ranks,
-                reserved_nodes=[],
-                restarts=run.job.restarts + 1,
-                restart_times=[*run.job.restart_times, now][-RESTART_TIMES_KEPT:],
-            ):
+            if not jobs.update_fenced(session, job_id=run.job.id, fence=run.handle.fence, **launched):
                 raise FencedOutError("job taken over during launch")
-            run.job = jobs.get(session, job_id=run.job.id)
+        for name, value in launched.items():  # the job as it now is, without reading it back
+            setattr(run.job, name, value)
         return StepResult(data)
 
     async def verify(self, run: RecoveryRun) -> StepResult:
