@@ -128,3 +128,56 @@ def test_many_requests_at_once_never_starve_the_replicas_own_work(one_node: Clus
         answers = asyncio.run(_burst(one_node.url(REPLICA), paths, one_node.api_key))
         print(f"{len(paths)} requests at once: {time.monotonic() - started:.2f} s, answers {sorted(set(answers))}")
         assert answers == [200] * len(paths), sorted(answers)
+
+
+LONG_LEASE_S = 30.0  # far longer than a takeover after a release takes: only a released lock explains a quick one
+
+
+@pytest.fixture
+def two_replicas(nats_server: NatsServer, redis_server: RedisServer, tmp_path: Path) -> Iterator[Cluster]:
+    """Registry, two orchestrator replicas with a long lock lease, two agents."""
+    (tmp_path / "rank.py").write_text(RANK)
+    running = Cluster(
+        root=tmp_path,
+        nats=nats_server,
+        redis=redis_server,
+        replicas=("orch-0", "orch-1"),
+        nodes=NODES[:2],
+        lock_ttl_s=LONG_LEASE_S,
+    )
+    try:
+        running.start_registry_and_agents()
+        running.wait_ready("registry")
+        running.orchestrator("orch-0")  # first alone: it creates the tables the other then finds
+        running.wait_ready("orch-0")
+        running.orchestrator("orch-1")
+        running.wait_ready("orch-1", *NODES[:2])
+        for replica in running.replicas:
+            assert poll(partial(running.fresh_nodes, replica), lambda n: n == 2, timeout_s=30) == 2
+        yield running
+    finally:
+        for process in reversed(running.processes.values()):
+            process.stop(grace_s=10)
+
+
+def test_a_replica_that_stops_leaves_its_recoveries_to_another_at_once(two_replicas: Cluster) -> None:
+    """A replica stopped (SIGTERM) in the middle of a recovery releases the job's lock as it goes, so the other
+    replica's reconciler resumes the recovery at once, not after the lock's 30 s lease; the job launches once."""
+    cluster = two_replicas
+    job = cluster.submit(env={"LINGER_S": "2"})  # each rank takes 2 s to stop: the stop is under way for a while
+    publish(cluster, [opened(job, incident_id=f"inc-{new_id()[:12]}")])
+    stopping = poll(lambda: cluster.recoveries(job["id"]), lambda r: bool(r) and r[0]["step"] == "stopping_ranks",
+                    timeout_s=20, interval_s=0.02)  # fmt: skip
+    owner = stopping[0]["owner"]
+    other = next(r for r in cluster.replicas if r != owner)
+    cluster.paused.add(owner)  # REST calls go to the other replica from now on
+    stopped_at = time.monotonic()
+    cluster.processes[owner].stop(grace_s=20)  # SIGTERM: a graceful shutdown
+
+    done = poll(lambda: cluster.recoveries(job["id"]), lambda r: r[0]["step"] in TERMINAL, timeout_s=LONG_LEASE_S)
+    took = time.monotonic() - stopped_at
+    print(f"{owner} stopped; {other} finished its recovery {took:.1f} s later")
+    assert (done[0]["step"], done[0]["owner"]) == ("running", other), done[0]
+    assert took < LONG_LEASE_S / 2, f"taken over after {took:.1f} s: the lock waited for its lease, not released"
+    assert cluster.launches(job["id"]) == {node: {0: 1, 1: 1} for node in NODES[:2]}
+    assert any(r.get("msg") == "recovery left to another replica" for r in cluster.log_records(owner))
