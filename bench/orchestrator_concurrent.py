@@ -11,6 +11,10 @@ make a noisy reference). Per round count:
 
   incident_to_running       incident published → the recovery's finished_at (GET /v1/jobs/{id}/recoveries), per job
   incident_to_claimed       incident published → the end of the recovery's `locked` step (the wait for a consumer)
+  incident_to_launched      incident published → the last of the job's nodes acknowledged the new epoch's launch (the
+                            orchestrator's own part, before `verifying` waits for the nodes' next reports)
+  slowest_launched_to_single_median  the same ratio for incident_to_launched: how much of the orchestrator's work the
+                            jobs wait for one another, without the fleet's report phase
   slowest_to_single_median  the slowest job's incident_to_running / the 1-job median; target ≤ 2 at 50 jobs
   recoveries_per_job        how many recoveries each job got (exactly one expected)
   steps                     each recovery step's duration over the round's jobs (median, max), from the claim on
@@ -68,6 +72,7 @@ class JobSample:
     nodes: list[str]
     running_s: float | None = None  # None: not recovered within the timeout
     claimed_s: float | None = None
+    launched_s: float | None = None  # incident published → the last of the job's nodes acknowledged its launch
     outcome: str = ""
     owner: str = ""
     recoveries: int = 0
@@ -78,7 +83,7 @@ class JobSample:
 async def one_round(
     stack: OrchestratorStack, bus: Bus, clients: list[httpx.AsyncClient], recoveries: Recoveries, *, jobs: int,
     job_timeout_s: float,
-) -> tuple[list[JobSample], dict[str, float]]:  # fmt: skip
+) -> tuple[list[JobSample], dict[str, Any]]:  # fmt: skip
     """Submit `jobs` jobs, fault them all at once, wait for their recoveries, cancel them; a sample per job."""
     submitted: list[tuple[httpx.AsyncClient, dict[str, Any]]] = []
     began = time.perf_counter()
@@ -130,6 +135,9 @@ async def _sample(
         return sample
     sample.recoveries = len(found)
     sample.launches = {node: acks.launches.get(node, {}) for node in sorted({*sample.nodes, *acks.launches})}
+    acked = [acks.acked_at[node] for node in sample.nodes if node in acks.acked_at]
+    if len(acked) == len(sample.nodes):
+        sample.launched_s = max(acked) - published
     if not found:
         sample.outcome = "no recovery"
         return sample
@@ -148,10 +156,17 @@ async def _sample(
     return sample
 
 
-def round_figures(samples: list[JobSample], *, reference_s: float | None, job_timeout_s: float) -> dict[str, Any]:
-    """The figures of one job count from its samples, against the 1-job median `reference_s`."""
+def round_figures(
+    samples: list[JobSample],
+    *,
+    reference_s: float | None,
+    job_timeout_s: float,
+    launched_reference_s: float | None = None,
+) -> dict[str, Any]:
+    """The figures of one job count from its samples, against the 1-job medians (to `running`, and to launched)."""
     running = [s.running_s for s in samples if s.running_s is not None]
     claimed = [s.claimed_s for s in samples if s.claimed_s is not None]
+    launched = [s.launched_s for s in samples if s.launched_s is not None]
     all_recovered = len(running) == len(samples)
     patterns = Counter(_pattern(epochs) for s in samples for epochs in s.launches.values())
     figures: dict[str, Any] = {
@@ -161,7 +176,11 @@ def round_figures(samples: list[JobSample], *, reference_s: float | None, job_ti
         "all_recovered": all_recovered,
         "incident_to_running": summary_ms(running),
         "incident_to_claimed": summary_ms(claimed),
+        "incident_to_launched": summary_ms(launched),
         "slowest_to_single_median": round(max(running) / reference_s, 2) if reference_s and all_recovered else None,
+        "slowest_launched_to_single_median": (
+            round(max(launched) / launched_reference_s, 2) if launched_reference_s and launched else None
+        ),
         "recoveries_per_job": {str(k): v for k, v in sorted(Counter(s.recoveries for s in samples).items())},
         "exactly_one_recovery_per_job": all(s.recoveries == 1 for s in samples),
         "launches_per_node": dict(patterns),
@@ -207,10 +226,13 @@ async def measure(
         running = [s.running_s for s in single if s.running_s is not None]
         # the median as every figure here takes it (the upper one of an even count)
         reference_s = summary_ms(running)["median_ms"] / 1000 if running else None
+        launched = [s.launched_s for s in single if s.launched_s is not None]
+        launched_reference_s = summary_ms(launched)["median_ms"] / 1000 if launched else None
+        against = {"reference_s": reference_s, "launched_reference_s": launched_reference_s}
         for jobs in sorted(set(job_counts)):
             key = f"concurrent_{replicas}_replicas_{jobs}_jobs"
             if jobs == 1:
-                figures[key] = round_figures(single, reference_s=reference_s, job_timeout_s=job_timeout_s)
+                figures[key] = round_figures(single, job_timeout_s=job_timeout_s, **against)
                 figures[key] |= {"repetitions": repetitions}
                 continue
             try:
@@ -221,7 +243,7 @@ async def measure(
                 print(f"  {replicas} replicas, {jobs} jobs: stopped by {exc!r}", flush=True)
                 figures[key] = {"error": repr(exc)[:500]}
                 continue
-            figures[key] = round_figures(samples, reference_s=reference_s, job_timeout_s=job_timeout_s) | timing
+            figures[key] = round_figures(samples, job_timeout_s=job_timeout_s, **against) | timing
             print(f"  {replicas} replicas, {jobs} jobs: {_describe(samples)} ({timing['wall_s']} s)", flush=True)
         figures[f"concurrent_{replicas}_replicas_reference_ms"] = round(reference_s * 1000, 1) if reference_s else None
     finally:
