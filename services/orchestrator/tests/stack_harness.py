@@ -20,16 +20,14 @@ import httpx
 from reprise_cli.servers import ManagedProcess, NatsServer, RedisServer, free_port, wait_until
 from reprise_common import subjects
 from reprise_common.bus import Bus
-from reprise_common.clock import utcnow
 from reprise_common.events import (
-    Category,
     Culprit,
     Event,
     IncidentChange,
-    RecommendedAction,
-    Severity,
     parse_event,
 )
+
+from . import incidents
 
 RANK = """
 import os, signal, sys, time
@@ -226,17 +224,11 @@ async def stored(url: str, subject: str, stream: str) -> list[Event]:
 def opened(job: dict[str, Any], *, incident_id: str) -> IncidentChange:
     """An opened incident naming rank 0 on its node, as the detector would publish it (each with its own event id)."""
     culprit = job["placement"][0]
-    return IncidentChange(
-        source="detector",
-        change="opened",
+    return incidents.incident(
         incident_id=incident_id,
         job_id=job["id"],
-        category=Category.APPLICATION,
-        severity=Severity.CRITICAL,
         root_cause="rank 0 failed: exit code 1",
         culprit=Culprit(node_id=culprit["node_id"], rank=culprit["rank"]),
-        recommended_action=RecommendedAction.RESTART_JOB,
-        first_symptom_at=utcnow(),
     )
 
 

@@ -21,20 +21,16 @@ from reprise_cli.client import poll
 from reprise_cli.servers import ManagedProcess, NatsServer, free_port, wait_until
 from reprise_common import subjects
 from reprise_common.bus import Bus
-from reprise_common.clock import utcnow
 from reprise_common.errors import ConfigError
 from reprise_common.events import (
-    Category,
     ComputeSignal,
     ComputeSignalKind,
-    Culprit,
     IncidentChange,
-    RecommendedAction,
-    Severity,
 )
 from reprise_orchestrator.app import create_app
 from reprise_orchestrator.settings import OrchestratorSettings
 
+from . import incidents
 from .conftest import AdminClient
 from .stack_harness import stored
 
@@ -99,18 +95,7 @@ def test_a_job_is_placed_and_recovered_through_a_backend_named_by_a_setting(
         assert (job["state"], [r["node_id"] for r in job["placement"]]) == ("running", ["d-1", "d-2"])
         assert calls.launches == [(0, ["d-1", "d-2"])]
 
-        xid = IncidentChange(
-            source="detector",
-            change="opened",
-            incident_id="inc-double",
-            job_id=job["id"],
-            category=Category.GPU_HARDWARE,
-            severity=Severity.CRITICAL,
-            root_cause="XID 79 on GPU 0: GPU has fallen off the bus",
-            culprit=Culprit(node_id="d-2", gpu=0, rank=1),
-            recommended_action=RecommendedAction.RESTART_EXCLUDE_NODE,
-            first_symptom_at=utcnow(),
-        )
+        xid = incidents.gpu_fault(node_id="d-2", rank=1, incident_id="inc-double", job_id=job["id"])
         asyncio.run(_publish(nats_server.url, xid))
 
         def recovered() -> list[dict[str, object]]:

@@ -15,7 +15,7 @@ from sqlmodel import Session
 
 from reprise_common.clock import utcnow
 from reprise_common.db import make_engine
-from reprise_common.events import Category, Culprit, IncidentChange, RankAssignment, RecommendedAction, Severity
+from reprise_common.events import Culprit, RankAssignment
 from reprise_orchestrator import schema
 from reprise_orchestrator.jobs import service as jobs
 from reprise_orchestrator.jobs.models import JobCreate
@@ -23,6 +23,8 @@ from reprise_orchestrator.recoveries import service
 from reprise_orchestrator.recoveries.models import Recovery
 from reprise_orchestrator.recoveries.records import Launched, StepRecord
 from reprise_orchestrator.recoveries.states import RecoveryStep
+
+from . import incidents
 
 T0 = utcnow()
 
@@ -32,17 +34,8 @@ def _at(seconds: float) -> datetime:
 
 
 def _detected(at: datetime, job_id: str) -> StepRecord:
-    incident = IncidentChange(
-        source="detector",
-        change="opened",
-        incident_id="inc",
-        job_id=job_id,
-        category=Category.APPLICATION,
-        severity=Severity.CRITICAL,
-        root_cause="rank 0 exited",
-        culprit=Culprit(node_id="n", rank=0),
-        recommended_action=RecommendedAction.RESTART_JOB,
-        first_symptom_at=at,
+    incident = incidents.incident(
+        incident_id="inc", job_id=job_id, culprit=Culprit(node_id="n", rank=0), first_symptom_at=at
     )
     return StepRecord(step=RecoveryStep.DETECTED, started_at=at, ended_at=at, data=incident)
 

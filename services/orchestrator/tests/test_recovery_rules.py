@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from reprise_common.events import Category, Culprit, IncidentChange, RecommendedAction, Severity
+from reprise_common.events import Category, Culprit, IncidentChange, RecommendedAction
 from reprise_orchestrator.jobs.models import Job, JobCreate, JobState, RecoveryPolicy
 from reprise_orchestrator.jobs.placement import PlacementDecision, replan
 from reprise_orchestrator.recoveries import rules
@@ -15,24 +15,14 @@ from reprise_orchestrator.recoveries.records import Baseline
 from reprise_orchestrator.recoveries.rules import CordonFacts, Decision, Proposal, Reason
 from reprise_orchestrator.recoveries.states import Outcome, RecoveryStep
 
+from . import incidents
+
 NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 S = RecoveryStep
 
 
 def incident(**overrides: Any) -> IncidentChange:
-    fields: dict[str, Any] = {
-        "source": "detector",
-        "change": "opened",
-        "incident_id": "inc-1",
-        "job_id": "job-1",
-        "category": Category.APPLICATION,
-        "severity": Severity.CRITICAL,
-        "root_cause": "rank 3 exited with exit code 1",
-        "culprit": Culprit(node_id="node-2", rank=3, exit_code=1),
-        "recommended_action": RecommendedAction.RESTART_JOB,
-        "first_symptom_at": NOW,
-    }
-    return IncidentChange(**(fields | overrides))
+    return incidents.incident(**({"first_symptom_at": NOW} | overrides))
 
 
 def job(**overrides: Any) -> Job:

@@ -13,11 +13,12 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
 from reprise_common.db import make_engine
-from reprise_common.events import Category, Culprit, IncidentChange, RecommendedAction, Severity
 from reprise_orchestrator import schema
 from reprise_orchestrator.recoveries import service
 from reprise_orchestrator.recoveries.records import Launched, Placed, Then, incident_of
 from reprise_orchestrator.recoveries.states import RecoveryStep
+
+from . import incidents
 
 T0 = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 
@@ -26,18 +27,7 @@ def _at(seconds: float) -> str:
     return (T0 + timedelta(seconds=seconds)).isoformat()
 
 
-INCIDENT = IncidentChange(
-    source="detector",
-    change="opened",
-    incident_id="inc-1",
-    job_id="job-1",
-    category=Category.GPU_HARDWARE,
-    severity=Severity.CRITICAL,
-    root_cause="XID 79",
-    culprit=Culprit(node_id="n-2", gpu=0, rank=1),
-    recommended_action=RecommendedAction.RESTART_EXCLUDE_NODE,
-    first_symptom_at=T0,
-)
+INCIDENT = incidents.gpu_fault(node_id="n-2", rank=1, at=T0)
 STORED = [  # as revision 0002 kept them: ISO times, data by key
     {"step": "detected", "attempt": 1, "started_at": _at(0), "ended_at": _at(0.1),
      "data": INCIDENT.model_dump(mode="json")},

@@ -14,7 +14,7 @@ from sqlmodel import Session
 
 from reprise_common.clock import utcnow
 from reprise_common.db import make_engine
-from reprise_common.events import Category, Culprit, IncidentChange, RankAssignment, RecommendedAction, Severity
+from reprise_common.events import Culprit, IncidentChange, RankAssignment
 from reprise_orchestrator import schema
 from reprise_orchestrator.jobs import service as jobs
 from reprise_orchestrator.jobs.models import Job, JobCreate, JobState
@@ -24,6 +24,8 @@ from reprise_orchestrator.recoveries.records import Baseline, Locked, StepRecord
 from reprise_orchestrator.recoveries.rules import Decision, Proposal, Reason
 from reprise_orchestrator.recoveries.service import Ending, FencedOutError
 from reprise_orchestrator.recoveries.states import ATTEMPT_STEPS, Outcome, RecoveryStep
+
+from . import incidents
 
 S = RecoveryStep
 T0 = utcnow()
@@ -38,17 +40,8 @@ def claimed(database_url: str) -> Iterator[tuple[Engine, Job, IncidentChange]]:
         spec = JobCreate(name="j", node_count=1, command=["true"])
         job = jobs.create(session, spec=spec, placement=[RankAssignment(rank=0, node_id="n", gpu=0, local_rank=0)])
         assert jobs.claim_fence(session, job_id=job.id, fence=1, state=JobState.RECOVERING)
-        incident = IncidentChange(
-            source="detector",
-            change="opened",
-            incident_id="inc",
-            job_id=job.id,
-            category=Category.APPLICATION,
-            severity=Severity.CRITICAL,
-            root_cause="rank 0 exited",
-            culprit=Culprit(node_id="n", rank=0),
-            recommended_action=RecommendedAction.RESTART_JOB,
-            first_symptom_at=T0,
+        incident = incidents.incident(
+            incident_id="inc", job_id=job.id, culprit=Culprit(node_id="n", rank=0), first_symptom_at=T0
         )
         recovery = Recovery(id="rec", job_id=job.id, fence=1, owner="o", step=S.LOCKED)
         steps = [
