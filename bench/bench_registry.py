@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import secrets
 import shutil
 import statistics
 import subprocess
@@ -140,8 +141,11 @@ def bench_latest(url: str, *, checkpoints: int, lookups: int) -> dict[str, Any]:
     assert found.step == checkpoints - 2
     engine.dispose()
     http_ns = []
-    settings = RegistrySettings(database_url=url, nats_url="nats://127.0.0.1:1", consume_agent_events=False)
-    with TestClient(create_app(settings)) as client:
+    key = secrets.token_urlsafe(32)  # the bootstrap admin key: checked in the registry, no key authority needed
+    settings = RegistrySettings(
+        database_url=url, nats_url="nats://127.0.0.1:1", consume_agent_events=False, admin_api_key=key
+    )
+    with TestClient(create_app(settings), headers={"Authorization": f"Bearer {key}"}) as client:
         for _ in range(lookups):
             start = time.perf_counter_ns()
             answer = client.get("/v1/jobs/bench-l/checkpoints/latest")

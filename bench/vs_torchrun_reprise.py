@@ -46,7 +46,7 @@ def platform(root: Path, settings: Settings) -> Iterator[tuple[Stack, PlatformCl
             detector=stack.url("detector"),
             registry=stack.url("checkpoint-registry"),
             nats_url=config.nats_url,
-            nkey_seed_file=stack.platform_seed,
+            nkey_seed_file=stack.admin_seed,
             api_key=read_admin_api_key(config.state_dir),
         )
         try:

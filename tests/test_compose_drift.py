@@ -44,7 +44,7 @@ ADAPTED_ENV = {
 URL_ENV = ("REPRISE_NATS_URL", "REPRISE_REDIS_URL", "REPRISE_REGISTRY_URL", "REPRISE_DATABASE_URL")
 URL_ENV += ("REPRISE_ORCHESTRATOR_URL", "REPRISE_DETECTOR_URL", "REPRISE_NOTIFIER_URL")
 # Secrets: the launcher passes its own from the state dir; compose must take them from the shell, never hold one.
-SECRET_ENV = {"REPRISE_ADMIN_API_KEY", "REPRISE_ORCHESTRATOR_API_KEY"}
+SECRET_ENV = {"REPRISE_ADMIN_API_KEY", "REPRISE_READ_API_KEY"}
 
 LAUNCHER: list[ServiceSpec] = build_services(StackConfig(nodes=2, spares=1))
 
@@ -110,6 +110,11 @@ def _mounts(service: dict[str, Any]) -> dict[str, str]:
         is_path = source.startswith((".", "/"))
         mounts[target] = str((ROOT / source).resolve()) if is_path else source
     return mounts
+
+
+def _credentials_mounted(mounts: dict[str, str]) -> dict[str, str]:
+    """The mounts whose source is deploy/creds or lies in it: a container must see only its own identity."""
+    return {target: source for target, source in mounts.items() if Path(source).is_relative_to(CREDS_DIR)}
 
 
 def _dockerfile(service: dict[str, Any]) -> Path:
@@ -210,8 +215,8 @@ def test_same_env_values_where_not_host_specific(services: dict[str, dict[str, A
         mounts = _mounts(_service(services, spec.name))
         seed = Path(env["REPRISE_NATS_NKEY_SEED_FILE"])
         assert seed.name == identity, f"{spec.name}: uses NATS identity {seed.name}, the launcher {identity}"
-        assert mounts.get(str(seed.parent)) == str(CREDS_DIR), (
-            f"{spec.name}: {seed.parent} must be deploy/creds mounted into the container ({mounts})"
+        assert _credentials_mounted(mounts) == {str(seed): str(CREDS_DIR / identity)}, (
+            f"{spec.name}: must mount deploy/creds/{identity} at {seed} and nothing else of deploy/creds ({mounts})"
         )
     if "REPRISE_ADVERTISE_ADDR" in env:
         assert env["REPRISE_ADVERTISE_ADDR"] == spec.name, (
@@ -307,6 +312,9 @@ def test_nats_matches_the_launcher(services: dict[str, dict[str, Any]]) -> None:
     mounts = _mounts(nats)
     assert config is not None and mounts.get(config) == str(NATS_CONF), (
         f"nats reads config {config!r}, but mounts {mounts}; it must mount deploy/creds/nats.conf there"
+    )
+    assert _credentials_mounted(mounts) == {config: str(NATS_CONF)}, (
+        f"nats must mount deploy/creds/nats.conf and no seed file: {mounts}"
     )
     store = command[command.index("-sd") + 1] if "-sd" in command else None
     assert store in mounts, f"nats stores JetStream in {store!r}, which is not a mounted volume ({sorted(mounts)})"

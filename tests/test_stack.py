@@ -276,7 +276,7 @@ def test_checkpoint_from_a_real_job_becomes_the_validated_restore_point(stack: S
         assert latest.status_code == 200, latest.text
         body = latest.json()
         assert body["step"] == 5 and body["path"] == str(tmp_path / "ckpt" / "step-5")
-        files = httpx.get(f"{stack.url('checkpoint-registry')}/v1/checkpoints/{body['id']}/files").json()
+        files = client.http.get(f"{stack.url('checkpoint-registry')}/v1/checkpoints/{body['id']}/files").json()
         entries = files["data"]
         assert sorted(Path(f["path"]).name for f in entries) == ["rank-00000.pt", "rank-00001.pt"]
         assert {f["algorithm"] for f in entries} == {"sha256"}  # the writer's digests, verified by the registry

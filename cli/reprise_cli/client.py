@@ -24,7 +24,7 @@ LOCAL_HOST = "127.0.0.1"
 class PlatformClient:
     """REST calls to the orchestrator, detector and registry; fault injection over NATS.
 
-    Addresses default to the local stack's; `api_key` goes to the orchestrator only, the one service that checks it.
+    Addresses default to the local stack's; `api_key` goes with every call (each service checks it).
     """
 
     def __init__(
@@ -37,13 +37,12 @@ class PlatformClient:
         nkey_seed_file: Path | None = None,
         api_key: str | None = None,
     ) -> None:
-        self.http = httpx.Client(timeout=30.0)
+        self.http = httpx.Client(timeout=30.0, headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
         self.orchestrator = orchestrator
         self.detector = detector
         self.registry = registry
         self.nats_url = nats_url
         self.nkey_seed_file = nkey_seed_file
-        self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     def close(self) -> None:
         """Close connections."""
@@ -70,7 +69,7 @@ class PlatformClient:
 
     def _orchestrator(self, method: str, path: str, **kwargs: Any) -> Any:
         """One orchestrator call with the API key; raises httpx.HTTPStatusError on an error answer."""
-        response = self.http.request(method, f"{self.orchestrator}{path}", headers=self._auth, **kwargs)
+        response = self.http.request(method, f"{self.orchestrator}{path}", **kwargs)
         return response.raise_for_status().json()
 
     def submit(self, spec: dict[str, Any]) -> dict[str, Any]:

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from types import FrameType
 
-from reprise_cli.creds import admin_api_key_file, init_credentials
+from reprise_cli.creds import admin_api_key_file, init_credentials, read_api_key_file
 from reprise_cli.jobs_cli import add_drill_command, add_job_commands
 from reprise_cli.servers import deploy_dir
 from reprise_cli.stack import Stack
@@ -82,7 +82,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         for spec in stack.specs:
             print(f"  {spec.name:<20} {stack.url(spec.name)}  (/healthz /readyz /metrics)")
         print(f"  admin API key {admin_api_key_file(stack.config.state_dir)}  (`reprise job ...` uses it)")
-        print(f"  open the dashboard in a browser: {stack.url('dashboard')}")
+        print(
+            f"  open the dashboard in a browser: {stack.url('dashboard')}  "
+            f"(sign in with the key in {read_api_key_file(stack.config.state_dir)})"
+        )
         print("ready. Ctrl-C stops everything.", flush=True)
         while True:
             signal.pause()
@@ -123,16 +126,16 @@ def cmd_creds(args: argparse.Namespace) -> int:
     """Create (or reuse) the NATS identities and write the server configuration that admits them."""
     nodes = [node.strip() for node in args.nodes.split(",") if node.strip()]
     try:
-        platform, agents = init_credentials(
-            Path(args.dir), nodes=nodes, base_config=deploy_dir() / "nats" / "nats.conf"
-        )
+        creds = init_credentials(Path(args.dir), nodes=nodes, base_config=deploy_dir() / "nats" / "nats.conf")
     except ValueError as exc:
         print(f"reprise creds: {exc}", file=sys.stderr)
         return 2
-    print(f"platform  {platform.public_key}  {platform.seed_file}")
-    for node, ident in agents.items():
-        print(f"{node:<9} {ident.public_key}  {ident.seed_file}")
-    print(f"server configuration: {Path(args.dir) / 'nats.conf'}")
+    identities = [creds.admin, *creds.services.values(), *creds.agents.values()]
+    width = max(len(ident.name) for ident in identities)
+    for ident in identities:
+        print(f"{ident.name:<{width}}  {ident.public_key}  {ident.seed_file}")
+    print(f"server configuration: {creds.server_config}")
+    print("give each service and node only its own seed; admin.nk is for operator tools alone")
     return 0
 
 
@@ -159,10 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
     inject.add_argument("--kind", choices=[k.value for k in FaultKind], default=FaultKind.XID.value)
     inject.add_argument("--xid", type=int, default=None, help="XID number (for --kind xid)")
     inject.add_argument("--nats-url", default=f"nats://127.0.0.1:{DEFAULT_PORTS['nats']}")
-    inject.add_argument("--creds", default=".state/creds/platform.nk", help="NATS identity (used if the file exists)")
+    inject.add_argument("--creds", default=".state/creds/admin.nk", help="NATS identity (used if the file exists)")
     inject.set_defaults(func=cmd_inject)
 
-    creds = sub.add_parser("creds", help="create NATS identities: one per node, one for the platform services")
+    creds = sub.add_parser("creds", help="create NATS identities: one per node, one per service, one admin")
     creds.add_argument("--dir", default="deploy/creds", help="where seeds (0600) and the server config go")
     creds.add_argument("--nodes", required=True, help="comma-separated node ids, e.g. node-1,node-2,spare-1")
     creds.set_defaults(func=cmd_creds)

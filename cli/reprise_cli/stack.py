@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 
 from reprise_cli.client import PlatformClient
-from reprise_cli.creds import PLATFORM, init_credentials, read_admin_api_key
+from reprise_cli.creds import ADMIN, init_credentials, read_admin_api_key, seed_file
 from reprise_cli.servers import (
     ManagedProcess,
     NatsServer,
@@ -132,9 +132,9 @@ class Stack:
             raise ConfigError(f"the Slack receiver did not start: {self.slack_receiver.log_tail(5)}")
 
     @property
-    def platform_seed(self) -> Path:
-        """The NATS identity operators and tools use against this stack."""
-        return self.config.creds_dir / f"{PLATFORM}.nk"
+    def admin_seed(self) -> Path:
+        """The NATS identity operators and tools use against this stack: every subject; no service has it."""
+        return seed_file(self.config.creds_dir, ADMIN)
 
     def url(self, name: str) -> str:
         """Base URL of a service by name."""
@@ -148,7 +148,7 @@ class Stack:
             detector=self.url("detector"),
             registry=self.url("checkpoint-registry"),
             nats_url=self.config.nats_url,
-            nkey_seed_file=self.platform_seed,
+            nkey_seed_file=self.admin_seed,
             api_key=read_admin_api_key(self.config.state_dir),
         )
 

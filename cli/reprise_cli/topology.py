@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from reprise_cli.creds import ensure_admin_api_key
+from reprise_cli.creds import ensure_admin_api_key, ensure_read_api_key, seed_file
 
 DEFAULT_PORTS: dict[str, int] = {
     "nats": 14222,
@@ -89,10 +89,11 @@ def build_services(config: StackConfig) -> list[ServiceSpec]:
 
     creds = config.creds_dir.resolve()
 
-    def base(role: str, port: int, identity: str = "platform") -> dict[str, str]:
+    def base(role: str, port: int, identity: str | None = None) -> dict[str, str]:
         return {
             "REPRISE_NATS_URL": config.nats_url,
-            "REPRISE_NATS_NKEY_SEED_FILE": str(creds / f"{identity}.nk"),
+            # Its own NATS identity (`reprise creds`): a service's is named after it, an agent's after its node.
+            "REPRISE_NATS_NKEY_SEED_FILE": str(seed_file(creds, identity or role)),
             "REPRISE_HTTP_HOST": config.host,
             "REPRISE_HTTP_PORT": str(port),
             "REPRISE_STATE_DIR": str(state / role),
@@ -127,6 +128,7 @@ def build_services(config: StackConfig) -> list[ServiceSpec]:
                 "REPRISE_REDIS_URL": config.redis_url,
                 "REPRISE_REGISTRY_URL": registry_url,
                 "REPRISE_ADMIN_API_KEY": ensure_admin_api_key(config.state_dir),  # created once in the state dir
+                "REPRISE_READ_API_KEY": ensure_read_api_key(config.state_dir),  # the dashboard's and viewers'
             },
             http_port=ports["orchestrator"],
         ),
@@ -152,8 +154,8 @@ def build_services(config: StackConfig) -> list[ServiceSpec]:
                 "REPRISE_DETECTOR_URL": config.http_url(ports["detector"]),
                 "REPRISE_REGISTRY_URL": registry_url,
                 "REPRISE_NOTIFIER_URL": config.http_url(ports["notifier"]),
-                # The dashboard only reads: a read-scope key is enough; the local stack hands it its admin key.
-                "REPRISE_ORCHESTRATOR_API_KEY": ensure_admin_api_key(config.state_dir),
+                # The dashboard only reads: it gets the read key (viewers sign in with it too, or a key of their own).
+                "REPRISE_READ_API_KEY": ensure_read_api_key(config.state_dir),
             },
             http_port=ports["dashboard"],
         ),

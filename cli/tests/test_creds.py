@@ -1,4 +1,6 @@
-"""Per-node NATS identity against a real nats-server: node A cannot publish as node B or read B's commands."""
+"""Per-node NATS identity against a real nats-server: node A cannot publish as node B or read B's commands.
+
+The services' identities: test_service_identities.py and test_service_jetstream.py."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from pathlib import Path
 import nats
 import pytest
 
-from reprise_cli.creds import Identity, init_credentials
+from reprise_cli.creds import Credentials, Identity, init_credentials
 from reprise_cli.servers import NatsServer, deploy_dir, free_port
 from reprise_common import subjects
 from reprise_common.aio import poll_until
@@ -20,14 +22,14 @@ from reprise_common.events import Event, GpuXid, NodeReport
 
 
 @pytest.fixture
-def identities(tmp_path: Path) -> tuple[Identity, dict[str, Identity]]:
+def identities(tmp_path: Path) -> Credentials:
     return init_credentials(
         tmp_path / "creds", nodes=["node-a", "node-b"], base_config=deploy_dir() / "nats" / "nats.conf"
     )
 
 
 @pytest.fixture
-def secured_nats(tmp_path: Path, identities: tuple[Identity, dict[str, Identity]]) -> Iterator[NatsServer]:
+def secured_nats(tmp_path: Path, identities: Credentials) -> Iterator[NatsServer]:
     server = NatsServer(
         port=free_port(),
         monitor_port=free_port(),
@@ -41,10 +43,8 @@ def secured_nats(tmp_path: Path, identities: tuple[Identity, dict[str, Identity]
 
 
 @pytest.fixture
-async def platform_bus(
-    secured_nats: NatsServer, identities: tuple[Identity, dict[str, Identity]]
-) -> AsyncIterator[Bus]:
-    bus = Bus(url=secured_nats.url, service="platform", nkey_seed_file=identities[0].seed_file)
+async def admin_bus(secured_nats: NatsServer, identities: Credentials) -> AsyncIterator[Bus]:
+    bus = Bus(url=secured_nats.url, service="admin", nkey_seed_file=identities.admin.seed_file)
     await bus.connect(attempts=5)
     yield bus
     await bus.close()
@@ -60,19 +60,21 @@ def _agent_bus(server: NatsServer, ident: Identity, node: str) -> Bus:
     )
 
 
-def test_seeds_are_private_and_config_holds_only_public_keys(identities: tuple[Identity, dict[str, Identity]]) -> None:
-    platform, agents = identities
-    for ident in [platform, *agents.values()]:
+def test_seeds_are_private_and_config_holds_only_public_keys(identities: Credentials) -> None:
+    everyone = [identities.admin, *identities.services.values(), *identities.agents.values()]
+    assert len({ident.public_key for ident in everyone}) == len(everyone)  # no two processes share a key
+    for ident in everyone:
         assert stat.S_IMODE(ident.seed_file.stat().st_mode) == 0o600
         assert ident.public_key.startswith("U")
-    config = (platform.seed_file.parent / "nats.conf").read_text()
-    assert agents["node-a"].public_key in config
-    for ident in [platform, *agents.values()]:  # no seed (private key) ever lands in the server config
+    config = identities.server_config.read_text()
+    for ident in everyone:
+        assert ident.public_key in config
+    for ident in everyone:  # no seed (private key) ever lands in the server config
         assert ident.seed_file.read_text().strip() not in config
 
 
 async def test_node_a_cannot_publish_as_node_b(
-    secured_nats: NatsServer, platform_bus: Bus, identities: tuple[Identity, dict[str, Identity]]
+    secured_nats: NatsServer, admin_bus: Bus, identities: Credentials
 ) -> None:
     reports: list[str] = []
     events: list[str] = []
@@ -84,11 +86,11 @@ async def test_node_a_cannot_publish_as_node_b(
         events.append(delivery.subject)
         return Outcome.ACK
 
-    await platform_bus.follow(subjects.AGENT_REPORTS, handler=record_reports).open()
-    platform_bus.consumer(
+    await admin_bus.follow(subjects.AGENT_REPORTS, handler=record_reports).open()
+    admin_bus.consumer(
         stream="AGENT", durable="watch", filter_subject=subjects.AGENT_EVENTS, handler=record_event
     ).start()
-    node_a = _agent_bus(secured_nats, identities[1]["node-a"], "node-a")
+    node_a = _agent_bus(secured_nats, identities.agents["node-a"], "node-a")
     await node_a.connect(attempts=5)
     report = NodeReport(source="node-a", node_id="node-b", interval_s=1.0, gpu_backend="sim")
     # Reports (core NATS): the server drops node B's subject and delivers node A's own, sent after it on the same
@@ -107,9 +109,7 @@ async def test_node_a_cannot_publish_as_node_b(
     await node_a.close()
 
 
-async def test_node_a_cannot_read_node_b_commands(
-    secured_nats: NatsServer, identities: tuple[Identity, dict[str, Identity]]
-) -> None:
+async def test_node_a_cannot_read_node_b_commands(secured_nats: NatsServer, identities: Credentials) -> None:
     errors: list[Exception] = []
 
     async def on_error(exc: Exception) -> None:
@@ -117,7 +117,7 @@ async def test_node_a_cannot_read_node_b_commands(
 
     nc = await nats.connect(
         secured_nats.url,
-        nkeys_seed=str(identities[1]["node-a"].seed_file),
+        nkeys_seed=str(identities.agents["node-a"].seed_file),
         inbox_prefix=subjects.node_inbox_prefix("node-a"),
         error_cb=on_error,
     )

@@ -10,6 +10,7 @@ from contextlib import closing
 from types import FrameType
 
 from reprise_cli.client import PlatformClient
+from reprise_cli.creds import read_api_key_file
 from reprise_cli.demo import report, timeline
 from reprise_cli.demo.models import DemoFailure, DemoRun, demo_faults
 from reprise_cli.demo.scenario import Scenario
@@ -92,6 +93,7 @@ def _conclude(run: DemoRun, stack: Stack, client: PlatformClient, say: Narrator)
     job_id = run.job["id"]
     if any(spec.name == "dashboard" for spec in stack.specs):
         say(f"dashboard: {stack.url('dashboard')}/jobs/{job_id} (incidents: {stack.url('dashboard')}/incidents)")
+        say(f"  sign in with the key in {read_api_key_file(stack.config.state_dir)}")
     receiver = slack_receiver_url(stack.config)
     counts = report.slack_messages_per_incident(
         client.http, receiver_url=receiver, notifier_url=stack.url("notifier"), job_id=job_id

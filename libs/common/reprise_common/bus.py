@@ -288,15 +288,16 @@ class Bus:
         """
         return await request_many(self.nc, messages, reply_type, timeout=timeout)
 
-    async def serve(self, subject: str, handler: Callable[[bytes], Awaitable[Wire]]) -> Any:
-        """Answer requests on a subject; a handler's error is answered as such, never crashes the service."""
+    async def serve(self, subject: str, handler: Callable[[bytes], Awaitable[Wire]], *, queue: str = "") -> Any:
+        """Answer requests on a subject (one member of `queue` answers each, when given); a handler's error is
+        answered as such, never crashes the service."""
 
         async def on_msg(msg: Msg) -> None:
             reply = await handler(msg.data)
             if msg.reply:
                 await msg.respond(reply.model_dump_json().encode())
 
-        return await self.nc.subscribe(subject, cb=on_msg)
+        return await self.nc.subscribe(subject, queue=queue, cb=on_msg)
 
     # --- consuming --------------------------------------------------------------------------------------------
     def consumer(

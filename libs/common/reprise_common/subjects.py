@@ -114,7 +114,15 @@ def checkpoint(job_id: str, change: str) -> str:
 CHECKPOINTS_ALL = f"{PREFIX}.checkpoint.>"
 
 
+# --- API keys -------------------------------------------------------------------------------------------------
+# Key checks, answered by the key authority (the orchestrator's replicas, one queue group): core NATS request.
+AUTH_VERIFY = f"{PREFIX}.auth.verify"
+AUTH_VERIFY_QUEUE = "key-authority"
+
+
 # --- dead letters ---------------------------------------------------------------------------------------------
+
+
 def dead_letter(service: str) -> str:
     """Where a service puts messages it could not parse, with the reason."""
     return f"{PREFIX}.deadletter.{token(service)}"

@@ -10,7 +10,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from reprise_common import subjects
+from reprise_common import auth, subjects
 from reprise_common.bus import Bus
 from reprise_common.db import db_check, make_engine
 from reprise_common.service import Background, add_error_handlers, add_ops_routes, nats_check
@@ -36,7 +36,7 @@ def create_app(settings: RegistrySettings) -> FastAPI:
     deps = Deps(settings=settings, engines=Engines(read=read, write=write))
     bus = Bus.for_service(settings, "checkpoint-registry")
     background = Background(bus)
-    registration = Registration(deps.engines, on_committed=deps.validator_wake.set)
+    registration = Registration(deps.engines, on_committed=deps.validator_wake.set, roots=settings.checkpoint_roots)
 
     async def on_connected() -> None:
         if settings.consume_agent_events:
@@ -67,6 +67,7 @@ def create_app(settings: RegistrySettings) -> FastAPI:
                     sample_fraction=settings.validate_sample_fraction,
                     workers=settings.hash_workers,
                     interval_s=settings.validate_interval_s,
+                    roots=settings.checkpoint_roots,
                 ),
                 "validator",
             ),
@@ -91,9 +92,10 @@ def create_app(settings: RegistrySettings) -> FastAPI:
     app.state.engine = read
     add_ops_routes(app, checks={"database": db_check(read), "nats": nats_check(bus)})
     add_error_handlers(app)
-    app.include_router(checkpoint_views.router)
-    app.include_router(retention_views.router)
-    app.include_router(advisor_views.router)
+    auth.install(app, auth.authority_keys(settings, bus))
+    app.include_router(checkpoint_views.router, dependencies=auth.BY_METHOD)
+    app.include_router(retention_views.router, dependencies=auth.BY_METHOD)
+    app.include_router(advisor_views.router, dependencies=auth.BY_METHOD)
     return app
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,10 @@ from reprise_registry.validation.hashing import hash_bytes
 
 WriteCheckpoint = Callable[..., dict[str, Any]]
 
+# The bootstrap admin key every test service accepts without asking the key authority.
+ADMIN_KEY = secrets.token_urlsafe(32)
+ADMIN_HEADERS = {"Authorization": f"Bearer {ADMIN_KEY}"}
+
 
 def registry_settings(database_url: str, **overrides: Any) -> RegistrySettings:
     """Settings for a test registry: no NATS consumers unless asked, validation only when asked."""
@@ -26,6 +31,7 @@ def registry_settings(database_url: str, **overrides: Any) -> RegistrySettings:
         "validate_interval_s": 3600.0,
         "retention_interval_s": 3600.0,
         "log_format": "text",
+        "admin_api_key": ADMIN_KEY,
     }
     values.update(overrides)
     return RegistrySettings(**values)
@@ -34,14 +40,14 @@ def registry_settings(database_url: str, **overrides: Any) -> RegistrySettings:
 @pytest.fixture
 def client(database_url: str) -> Iterator[TestClient]:
     """The registry app on each SQL backend in turn."""
-    with TestClient(create_app(registry_settings(database_url))) as test_client:
+    with TestClient(create_app(registry_settings(database_url)), headers=ADMIN_HEADERS) as test_client:
         yield test_client
 
 
 @pytest.fixture
 def sqlite_client(sqlite_url: str) -> Iterator[TestClient]:
     """The registry app on SQLite only."""
-    with TestClient(create_app(registry_settings(sqlite_url))) as test_client:
+    with TestClient(create_app(registry_settings(sqlite_url)), headers=ADMIN_HEADERS) as test_client:
         yield test_client
 
 

@@ -44,3 +44,12 @@ def test_manifest_digest_depends_on_every_entry_but_not_on_order() -> None:
     entries = [("a", 1, "00" * 32, "blake3"), ("b", 2, "11" * 32, "blake3")]
     assert manifest_digest(entries) == manifest_digest(list(reversed(entries)))
     assert manifest_digest(entries) != manifest_digest([entries[0], ("b", 3, "11" * 32, "blake3")])
+
+
+def test_a_symlink_is_not_opened_when_links_are_not_followed(tmp_path: Path) -> None:
+    target = tmp_path / "outside.bin"
+    target.write_bytes(b"x" * 100)
+    (tmp_path / "link.bin").symlink_to(target)
+    assert hash_file(tmp_path / "link.bin").size_bytes == 100
+    with pytest.raises(OSError):  # ELOOP: validation opens resolved paths only, a link swapped in is refused
+        hash_file(tmp_path / "link.bin", follow_symlinks=False)

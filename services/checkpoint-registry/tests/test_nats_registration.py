@@ -19,13 +19,13 @@ from reprise_common.events import CheckpointChange, CheckpointSaved, Event, File
 from reprise_registry.app import create_app
 from reprise_registry.validation.hashing import hash_bytes
 
-from .conftest import registry_settings
+from .conftest import ADMIN_HEADERS, registry_settings
 
 
 @pytest.fixture
 def nats_client(sqlite_url: str, nats_server: NatsServer) -> Iterator[TestClient]:
     settings = registry_settings(sqlite_url, nats_url=nats_server.url, consume_agent_events=True)
-    with TestClient(create_app(settings)) as client:
+    with TestClient(create_app(settings), headers=ADMIN_HEADERS) as client:
         yield client
 
 

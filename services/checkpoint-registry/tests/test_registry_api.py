@@ -71,7 +71,7 @@ def test_begin_is_idempotent_and_conflicts_are_409(client: TestClient, tmp_path:
     outside = client.put(
         f"/v1/checkpoints/{first['id']}/ranks/0", json={"files": [{"path": "/etc/passwd", "size_bytes": 1}]}
     )
-    assert outside.status_code == 409
+    assert outside.status_code == 422 and outside.json()["detail"][0]["loc"] == ["body", "files", 0, "path"]
     assert client.put(f"/v1/checkpoints/{first['id']}/ranks/2", json={"files": []}).status_code == 409
 
 

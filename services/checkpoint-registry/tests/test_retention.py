@@ -1,14 +1,27 @@
-"""Retention keeps the newest K plus every Nth validated checkpoint, deletes files if asked, and honours pins."""
+"""Retention keeps the newest K plus every Nth validated checkpoint, deletes files if allowed, and honours pins."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import pytest
 from fastapi.testclient import TestClient
 
+from reprise_registry.app import create_app
+
+from .conftest import ADMIN_HEADERS, registry_settings
+
 WriteCheckpoint = Callable[..., dict[str, Any]]
+
+
+@pytest.fixture
+def deleting_client(database_url: str) -> Iterator[TestClient]:
+    """A registry whose operator lets retention delete files (REPRISE_RETENTION_DELETE_FILES=true)."""
+    settings = registry_settings(database_url, retention_delete_files=True)
+    with TestClient(create_app(settings), headers=ADMIN_HEADERS) as test_client:
+        yield test_client
 
 
 def _validated(client: TestClient, write_checkpoint: WriteCheckpoint, job_id: str, step: int) -> dict[str, Any]:
@@ -21,8 +34,9 @@ def _validated(client: TestClient, write_checkpoint: WriteCheckpoint, job_id: st
 
 
 def test_keeps_last_k_and_every_nth_and_never_a_pinned_one(
-    client: TestClient, write_checkpoint: WriteCheckpoint
+    deleting_client: TestClient, write_checkpoint: WriteCheckpoint
 ) -> None:
+    client = deleting_client
     made = {step: _validated(client, write_checkpoint, "job-r", step) for step in range(1, 7)}
     pinned = client.post(f"/v1/checkpoints/{made[1]['id']}/pins", json={"holder": "recovery-42"})
     assert pinned.status_code == 201 and pinned.json()["holder"] == "recovery-42"
@@ -53,3 +67,13 @@ def test_an_expired_pin_no_longer_protects(client: TestClient, write_checkpoint:
     result = client.post("/v1/jobs/job-e/retention", json={"keep_last": 1}).json()
     assert result["deleted"] == [old["id"]] and result["files_deleted"] == 0
     assert (old["root"] / "rank-00000.pt").exists()  # files are kept unless delete_files is asked
+
+
+def test_a_body_can_keep_files_a_deleting_registry_would_remove(
+    deleting_client: TestClient, write_checkpoint: WriteCheckpoint
+) -> None:
+    old = _validated(deleting_client, write_checkpoint, "job-k", 1)
+    _validated(deleting_client, write_checkpoint, "job-k", 2)
+    result = deleting_client.post("/v1/jobs/job-k/retention", json={"keep_last": 1, "delete_files": False}).json()
+    assert result["deleted"] == [old["id"]] and result["files_deleted"] == 0
+    assert (old["root"] / "rank-00000.pt").exists()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import secrets
 import signal
 import subprocess
 import sys
@@ -30,6 +31,9 @@ FILE_BYTES = 96 * 1024
 CHUNK = 16 * 1024
 POINTS = 1 + WORLD * (-(-FILE_BYTES // CHUNK) + 1) + 1  # begin, per rank its chunks and report, the marker
 MODES = ("in_order", "report_first", "marker_early")
+# The registry's bootstrap admin key for this run: the driver makes it, the writers it starts inherit it.
+KEY_VARIABLE = "REPRISE_TORN_API_KEY"
+os.environ.setdefault(KEY_VARIABLE, secrets.token_urlsafe(32))
 
 
 def content(seed: int, rank: int) -> bytes:
@@ -40,7 +44,10 @@ def content(seed: int, rank: int) -> bytes:
 def _call(base: str, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
     data = json.dumps(body).encode() if body is not None else None
     request = urllib.request.Request(
-        base + path, data=data, method=method, headers={"content-type": "application/json"}
+        base + path,
+        data=data,
+        method=method,
+        headers={"content-type": "application/json", "authorization": f"Bearer {os.environ[KEY_VARIABLE]}"},
     )
     with urllib.request.urlopen(request, timeout=10) as answer:
         result: dict[str, Any] = json.loads(answer.read())
@@ -218,6 +225,7 @@ def start_registry(root: Path, port: int) -> subprocess.Popen[bytes]:
         "REPRISE_CONSUME_AGENT_EVENTS": "false",
         "REPRISE_VALIDATE_INTERVAL_S": "0.2",
         "REPRISE_LOG_LEVEL": "WARNING",
+        "REPRISE_ADMIN_API_KEY": os.environ[KEY_VARIABLE],
     }
     log = (root / "registry.log").open("wb")
     return subprocess.Popen([sys.executable, "-m", "reprise_registry"], env=env, stdout=log, stderr=log)

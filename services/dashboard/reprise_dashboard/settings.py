@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import SettingsConfigDict
 
+from reprise_common.auth import AuthSettings
 from reprise_common.settings import ServiceSettings
 
 
-class DashboardSettings(ServiceSettings):
-    """Where the services the dashboard reads are, the orchestrator key it reads with, and its timeouts."""
+class DashboardSettings(ServiceSettings, AuthSettings):
+    """Where the services the dashboard reads are, the read key it reads with, who may look, and its timeouts."""
 
     # A validation error must not echo the API key back into a log.
     model_config = SettingsConfigDict(env_prefix="REPRISE_", extra="ignore", hide_input_in_errors=True)
@@ -21,8 +22,14 @@ class DashboardSettings(ServiceSettings):
     detector_url: str = Field(default="http://127.0.0.1:8720", description="incidents and node health")
     registry_url: str = Field(default="http://127.0.0.1:8710", description="checkpoints and the advisor")
     notifier_url: str = Field(default="http://127.0.0.1:8740", description="dead letters and destinations")
-    orchestrator_api_key: SecretStr | None = Field(
-        default=None, description="an orchestrator API key with the read scope (the local stack passes its admin key)"
+    read_api_key: SecretStr | None = Field(
+        default=None, description="the API key (read scope) the dashboard presents to every service"
+    )
+    viewer_auth: Literal["key", "proxy", "off"] = Field(
+        default="key", description="viewers sign in with an API key, or a reverse proxy vouches, or anyone may look"
+    )
+    viewer_header: str = Field(
+        default="X-Forwarded-User", min_length=1, max_length=100, description="the proxy's user header (proxy mode)"
     )
     http_timeout_s: float = Field(default=3.0, gt=0, description="per call to a service (connect, write, read each)")
     sse_keepalive_s: float = Field(default=15.0, gt=0, description="a comment on idle /events streams this often")
@@ -37,7 +44,7 @@ class DashboardSettings(ServiceSettings):
             raise ValueError("must be an http(s):// URL")
         return value.rstrip("/")
 
-    @field_validator("orchestrator_api_key", mode="before")
+    @field_validator("read_api_key", mode="before")
     @classmethod
     def _empty_is_unset(cls, value: Any) -> Any:
         return None if value == "" else value

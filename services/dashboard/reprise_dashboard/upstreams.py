@@ -80,7 +80,7 @@ class Fetched(Generic[T]):
 
 
 class Upstreams:
-    """One HTTP client for every service, with the settings' timeout and the orchestrator's API key."""
+    """One HTTP client for every service, with the settings' timeout and the dashboard's read key."""
 
     def __init__(self, settings: DashboardSettings, *, transport: httpx.AsyncBaseTransport | None = None) -> None:
         self.timeout_s = settings.http_timeout_s
@@ -91,10 +91,9 @@ class Upstreams:
             Service.REGISTRY: settings.registry_url,
             Service.NOTIFIER: settings.notifier_url,
         }
-        key = settings.orchestrator_api_key
-        self.headers: Mapping[Service, dict[str, str]] = {
-            Service.ORCHESTRATOR: {"Authorization": f"Bearer {key.get_secret_value()}"} if key else {}
-        }
+        key = settings.read_api_key
+        auth = {"Authorization": f"Bearer {key.get_secret_value()}"} if key else {}
+        self.headers: Mapping[Service, dict[str, str]] = dict.fromkeys(Service, auth)
 
     async def aclose(self) -> None:
         """Close the connections."""
@@ -122,7 +121,7 @@ class Upstreams:
         if status == 404:
             return Fetched(service=service, error=f"not found at the {service}", status=404)
         if status in (401, 403):
-            reason = f"the {service} refused the dashboard's API key ({status}): set REPRISE_ORCHESTRATOR_API_KEY"
+            reason = f"the {service} refused the dashboard's API key ({status}): set REPRISE_READ_API_KEY"
             return self._failed(service, "auth", reason, status)
         return self._failed(service, "status", f"the {service} answered {status}: {_detail(response)}", status)
 

@@ -32,6 +32,7 @@ def down_settings() -> Callable[..., DashboardSettings]:
             "registry_url": f"http://127.0.0.1:{free_port()}",
             "notifier_url": f"http://127.0.0.1:{free_port()}",
             "http_timeout_s": 1.0,
+            "viewer_auth": "off",  # who may look is tested in test_viewers.py
         }
         return DashboardSettings(**(base | overrides))
 

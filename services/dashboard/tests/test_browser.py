@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from reprise_cli.client import PlatformClient, poll
+from reprise_cli.creds import ensure_read_api_key
 from reprise_cli.servers import free_port, free_stack_ports
 from reprise_cli.stack import Stack
 from reprise_cli.topology import DEFAULT_PORTS, SLACK_RECEIVER_WEBHOOK, StackConfig
@@ -94,6 +95,17 @@ def _open_live(context: Any, url: str) -> Any:
     return page
 
 
+def _sign_in(context: Any, dashboard: str, key: str) -> None:
+    """Sign in the way a person does: a page sends the browser to /login, the key goes in the form."""
+    page = context.new_page()
+    page.goto(f"{dashboard}/incidents")
+    assert "/login?next=" in page.url, page.url
+    page.fill("input[name=key]", key)
+    page.click("button[type=submit]")
+    page.wait_for_url(f"{dashboard}/incidents")
+    page.close()
+
+
 def _shot(page: Any, name: str) -> None:
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(SCREENSHOTS / f"{name}.png"), full_page=True)
@@ -110,6 +122,7 @@ def test_a_fault_shows_live_in_the_browser(stack: Stack, client: PlatformClient,
     with sync_api.sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=str(chromium), headless=True)
         context = browser.new_context(viewport={"width": 1440, "height": 900})
+        _sign_in(context, dashboard, ensure_read_api_key(stack.config.state_dir))
         incidents = _open_live(context, f"{dashboard}/incidents")
         job_page = _open_live(context, f"{dashboard}/jobs/{job['id']}")
         assert job_page.locator("#recoveries").inner_text().count("No recovery yet") == 1
@@ -171,7 +184,10 @@ def _check_other_pages(context: Any, dashboard: str, job_id: str, drill: dict[st
 
 
 async def test_pages_from_the_stack_over_http(stack: Stack) -> None:
-    async with httpx.AsyncClient(base_url=stack.url("dashboard"), timeout=10) as http:
+    viewer = {"Authorization": f"Bearer {ensure_read_api_key(stack.config.state_dir)}"}
+    async with httpx.AsyncClient(base_url=stack.url("dashboard"), timeout=10) as bare:
+        assert (await bare.get("/")).status_code == 303  # nobody signed in: sent to /login
+    async with httpx.AsyncClient(base_url=stack.url("dashboard"), timeout=10, headers=viewer) as http:
         missing = await http.get("/jobs/job-none")
         assert missing.status_code == 404 and "knows no job job-none" in missing.text
         assert (await http.get("/incidents/inc0none")).status_code == 404
@@ -181,7 +197,8 @@ async def test_pages_from_the_stack_over_http(stack: Stack) -> None:
         nats_url=f"nats://127.0.0.1:{free_port()}",
         orchestrator_url=stack.url("orchestrator"),
         detector_url=stack.url("detector"),
-        orchestrator_api_key="rpk_nobody_" + "x" * 43,
+        read_api_key="rpk_nobody_" + "x" * 43,
+        viewer_auth="off",
     )
     app = create_app(wrong_key)
     async with (

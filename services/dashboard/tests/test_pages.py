@@ -88,8 +88,8 @@ def test_an_answer_of_the_wrong_shape_is_an_error_not_a_crash() -> None:
 def test_settings_refuse_a_url_without_scheme_and_trim_slashes() -> None:
     with pytest.raises(ValidationError):
         DashboardSettings(detector_url="127.0.0.1:8720")
-    settings = DashboardSettings(orchestrator_url="http://o:8730/", orchestrator_api_key="")
-    assert settings.orchestrator_url == "http://o:8730" and settings.orchestrator_api_key is None
+    settings = DashboardSettings(orchestrator_url="http://o:8730/", read_api_key="")
+    assert settings.orchestrator_url == "http://o:8730" and settings.read_api_key is None
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
+from reprise_common import auth
 from reprise_common.bus import Bus
 from reprise_common.clock import Clock, SystemClock
 from reprise_common.db import db_check, make_engine
@@ -105,7 +106,8 @@ def create_app(settings: DetectorSettings, *, clock: Clock | None = None) -> Fas
     app.state.runtime = runtime
     add_error_handlers(app)
     add_ops_routes(app, checks={"nats": nats_check(runtime.bus), "database": db_check(runtime.engine)})
-    app.include_router(incident_views.router)
-    app.include_router(node_views.router)
-    app.include_router(node_views.jobs_router)
+    auth.install(app, auth.authority_keys(settings, runtime.bus))
+    app.include_router(incident_views.router, dependencies=auth.BY_METHOD)
+    app.include_router(node_views.router, dependencies=auth.BY_METHOD)
+    app.include_router(node_views.jobs_router, dependencies=auth.BY_METHOD)
     return app

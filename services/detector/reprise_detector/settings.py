@@ -7,10 +7,11 @@ from pathlib import Path
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from reprise_common.auth import AuthSettings
 from reprise_common.settings import DatabaseSettings, ServiceSettings
 
 
-class DetectorSettings(ServiceSettings, DatabaseSettings):
+class DetectorSettings(ServiceSettings, DatabaseSettings, AuthSettings):
     """Where the detector listens and stores incidents, and how it groups symptoms into incidents."""
 
     model_config = SettingsConfigDict(env_prefix="REPRISE_", extra="ignore")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
@@ -41,6 +42,11 @@ async def wait_until(predicate: Callable[[], Awaitable[bool]], timeout: float = 
             return True
         await asyncio.sleep(0.02)
     return await predicate()
+
+
+# The bootstrap admin key every test service accepts without asking the key authority.
+ADMIN_KEY = secrets.token_urlsafe(32)
+ADMIN_HEADERS = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
 
 @dataclass
@@ -191,13 +197,17 @@ async def start_detector(nats_server: NatsServer) -> AsyncIterator[StartDetector
         published = Published()
 
         async def start(database_url: str, clock: Clock | None = None, **overrides: Any) -> Harness:
-            settings = DetectorSettings(nats_url=nats_server.url, database_url=database_url, **overrides)
+            settings = DetectorSettings(
+                nats_url=nats_server.url, database_url=database_url, **{"admin_api_key": ADMIN_KEY, **overrides}
+            )
             app = create_app(settings, clock=clock)
             own = AsyncExitStack()
             stack.push_async_callback(own.aclose)
             await own.enter_async_context(app.router.lifespan_context(app))
             client = await own.enter_async_context(
-                httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://detector")
+                httpx.AsyncClient(
+                    transport=httpx.ASGITransport(app=app), base_url="http://detector", headers=ADMIN_HEADERS
+                )
             )
             harness = Harness(
                 app=app, client=client, agents=agents, stack=own, published=published, reports_before=published.reports

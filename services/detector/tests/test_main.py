@@ -13,6 +13,8 @@ import httpx
 
 from reprise_cli.servers import NatsServer, free_port
 
+from .conftest import ADMIN_HEADERS, ADMIN_KEY
+
 
 def test_the_service_runs_and_stops_on_sigterm(nats_server: NatsServer, tmp_path: Path) -> None:
     port = free_port()
@@ -22,6 +24,7 @@ def test_the_service_runs_and_stops_on_sigterm(nats_server: NatsServer, tmp_path
         "REPRISE_DATABASE_URL": f"sqlite:///{tmp_path / 'detector.db'}",
         "REPRISE_HTTP_PORT": str(port),
         "REPRISE_LOG_FORMAT": "json",
+        "REPRISE_ADMIN_API_KEY": ADMIN_KEY,
     }
     proc = subprocess.Popen(
         [sys.executable, "-m", "reprise_detector"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
@@ -38,7 +41,10 @@ def test_the_service_runs_and_stops_on_sigterm(nats_server: NatsServer, tmp_path
                 pass
             time.sleep(0.05)
         assert ready is not None and ready.status_code == 200, ready
-        assert httpx.get(f"http://127.0.0.1:{port}/v1/incidents", timeout=2).json() == {"data": [], "count": 0}
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/incidents", headers=ADMIN_HEADERS, timeout=2).json() == {
+            "data": [],
+            "count": 0,
+        }
         proc.send_signal(signal.SIGTERM)
         # uvicorn shuts down gracefully, then re-raises the signal it caught, as a supervisor expects.
         assert proc.wait(timeout=15) in (0, -signal.SIGTERM)

@@ -10,6 +10,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
+from reprise_common import auth
 from reprise_common.bus import Bus
 from reprise_common.clock import Clock, SystemClock
 from reprise_common.db import db_check, make_engine
@@ -92,7 +93,8 @@ def create_app(
     add_error_handlers(app)
     checks = {"nats": nats_check(runtime.bus), "database": db_check(runtime.engine), "consumers": runtime.consuming}
     add_ops_routes(app, checks=checks)
-    app.include_router(delivery_views.deliveries_router)
-    app.include_router(delivery_views.dead_letters_router)
-    app.include_router(delivery_views.destinations_router)
+    auth.install(app, auth.authority_keys(settings, runtime.bus))
+    app.include_router(delivery_views.deliveries_router, dependencies=auth.BY_METHOD)
+    app.include_router(delivery_views.dead_letters_router, dependencies=auth.BY_METHOD)
+    app.include_router(delivery_views.destinations_router, dependencies=auth.BY_METHOD)
     return app

@@ -8,12 +8,13 @@ from typing import Any
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from reprise_common.auth import AuthSettings
 from reprise_common.settings import DatabaseSettings, ServiceSettings
 from reprise_notifier.alerts.models import LOUD_KINDS, AlertKind
 from reprise_notifier.signing import check_secret
 
 
-class NotifierSettings(ServiceSettings, DatabaseSettings):
+class NotifierSettings(ServiceSettings, DatabaseSettings, AuthSettings):
     """Where alerts go (a routes file and a default route) and how they are paced, retried and given up on."""
 
     # A validation error must not echo a webhook URL or a secret back into a log.

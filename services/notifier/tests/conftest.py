@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
@@ -38,6 +39,10 @@ from reprise_notifier.settings import NotifierSettings
 SECRET_PATH = "T0SECRET/B0SECRET/xoxSeCrEtToKeN0123456789"
 MakeIncident = Callable[..., IncidentChange]
 MakeRecovery = Callable[..., RecoveryChange]
+
+# The bootstrap admin key every test service accepts without asking the key authority.
+ADMIN_KEY = secrets.token_urlsafe(32)
+ADMIN_HEADERS = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
 
 def _incident(
@@ -167,13 +172,17 @@ async def start_notifier(nats_server: NatsServer, sqlite_url: str) -> AsyncItera
         stack.push_async_callback(platform.close)
 
         async def start(*, environ: Mapping[str, str] | None = None, **overrides: Any) -> Harness:
-            settings = NotifierSettings(nats_url=nats_server.url, database_url=sqlite_url, **overrides)
+            settings = NotifierSettings(
+                nats_url=nats_server.url, database_url=sqlite_url, **{"admin_api_key": ADMIN_KEY, **overrides}
+            )
             app = create_app(settings, environ=environ or {})
             own = AsyncExitStack()
             stack.push_async_callback(own.aclose)
             await own.enter_async_context(app.router.lifespan_context(app))
             client = await own.enter_async_context(
-                httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://notifier")
+                httpx.AsyncClient(
+                    transport=httpx.ASGITransport(app=app), base_url="http://notifier", headers=ADMIN_HEADERS
+                )
             )
             harness = Harness(app=app, client=client, platform=platform, stack=own)
             await harness.runtime.wait_started(timeout=15)

@@ -10,7 +10,7 @@ from contextlib import asynccontextmanager
 from fastapi import Depends, FastAPI
 from redis.asyncio import Redis
 
-from reprise_common import subjects
+from reprise_common import auth, subjects
 from reprise_common.bus import Bus
 from reprise_common.clock import SystemClock
 from reprise_common.consumer import side_by_side
@@ -29,8 +29,7 @@ from reprise_orchestrator import schema
 from reprise_orchestrator.auth import flows as auth_flows
 from reprise_orchestrator.auth import views as auth_views
 from reprise_orchestrator.auth.audit import AuditMiddleware
-from reprise_orchestrator.auth.dependencies import require_scope, require_scope_for_method
-from reprise_orchestrator.auth.models import Scope
+from reprise_orchestrator.auth.keys import LocalKeys
 from reprise_orchestrator.compute.backend import ComputeBackend
 from reprise_orchestrator.compute.choose import BackendContext, open_backend
 from reprise_orchestrator.deps import Deps
@@ -91,7 +90,9 @@ def build_deps(settings: OrchestratorSettings, redis: Redis) -> Deps:
         locks=RedisJobLocks(redis, ttl_s=settings.lock_ttl_s),
         compute=open_backend(BackendContext(settings=settings, bus=bus, inventory=inventory, clock=clock)),
         inventory=inventory,
-        registry=RegistryClient(settings.registry_url, timeout_s=settings.http_timeout_s),
+        registry=RegistryClient(
+            settings.registry_url, timeout_s=settings.http_timeout_s, api_key=_registry_key(settings)
+        ),
         clock=clock,
     )
 
@@ -107,9 +108,11 @@ def create_app(settings: OrchestratorSettings) -> FastAPI:
     reconciler = Reconciler(deps, runner, interval_s=settings.reconcile_interval_s)
     drills = DrillRunner(deps)
     background = Background(bus)
+    keys = LocalKeys(engine, deps.clock)
     tasks: list[asyncio.Task[None]] = []
 
     async def on_connected() -> None:
+        await bus.serve(subjects.AUTH_VERIFY, keys.answer, queue=subjects.AUTH_VERIFY_QUEUE)  # the key authority
         await deps.inventory.start(Bus.for_service(settings, "orchestrator-reports", provision=False))
         for durable, subject, handler in (
             (INCIDENTS_DURABLE, subjects.INCIDENTS_OPENED, claims.on_opened),
@@ -161,11 +164,20 @@ def create_app(settings: OrchestratorSettings) -> FastAPI:
     add_ops_routes(app, checks={"nats": nats_check(bus), "redis": _redis_check(redis), "database": db_check(engine)})
     add_error_handlers(app)
     app.add_middleware(AuditMiddleware, engine=engine, clock=deps.clock)
-    # Which scope a route needs is decided by its method (auth/dependencies.py); ops routes and docs stay open.
-    by_method = [Depends(require_scope_for_method)]
-    app.include_router(job_views.router, dependencies=by_method)
-    app.include_router(recovery_views.router, dependencies=by_method)
-    app.include_router(node_views.router, dependencies=by_method)
-    app.include_router(drill_views.router, dependencies=by_method)
-    app.include_router(auth_views.router, dependencies=[Depends(require_scope(Scope.ADMIN))])
+    _mount_routes(app, keys if settings.auth_enabled else None)
     return app
+
+
+def _registry_key(settings: OrchestratorSettings) -> str | None:
+    """The key presented to the registry: its own setting, else the bootstrap admin key."""
+    chosen = settings.registry_api_key or settings.admin_api_key
+    return chosen.get_secret_value() if chosen is not None else None
+
+
+def _mount_routes(app: FastAPI, keys: LocalKeys | None) -> None:
+    """The /v1 routers behind their keys: which scope a route needs is decided by its method (reprise_common.auth),
+    keys and the audit trail need admin; ops routes and docs stay open."""
+    auth.install(app, keys)
+    for router in (job_views.router, recovery_views.router, node_views.router, drill_views.router):
+        app.include_router(router, dependencies=auth.BY_METHOD)
+    app.include_router(auth_views.router, dependencies=[Depends(auth.require_scope(auth.Scope.ADMIN))])

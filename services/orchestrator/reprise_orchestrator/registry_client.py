@@ -59,14 +59,15 @@ class RegistryClient:
     registry on this project's machine), time fifty recoveries at once would each wait for.
     """
 
-    def __init__(self, base_url: str, *, timeout_s: float) -> None:
+    def __init__(self, base_url: str, *, timeout_s: float, api_key: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._session: aiohttp.ClientSession | None = None
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:  # made on first use, inside the running loop
-            self._session = aiohttp.ClientSession(self.base_url, timeout=self.timeout)
+            self._session = aiohttp.ClientSession(self.base_url, timeout=self.timeout, headers=self._headers)
         return self._session
 
     async def _call(self, method: str, path: str, body: dict[str, object] | None = None) -> tuple[int, object]:

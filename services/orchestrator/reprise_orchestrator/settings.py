@@ -8,13 +8,11 @@ import socket
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import SettingsConfigDict
 
+from reprise_common.auth import AuthSettings, strong_key
 from reprise_common.settings import DatabaseSettings, ServiceSettings
 
-MIN_ADMIN_KEY_LENGTH = 32
-MIN_ADMIN_KEY_DISTINCT = 8  # refuses a repeated placeholder ("changeme" x 4); 32 random hex digits have ~14
 
-
-class OrchestratorSettings(ServiceSettings, DatabaseSettings):
+class OrchestratorSettings(ServiceSettings, DatabaseSettings, AuthSettings):
     """Everything an orchestrator replica reads from its environment."""
 
     # hide_input_in_errors: a refused REPRISE_ADMIN_API_KEY must not be echoed into logs by the validation error.
@@ -46,20 +44,14 @@ class OrchestratorSettings(ServiceSettings, DatabaseSettings):
         max_length=200,
         description="what runs the ranks: a built-in backend (agents) or a factory as package.module:callable",
     )
-    auth_enabled: bool = Field(default=True, description="require an API key on /v1 routes (false: open, audited)")
-    admin_api_key: SecretStr | None = Field(
-        default=None, description="an admin key that exists at start, named bootstrap (stored hashed)"
+    read_api_key: SecretStr | None = Field(
+        default=None, description="a read-only key that exists at start, named bootstrap-read (e.g. the dashboard's)"
+    )
+    registry_api_key: SecretStr | None = Field(
+        default=None, description="the key this replica presents to the registry (operate); none: the admin key"
     )
 
-    @field_validator("admin_api_key")
+    @field_validator("read_api_key", "registry_api_key")
     @classmethod
-    def _strong_admin_key(cls, value: SecretStr | None) -> SecretStr | None:
-        if value is None:
-            return None
-        key = value.get_secret_value()
-        if len(key) < MIN_ADMIN_KEY_LENGTH or len(set(key)) < MIN_ADMIN_KEY_DISTINCT:
-            raise ValueError(
-                f"REPRISE_ADMIN_API_KEY is too weak: use at least {MIN_ADMIN_KEY_LENGTH} random characters, "
-                "e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))'"
-            )
-        return value
+    def _strong_keys(cls, value: SecretStr | None) -> SecretStr | None:
+        return strong_key(value, "REPRISE_READ_API_KEY / REPRISE_REGISTRY_API_KEY")

@@ -15,8 +15,8 @@ from fastapi.testclient import TestClient
 from pydantic import SecretStr, ValidationError
 
 from reprise_cli.servers import NatsServer, RedisServer
+from reprise_common.auth import require_scope_for_method
 from reprise_orchestrator.app import create_app
-from reprise_orchestrator.auth.dependencies import require_scope_for_method
 from reprise_orchestrator.settings import OrchestratorSettings
 
 ADMIN_KEY = secrets.token_urlsafe(32)

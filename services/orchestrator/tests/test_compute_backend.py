@@ -122,7 +122,7 @@ def test_a_job_is_placed_and_recovered_through_a_backend_named_by_a_setting(
     [
         ("slurmish", "use one of agents or package.module:factory"),
         ("no_such_module:create", "cannot be loaded"),
-        ("reprise_orchestrator.settings:MIN_ADMIN_KEY_LENGTH", "is not callable"),
+        ("reprise_common.auth:MIN_ADMIN_KEY_LENGTH", "is not callable"),
     ],
 )
 def test_a_backend_that_cannot_be_loaded_is_a_clear_configuration_error(name: str, message: str) -> None:

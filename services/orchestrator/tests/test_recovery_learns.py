@@ -192,7 +192,12 @@ def timeline(cluster: Cluster, job_id: str, t0: float) -> list[str]:
 
 def incidents(cluster: Cluster, job_id: str) -> list[dict[str, Any]]:
     """The job's incidents as the detector's REST API lists them, newest first."""
-    response = httpx.get(cluster.url("detector") + "/v1/incidents", params={"job_id": job_id}, timeout=10)
+    response = httpx.get(
+        cluster.url("detector") + "/v1/incidents",
+        params={"job_id": job_id},
+        headers={"Authorization": f"Bearer {cluster.api_key}"},
+        timeout=10,
+    )
     return list(response.raise_for_status().json()["data"])
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import secrets
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +14,9 @@ import pytest
 
 from reprise_cli.servers import ManagedProcess, free_port, wait_until
 from reprise_orchestrator.registry_client import RegistryClient
+
+KEY = secrets.token_urlsafe(32)
+AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture
@@ -27,6 +31,7 @@ def registry(tmp_path: Path) -> Iterator[str]:
             "REPRISE_DATABASE_URL": f"sqlite:///{tmp_path / 'registry.db'}",
             "REPRISE_STATE_DIR": str(tmp_path / "state"),
             "REPRISE_NATS_URL": f"nats://127.0.0.1:{free_port()}",  # none there: the REST side works without it
+            "REPRISE_ADMIN_API_KEY": KEY,  # accepted without the key authority, which this test does not run
         },
     )
     process.start()
@@ -49,22 +54,24 @@ def _validated_checkpoint(url: str, root: Path) -> int:
     (root / "rank-00000.pt").write_bytes(data)
     (root / "COMMITTED").write_bytes(b"")
     body = {"job_id": "job-r", "step": 50, "path": str(root), "world_size": 1, "layout": "per_rank"}
-    checkpoint_id = int(httpx.post(url + "/v1/checkpoints", json=body).raise_for_status().json()["id"])
+    checkpoint_id = int(httpx.post(url + "/v1/checkpoints", json=body, headers=AUTH).raise_for_status().json()["id"])
     digest = hashlib.sha256(data).hexdigest()
     files = {"files": [{"path": "rank-00000.pt", "size_bytes": len(data), "digest": digest, "algorithm": "sha256"}]}
-    httpx.put(f"{url}/v1/checkpoints/{checkpoint_id}/ranks/0", json=files).raise_for_status()
-    httpx.post(f"{url}/v1/checkpoints/{checkpoint_id}/commit").raise_for_status()
-    answer = httpx.post(f"{url}/v1/checkpoints/{checkpoint_id}/validate", json={}).raise_for_status().json()
+    httpx.put(f"{url}/v1/checkpoints/{checkpoint_id}/ranks/0", json=files, headers=AUTH).raise_for_status()
+    httpx.post(f"{url}/v1/checkpoints/{checkpoint_id}/commit", headers=AUTH).raise_for_status()
+    answer = (
+        httpx.post(f"{url}/v1/checkpoints/{checkpoint_id}/validate", json={}, headers=AUTH).raise_for_status().json()
+    )
     assert answer["state"] == "validated", answer
     return checkpoint_id
 
 
 def _holders(url: str, checkpoint_id: int) -> list[str]:
-    return [pin["holder"] for pin in httpx.get(f"{url}/v1/checkpoints/{checkpoint_id}/pins").json()]
+    return [pin["holder"] for pin in httpx.get(f"{url}/v1/checkpoints/{checkpoint_id}/pins", headers=AUTH).json()]
 
 
 async def test_restore_point_is_pinned_for_the_recovery_and_released(registry: str, tmp_path: Path) -> None:
-    client = RegistryClient(registry, timeout_s=5)
+    client = RegistryClient(registry, timeout_s=5, api_key=KEY)
     assert await client.latest_validated("job-r") is None
     checkpoint_id = _validated_checkpoint(registry, tmp_path / "ckpt")
     restore = await client.latest_validated("job-r")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from sqlmodel import Session
@@ -14,7 +14,7 @@ from reprise_common.bus import Delivery, Outcome
 from reprise_common.errors import ConflictError, MalformedEventError
 from reprise_common.events import CheckpointSaved, Event, JobPlacement
 from reprise_common.logging import get_logger
-from reprise_registry.checkpoints import service
+from reprise_registry.checkpoints import paths, service
 from reprise_registry.checkpoints.models import (
     DEFAULT_MARKER,
     Algorithm,
@@ -38,8 +38,21 @@ def layout_of(files: list[str]) -> Layout:
     return Layout.DCP if any(n.endswith(".distcp") or n == ".metadata" for n in names) else Layout.PER_RANK
 
 
-def file_reports(event: CheckpointSaved) -> list[FileReport]:
-    """The event's files with the writer's sizes and digests; a file without one is measured here (size only)."""
+def confine(event: CheckpointSaved, roots: Sequence[Path]) -> Path:
+    """The event's checkpoint directory, resolved, once it and every file it names are inside the roots."""
+    directory = paths.checkpoint_directory(event.path, roots)
+    for index, path in enumerate(event.files):
+        paths.reported_file(event.path, directory, path, field=("files", index))
+    for index, digest in enumerate(event.file_digests):
+        paths.reported_file(event.path, directory, digest.path, field=("file_digests", index, "path"))
+    return directory
+
+
+def file_reports(event: CheckpointSaved, directory: Path) -> list[FileReport]:
+    """The event's files with the writer's sizes and digests; a file without one is measured here (size only).
+
+    `directory` is the event's, as confine() resolved it: nothing outside it is stat-ed.
+    """
     digests = {d.path: d for d in event.file_digests}
     reports: list[FileReport] = []
     for path in dict.fromkeys([*event.files, *digests]):
@@ -48,7 +61,8 @@ def file_reports(event: CheckpointSaved) -> list[FileReport]:
             algorithm = Algorithm(known.algorithm)
             reports.append(FileReport(path=path, size_bytes=known.size_bytes, digest=known.digest, algorithm=algorithm))
             continue
-        absolute = path if os.path.isabs(path) else os.path.join(event.path, path)
+        relative = paths.reported_file(event.path, directory, path, field=("files",))
+        absolute = os.path.join(directory, relative)
         try:
             size = os.stat(absolute).st_size
         except FileNotFoundError as exc:
@@ -57,10 +71,15 @@ def file_reports(event: CheckpointSaved) -> list[FileReport]:
     return reports
 
 
-def register_saved(engines: Engines, event: CheckpointSaved) -> bool:
-    """Begin (idempotently), record the rank's files, and commit when complete; True when it is committed now."""
+def register_saved(engines: Engines, event: CheckpointSaved, *, roots: Sequence[Path] | None = None) -> bool:
+    """Begin (idempotently), record the rank's files, and commit when complete; True when it is committed now.
+
+    An event whose directory is outside the roots, or naming a file outside that directory, raises PathRefusedError
+    before anything is stat-ed or stored.
+    """
+    confined = paths.roots_or_configured(roots)
     layout = layout_of(event.files)
-    reports = file_reports(event)
+    reports = file_reports(event, confine(event, confined))
     with Session(engines.write) as session:
         checkpoint = service.begin(
             session,
@@ -73,18 +92,22 @@ def register_saved(engines: Engines, event: CheckpointSaved) -> bool:
                 marker=DEFAULT_MARKER[layout],
                 restart_epoch=event.restart_epoch,
             ),
+            roots=confined,
         )
         assert checkpoint.id is not None
-        service.report_rank(session, checkpoint_id=checkpoint.id, rank=event.rank, files=reports)
-        return service.try_commit(session, checkpoint_id=checkpoint.id).committed
+        service.report_rank(session, checkpoint_id=checkpoint.id, rank=event.rank, files=reports, roots=confined)
+        return service.try_commit(session, checkpoint_id=checkpoint.id, roots=confined).committed
 
 
 class Registration:
     """The registry's NATS handlers."""
 
-    def __init__(self, engines: Engines, *, on_committed: Callable[[], None]) -> None:
+    def __init__(
+        self, engines: Engines, *, on_committed: Callable[[], None], roots: Sequence[Path] | None = None
+    ) -> None:
         self.engines = engines
         self.on_committed = on_committed
+        self.roots = paths.roots_or_configured(roots)  # none given: REPRISE_CHECKPOINT_ROOTS, read once
 
     async def on_checkpoint_saved(self, event: Event, delivery: Delivery) -> Outcome:
         """Handler of the agents' checkpoint.saved events."""
@@ -92,11 +115,11 @@ class Registration:
             raise MalformedEventError(f"a {event.model_dump().get('type')} event on the checkpoint.saved subject")
         node_id = subjects.node_from_agent_subject(delivery.subject)  # identity from the subject, not the payload
         try:
-            committed = await asyncio.to_thread(register_saved, self.engines, event)
+            committed = await asyncio.to_thread(register_saved, self.engines, event, roots=self.roots)
         except MissingFileError as exc:
             log.warning("reported checkpoint file not found", extra={"node_id": node_id, "error": str(exc)})
             return Outcome.RETRY
-        except (ConflictError, ValueError) as exc:
+        except (ConflictError, paths.PathRefusedError, ValueError) as exc:  # retrying cannot make it acceptable
             raise MalformedEventError(f"checkpoint report refused: {exc}") from exc
         if committed:
             log.info("checkpoint committed", extra={"job_id": event.job_id, "step": event.step, "node_id": node_id})
@@ -119,6 +142,6 @@ class Registration:
             )
             waiting = service.get_all_by_job(session, job_id=event.job_id, state=CheckpointState.WRITING, limit=10)
             ids = [c.id for c in waiting if c.world_size is None and c.id is not None]
-            committed = [service.try_commit(session, checkpoint_id=i).committed for i in ids]
+            committed = [service.try_commit(session, checkpoint_id=i, roots=self.roots).committed for i in ids]
         if any(committed):
             self.on_committed()

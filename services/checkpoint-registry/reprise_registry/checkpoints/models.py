@@ -56,7 +56,10 @@ class CheckpointCreate(CheckpointBase):
     world_size: int | None = Field(default=None, ge=1, le=1_000_000, description="ranks that must report")
     layout: Layout = Layout.PER_RANK
     marker: str | None = Field(
-        default=None, min_length=1, max_length=255, description="commit marker file in `path`; default by layout"
+        default=None,
+        min_length=1,
+        max_length=255,
+        description="commit marker file, relative to `path`; default by layout",
     )
     restart_epoch: int = Field(default=0, ge=0)
 
@@ -119,7 +122,9 @@ class CheckpointsPublic(SQLModel):
 class FileReport(SQLModel):
     """One file a rank wrote, with the digest computed where the bytes are."""
 
-    path: str = Field(min_length=1, max_length=4096, description="relative to the checkpoint's path, or absolute")
+    path: str = Field(
+        min_length=1, max_length=4096, description="relative to the checkpoint's path, or absolute inside it"
+    )
     size_bytes: int = Field(ge=0)
     digest: str | None = Field(default=None, regex=r"^[0-9a-f]{16,128}$")
     algorithm: Algorithm = Algorithm.BLAKE3

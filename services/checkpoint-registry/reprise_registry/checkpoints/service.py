@@ -6,7 +6,7 @@ Functions that change rows expect a session on the write engine (BEGIN IMMEDIATE
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from pathlib import PurePosixPath
+from pathlib import Path
 
 from sqlalchemy import delete, func
 from sqlalchemy.exc import IntegrityError
@@ -15,6 +15,7 @@ from sqlmodel import Session, col, select
 from reprise_common.clock import utcnow
 from reprise_common.db import insert_rows
 from reprise_common.errors import ConflictError, NotFoundError
+from reprise_registry.checkpoints import paths
 from reprise_registry.checkpoints.models import (
     DEFAULT_MARKER,
     Checkpoint,
@@ -97,12 +98,16 @@ def world_size_of(session: Session, *, job_id: str) -> int | None:
 
 
 # --- changes --------------------------------------------------------------------------------------------------
-def begin(session: Session, *, data: CheckpointCreate) -> Checkpoint:
+def begin(session: Session, *, data: CheckpointCreate, roots: Sequence[Path] | None = None) -> Checkpoint:
     """Begin a checkpoint, or return the one already begun for the same job and step (idempotent).
 
     A corrupt, deleted or never-finished checkpoint of the same step is started over when the new attempt comes from
     a later restart epoch (the job was restored and wrote that step again); anything else that differs conflicts.
+    Its directory must lie inside one of `roots` (default: the configured ones) and its marker inside it
+    (PathRefusedError otherwise).
     """
+    directory = paths.checkpoint_directory(data.path, roots)
+    paths.marker_file(directory, data.marker or DEFAULT_MARKER[data.layout])
     for attempt in range(2):
         try:
             return _begin_once(session, data)
@@ -154,35 +159,36 @@ def _start_over(session: Session, existing: Checkpoint, data: CheckpointCreate, 
     return existing
 
 
-def relative_path(checkpoint: Checkpoint, path: str) -> str:
-    """A reported file path relative to the checkpoint's directory; a path that leaves it is refused."""
-    root = PurePosixPath(checkpoint.path)
-    candidate = PurePosixPath(path)
-    if candidate.is_absolute():
-        if not candidate.is_relative_to(root):
-            raise ConflictError(f"file {path} is outside the checkpoint's path {checkpoint.path}")
-        candidate = candidate.relative_to(root)
-    if not candidate.parts or ".." in candidate.parts:
-        raise ConflictError(f"file path {path!r} is not inside the checkpoint")
-    return str(candidate)
+def directory_of(checkpoint: Checkpoint, roots: Sequence[Path] | None = None) -> Path:
+    """A stored checkpoint's resolved directory; ConflictError when it is (now) outside the roots."""
+    try:
+        return paths.checkpoint_directory(checkpoint.path, roots)
+    except paths.PathRefusedError as exc:
+        raise ConflictError(f"checkpoint {checkpoint.id} is refused: {exc}") from exc
 
 
-def report_rank(session: Session, *, checkpoint_id: int, rank: int, files: Sequence[FileReport]) -> Checkpoint:
-    """Record the files one rank wrote (replacing an earlier report of that rank while still writing)."""
+def report_rank(
+    session: Session, *, checkpoint_id: int, rank: int, files: Sequence[FileReport], roots: Sequence[Path] | None = None
+) -> Checkpoint:
+    """Record the files one rank wrote (replacing an earlier report of that rank while still writing).
+
+    Each file must stay inside the checkpoint's directory, symlinks followed (PathRefusedError naming it otherwise).
+    """
     checkpoint = get(session, checkpoint_id=checkpoint_id)
     if checkpoint.world_size is not None and rank >= checkpoint.world_size:
         raise ConflictError(f"rank {rank} is outside world size {checkpoint.world_size}")
+    directory = directory_of(checkpoint, roots)
     rows = [
         {
             "checkpoint_id": checkpoint_id,
             "rank": rank,
-            "path": relative_path(checkpoint, f.path),
+            "path": paths.reported_file(checkpoint.path, directory, f.path, field=("files", index, "path")),
             "size_bytes": f.size_bytes,
             "digest": f.digest,
             "algorithm": f.algorithm.value,
             "reported_at": utcnow(),
         }
-        for f in files
+        for index, f in enumerate(files)
     ]
     if checkpoint.state != CheckpointState.WRITING:
         if _same_report(session, checkpoint_id, rank, rows):
@@ -211,10 +217,8 @@ def _same_report(session: Session, checkpoint_id: int, rank: int, rows: Sequence
     return known == {(r["path"], r["size_bytes"], r["digest"]) for r in rows}
 
 
-def try_commit(session: Session, *, checkpoint_id: int) -> CommitResult:
+def try_commit(session: Session, *, checkpoint_id: int, roots: Sequence[Path] | None = None) -> CommitResult:
     """Commit when every rank of the world has reported for this step and the commit marker exists on storage."""
-    from reprise_registry.validation.checks import marker_present  # noqa: PLC0415 - checks imports this module
-
     checkpoint = get(session, checkpoint_id=checkpoint_id)
     if checkpoint.state != CheckpointState.WRITING:
         return _commit_result(checkpoint, committed=checkpoint.state in DONE_WRITING, marker=True, missing=[])
@@ -223,7 +227,10 @@ def try_commit(session: Session, *, checkpoint_id: int) -> CommitResult:
         detail = "world size unknown: begin with world_size, or wait for the job's placement"
         return _commit_result(checkpoint, committed=False, marker=False, missing=[], detail=detail)
     missing = sorted(set(range(world_size)) - ranks_of(session, checkpoint_id=checkpoint_id))
-    marker = marker_present(checkpoint)
+    try:
+        marker = paths.marker_present(paths.checkpoint_directory(checkpoint.path, roots), checkpoint.marker)
+    except paths.PathRefusedError as exc:  # a row stored before paths were confined: never committed
+        return _commit_result(checkpoint, committed=False, marker=False, missing=missing, detail=f"refused: {exc}")
     if missing or not marker:
         detail = f"missing ranks {missing[:20]}" if missing else f"commit marker {checkpoint.marker} not found"
         return _commit_result(checkpoint, committed=False, marker=marker, missing=missing, detail=detail)

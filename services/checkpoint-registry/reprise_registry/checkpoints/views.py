@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Annotated
 
 from fastapi import APIRouter, Query
+from fastapi.exceptions import RequestValidationError
 
 from reprise_common.errors import ConflictError
 from reprise_registry.checkpoints import service
@@ -20,6 +23,7 @@ from reprise_registry.checkpoints.models import (
     LoadFailure,
     RankReport,
 )
+from reprise_registry.checkpoints.paths import FieldPath, PathRefusedError
 from reprise_registry.deps import DepsDep, ReadSession, WriteSession
 from reprise_registry.validation.service import validate_checkpoint
 
@@ -30,10 +34,28 @@ def _public(row: object) -> CheckpointPublic:
     return CheckpointPublic.model_validate(row, from_attributes=True)
 
 
+def unprocessable(loc: FieldPath, message: str, value: object) -> RequestValidationError:
+    """A 422 shaped like FastAPI's own validation errors, for what only the service can judge."""
+    return RequestValidationError([{"type": "value_error", "loc": loc, "msg": message, "input": value}])
+
+
+@contextmanager
+def _refused_as_422() -> Iterator[None]:
+    """A path refused by the confinement checks is the request's fault: 422 naming the body field."""
+    try:
+        yield
+    except PathRefusedError as exc:
+        raise unprocessable(("body", *exc.field), exc.reason, exc.value) from exc
+
+
 @router.post("/checkpoints", status_code=201, response_model=CheckpointPublic)
-def begin_checkpoint(body: CheckpointCreate, session: WriteSession) -> CheckpointPublic:
-    """Begin recording a checkpoint (idempotent per job and step); it is restorable only once validated."""
-    return _public(service.begin(session, data=body))
+def begin_checkpoint(body: CheckpointCreate, session: WriteSession, deps: DepsDep) -> CheckpointPublic:
+    """Begin recording a checkpoint (idempotent per job and step); it is restorable only once validated.
+
+    Its path must resolve to a directory inside the registry's checkpoint roots, its marker inside that (422).
+    """
+    with _refused_as_422():
+        return _public(service.begin(session, data=body, roots=deps.settings.checkpoint_roots))
 
 
 @router.get("/checkpoints/{checkpoint_id}", response_model=CheckpointPublic)
@@ -52,17 +74,25 @@ def list_files(checkpoint_id: int, session: ReadSession) -> CheckpointFilesPubli
 
 
 @router.put("/checkpoints/{checkpoint_id}/ranks/{rank}", response_model=CheckpointPublic)
-def report_rank(checkpoint_id: int, rank: int, body: RankReport, session: WriteSession) -> CheckpointPublic:
-    """Record the files one rank wrote, with their sizes and digests (repeating a report is harmless)."""
+def report_rank(
+    checkpoint_id: int, rank: int, body: RankReport, session: WriteSession, deps: DepsDep
+) -> CheckpointPublic:
+    """Record the files one rank wrote, with their sizes and digests (repeating a report is harmless).
+
+    Each file must resolve inside the checkpoint's directory, symlinks followed (422 naming the file otherwise).
+    """
     if rank < 0:
         raise ConflictError("rank must be ≥ 0")
-    return _public(service.report_rank(session, checkpoint_id=checkpoint_id, rank=rank, files=body.files))
+    roots = deps.settings.checkpoint_roots
+    with _refused_as_422():
+        checkpoint = service.report_rank(session, checkpoint_id=checkpoint_id, rank=rank, files=body.files, roots=roots)
+    return _public(checkpoint)
 
 
 @router.post("/checkpoints/{checkpoint_id}/commit", response_model=CommitResult)
 def commit_checkpoint(checkpoint_id: int, session: WriteSession, deps: DepsDep) -> CommitResult:
     """Commit once every rank reported and the marker exists (409 says what is missing); validation follows."""
-    result = service.try_commit(session, checkpoint_id=checkpoint_id)
+    result = service.try_commit(session, checkpoint_id=checkpoint_id, roots=deps.settings.checkpoint_roots)
     if not result.committed:
         raise ConflictError(f"checkpoint {checkpoint_id} cannot be committed yet: {result.detail}")
     deps.wake(deps.validator_wake)
@@ -81,6 +111,7 @@ async def validate_now(
         checkpoint_id=checkpoint_id,
         sample_fraction=fraction,
         workers=deps.settings.hash_workers,
+        roots=deps.settings.checkpoint_roots,
     )
     if checkpoint.state not in (CheckpointState.VALIDATED, CheckpointState.CORRUPT):
         raise ConflictError(f"checkpoint {checkpoint_id} is {checkpoint.state}: only a committed one is validated")

@@ -47,7 +47,9 @@ class RetentionPolicy(SQLModel):
 
     keep_last: int = Field(default=3, ge=1)
     keep_every: int = Field(default=0, ge=0, description="0: none kept beyond keep_last")
-    delete_files: bool = False
+    delete_files: bool = Field(
+        default=False, description="remove the files too; refused (422) unless REPRISE_RETENTION_DELETE_FILES=true"
+    )
 
 
 class RetentionResult(SQLModel):

@@ -3,6 +3,9 @@
 Deciding and pinning lock the checkpoint rows (FOR UPDATE on PostgreSQL; BEGIN IMMEDIATE serialises SQLite), so a
 pin taken by a recovery and a retention pass cannot cross: either the pin lands first and the checkpoint is kept,
 or the checkpoint is already deleted and the pin is refused.
+
+Files are removed only inside the checkpoint's directory, itself inside the roots, checked again at deletion time: a
+row stored before paths were confined, or a symlink swapped in since, is skipped and reported, never followed.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from sqlmodel import Session, col, delete, select
 from reprise_common.clock import utcnow
 from reprise_common.errors import ConflictError, NotFoundError
 from reprise_common.logging import get_logger
+from reprise_registry.checkpoints import paths
 from reprise_registry.checkpoints import service as checkpoints
 from reprise_registry.checkpoints.models import Checkpoint, CheckpointState
 from reprise_registry.retention.models import CheckpointPin, PinCreate, RetentionPolicy, RetentionResult
@@ -92,7 +96,14 @@ def to_keep(rows: Sequence[Checkpoint], policy: RetentionPolicy) -> set[int]:
     return keep
 
 
-def apply(session: Session, *, job_id: str, policy: RetentionPolicy, now: datetime | None = None) -> RetentionResult:
+def apply(
+    session: Session,
+    *,
+    job_id: str,
+    policy: RetentionPolicy,
+    roots: Sequence[Path] | None = None,
+    now: datetime | None = None,
+) -> RetentionResult:
     """Mark the validated checkpoints the policy does not keep as deleted (files removed after, if asked)."""
     now = now or utcnow()
     query = select(Checkpoint).where(Checkpoint.job_id == job_id, Checkpoint.state == CheckpointState.VALIDATED)
@@ -119,20 +130,32 @@ def apply(session: Session, *, job_id: str, policy: RetentionPolicy, now: dateti
     if policy.delete_files:
         for row in doomed:
             assert row.id is not None
-            count, errors = delete_files(row, [f.path for f in checkpoints.files_of(session, checkpoint_id=row.id)])
+            files = [f.path for f in checkpoints.files_of(session, checkpoint_id=row.id)]
+            count, errors = delete_files(row, files, roots=roots)
             result.files_deleted += count
             result.errors.extend(errors)
     return result
 
 
-def delete_files(checkpoint: Checkpoint, relative_paths: Sequence[str]) -> tuple[int, list[str]]:
-    """Remove a deleted checkpoint's files, then its marker, then its directory if nothing else is left."""
-    root = Path(checkpoint.path)
+def delete_files(
+    checkpoint: Checkpoint, relative_paths: Sequence[str], *, roots: Sequence[Path] | None = None
+) -> tuple[int, list[str]]:
+    """Remove a deleted checkpoint's files, then its marker, then its directory if nothing else is left.
+
+    Only inside the checkpoint's directory within `roots` (default: the configured roots); anything else is skipped
+    and reported in the errors.
+    """
+    try:
+        root = paths.checkpoint_directory(checkpoint.path, roots)
+    except paths.PathRefusedError as exc:
+        return 0, [f"checkpoint {checkpoint.id}: nothing deleted, {exc}"]
     count, errors = 0, []
     for relative in [*relative_paths, checkpoint.marker]:
         try:
-            (root / relative).unlink()
+            paths.removable(root, relative, field=("path",)).unlink()
             count += 1
+        except paths.PathRefusedError as exc:
+            errors.append(f"checkpoint {checkpoint.id}: {relative} not deleted, {exc.reason}")
         except FileNotFoundError:
             continue
         except OSError as exc:
@@ -161,7 +184,7 @@ def apply_all(deps: Deps) -> list[RetentionResult]:
     results = []
     for job_id in jobs:
         with Session(deps.engines.write) as session:
-            results.append(apply(session, job_id=job_id, policy=policy))
+            results.append(apply(session, job_id=job_id, policy=policy, roots=settings.checkpoint_roots))
     return results
 
 

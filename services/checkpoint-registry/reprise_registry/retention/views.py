@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Response
 
+from reprise_registry.checkpoints.views import unprocessable
 from reprise_registry.deps import DepsDep, ReadSession, WriteSession
 from reprise_registry.retention import service
 from reprise_registry.retention.models import PinCreate, PinPublic, RetentionPolicy, RetentionResult
@@ -35,14 +36,20 @@ def unpin_checkpoint(checkpoint_id: int, holder: str, session: WriteSession) -> 
 def apply_retention(
     job_id: str, session: WriteSession, deps: DepsDep, body: RetentionPolicy | None = None
 ) -> RetentionResult:
-    """Apply retention to a job now (the configured policy unless one is given); answers what was deleted."""
+    """Apply retention to a job now (the configured policy unless one is given); answers what was deleted.
+
+    Files are deleted only where the registry's own setting allows it: a body asking for it otherwise is a 422.
+    """
     settings = deps.settings
+    if body is not None and body.delete_files and not settings.retention_delete_files:
+        message = "this registry does not delete checkpoint files (REPRISE_RETENTION_DELETE_FILES=false)"
+        raise unprocessable(("body", "delete_files"), message, True)
     policy = body or RetentionPolicy(
         keep_last=settings.retention_keep_last,
         keep_every=settings.retention_keep_every,
         delete_files=settings.retention_delete_files,
     )
-    result = service.apply(session, job_id=job_id, policy=policy)
+    result = service.apply(session, job_id=job_id, policy=policy, roots=settings.checkpoint_roots)
     if result.deleted:
         deps.wake(deps.announcer_wake)
     return result

@@ -1,7 +1,8 @@
 """The checks that prove a checkpoint intact, each returning a reason when it is not.
 
 Order matters for cost: completeness and sizes need only metadata (stat), DCP metadata one small read, digests the
-whole of every sampled file.
+whole of every sampled file. Nothing is read outside the checkpoint's directory, itself inside the roots: a stored
+path that leaves them (or a symlink swapped in since it was reported) makes the checkpoint corrupt instead.
 """
 
 from __future__ import annotations
@@ -9,12 +10,15 @@ from __future__ import annotations
 import math
 import os
 import random
+import stat
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
+from reprise_registry.checkpoints import paths
 from reprise_registry.checkpoints.models import Algorithm, Checkpoint, Layout
+from reprise_registry.checkpoints.paths import PathRefusedError
 from reprise_registry.validation.hashing import FileDigestResult, hash_file, parallel_map
 
 STAT_BATCH = 1024
@@ -30,6 +34,7 @@ class Failure(StrEnum):
     DIGEST_MISMATCH = "digest_mismatch"
     UNREADABLE = "unreadable"
     DCP_METADATA = "dcp_metadata"
+    OUTSIDE = "outside_checkpoint"
 
 
 @dataclass(frozen=True)
@@ -58,11 +63,6 @@ class Verdict:
         return not self.reason
 
 
-def marker_present(checkpoint: Checkpoint) -> bool:
-    """The commit marker file exists in the checkpoint's directory."""
-    return (Path(checkpoint.path) / checkpoint.marker).is_file()
-
-
 def validate(
     checkpoint: Checkpoint,
     *,
@@ -71,14 +71,19 @@ def validate(
     sample_fraction: float,
     workers: int | None = None,
     rng: random.Random | None = None,
+    roots: Sequence[Path] | None = None,
 ) -> Verdict:
     """Run every check on a committed checkpoint; the first failure decides the reason."""
-    root = Path(checkpoint.path)
     expected = set(range(checkpoint.world_size or 0))
     if not expected or ranks != expected:
         missing = sorted(expected - ranks)[:20]
         return Verdict(reason=f"{Failure.INCOMPLETE}: ranks {missing} did not report (world size {len(expected)})")
-    if not marker_present(checkpoint):
+    try:
+        root = paths.checkpoint_directory(checkpoint.path, roots)
+        marker = paths.marker_present(root, checkpoint.marker)
+    except PathRefusedError as exc:
+        return Verdict(reason=f"{Failure.OUTSIDE}: {exc}")
+    if not marker:
         return Verdict(reason=f"{Failure.MISSING_MARKER}: {checkpoint.marker} not found in {root}")
     reason = check_sizes(root, files, workers=workers)
     if reason:
@@ -91,32 +96,60 @@ def validate(
 
 
 def check_sizes(root: Path, files: Sequence[ManifestFile], *, workers: int | None = None) -> str:
-    """Every file exists with the size it was reported with."""
+    """Every file exists inside `root` (resolved) with the size it was reported with."""
     # stat is microseconds: one pool task per file would cost more than the call, so files go in batches, each
-    # stat-ed relative to one open directory descriptor (no full path resolution per file).
+    # stat-ed relative to one open directory descriptor (no full path resolution per file). Containment costs no
+    # more: each distinct subdirectory is resolved once, each file lstat-ed, and only a symlink resolved in full.
+    reason = _outside_subdirectory(root, files)
+    if reason:
+        return reason
     batches = [files[i : i + STAT_BATCH] for i in range(0, len(files), STAT_BATCH)]
     try:
         directory = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
     except OSError as exc:
         return f"{Failure.UNREADABLE}: {root}: {exc}"
     try:
-        sizes = parallel_map(lambda batch: [_size(f.path, directory) for f in batch], batches, workers=workers)
+        sizes = parallel_map(lambda batch: [_size(f.path, directory, root) for f in batch], batches, workers=workers)
     finally:
         os.close(directory)
     stats = [size for batch in sizes for size in (batch if isinstance(batch, list) else [batch])]
-    for entry, size in zip(files, stats, strict=True):
-        if isinstance(size, FileNotFoundError):
-            return f"{Failure.MISSING_FILE}: {entry.path} (rank {entry.rank}) is missing"
-        if isinstance(size, OSError):
-            return f"{Failure.UNREADABLE}: {entry.path}: {size}"
-        if size != entry.size_bytes:
-            return f"{Failure.SIZE_MISMATCH}: {entry.path} is {size} bytes, the manifest says {entry.size_bytes}"
+    reasons = (_size_reason(entry, size) for entry, size in zip(files, stats, strict=True))
+    return next((reason for reason in reasons if reason), "")
+
+
+def _size_reason(entry: ManifestFile, size: int | OSError | PathRefusedError) -> str:
+    if isinstance(size, PathRefusedError):
+        return f"{Failure.OUTSIDE}: {entry.path} (rank {entry.rank}) {size.reason}"
+    if isinstance(size, FileNotFoundError):
+        return f"{Failure.MISSING_FILE}: {entry.path} (rank {entry.rank}) is missing"
+    if isinstance(size, OSError):
+        return f"{Failure.UNREADABLE}: {entry.path}: {size}"
+    if size != entry.size_bytes:
+        return f"{Failure.SIZE_MISMATCH}: {entry.path} is {size} bytes, the manifest says {entry.size_bytes}"
     return ""
 
 
-def _size(relative: str, directory: int) -> int | OSError:
+def _outside_subdirectory(root: Path, files: Sequence[ManifestFile]) -> str:
+    subdirectories = {f.path.rpartition("/")[0] for f in files} - {""}
+    for subdirectory in sorted(subdirectories):
+        try:
+            paths.readable(root, subdirectory, field=("path",))
+        except PathRefusedError:
+            entry = next(f for f in files if f.path.rpartition("/")[0] == subdirectory)
+            return f"{Failure.OUTSIDE}: {entry.path} (rank {entry.rank}) resolves outside the checkpoint's directory"
+    return ""
+
+
+def _size(relative: str, directory: int, root: Path) -> int | OSError | PathRefusedError:
+    if not paths.plain_relative(relative):  # an absolute path would make stat ignore the directory descriptor
+        return PathRefusedError(("path",), "points outside the checkpoint's directory", relative)
     try:
-        return os.stat(relative, dir_fd=directory).st_size
+        info = os.stat(relative, dir_fd=directory, follow_symlinks=False)
+        if stat.S_ISLNK(info.st_mode):
+            info = os.stat(paths.readable(root, relative, field=("path",)))
+        return info.st_size
+    except PathRefusedError as exc:
+        return PathRefusedError(exc.field, "resolves outside the checkpoint's directory (a symlink)", relative)
     except OSError as exc:
         return exc
 
@@ -127,6 +160,10 @@ def check_dcp_metadata(root: Path, manifest: set[str]) -> str:
         from torch.distributed.checkpoint import FileSystemReader  # noqa: PLC0415 - optional and heavy
     except ImportError:
         return ""
+    try:
+        paths.readable(root, ".metadata", field=("marker",))  # the reader opens it whatever the marker is called
+    except PathRefusedError as exc:
+        return f"{Failure.OUTSIDE}: {exc}"
     try:
         metadata = FileSystemReader(str(root)).read_metadata()
     except Exception as exc:  # any failure to unpickle means a restore would fail the same way
@@ -159,9 +196,12 @@ def check_digests(
 ) -> Verdict:
     """Re-hash the sampled files (in parallel) and compare with the reported digests."""
     chosen = sample(files, sample_fraction, rng or random.Random())  # noqa: S311 - sampling, not secrecy
-    results = parallel_map(lambda f: hash_file(root / f.path, f.algorithm), chosen, workers=workers)
+    results = parallel_map(lambda f: _hash_inside(root, f), chosen, workers=workers)
     verdict = Verdict(hashed_files=len(chosen))
     for entry, result in zip(chosen, results, strict=True):
+        if isinstance(result, PathRefusedError):
+            verdict.reason = f"{Failure.OUTSIDE}: {entry.path} (rank {entry.rank}) {result.reason}"
+            return verdict
         if isinstance(result, OSError):
             verdict.reason = f"{Failure.UNREADABLE}: {entry.path}: {result}"
             return verdict
@@ -179,3 +219,12 @@ def check_digests(
             )
             return verdict
     return verdict
+
+
+def _hash_inside(root: Path, entry: ManifestFile) -> FileDigestResult | PathRefusedError:
+    """Hash a file after checking, right before opening it, that it resolves inside the checkpoint's directory."""
+    try:
+        target = paths.readable(root, entry.path, field=("path",))
+    except PathRefusedError as exc:
+        return exc
+    return hash_file(target, entry.algorithm, follow_symlinks=False)  # resolved: a link swapped in now is refused

@@ -59,12 +59,18 @@ def _buffer() -> bytearray:
     return buffer
 
 
-def hash_file(path: str | os.PathLike[str], algorithm: Algorithm = Algorithm.BLAKE3) -> FileDigestResult:
-    """Stream one file through the hasher with a per-thread reused buffer (no per-read allocation)."""
+def hash_file(
+    path: str | os.PathLike[str], algorithm: Algorithm = Algorithm.BLAKE3, *, follow_symlinks: bool = True
+) -> FileDigestResult:
+    """Stream one file through the hasher with a per-thread reused buffer (no per-read allocation).
+
+    With follow_symlinks=False a path whose last component is a symlink is not opened (OSError, ELOOP).
+    """
     buffer = _buffer()
     view = memoryview(buffer)
     size = 0
-    with open(path, "rb", buffering=0) as source:
+    flags = 0 if follow_symlinks else os.O_NOFOLLOW
+    with open(path, "rb", buffering=0, opener=lambda name, mode: os.open(name, mode | flags)) as source:
         hasher = new_hasher(algorithm, size_hint=os.fstat(source.fileno()).st_size)
         while True:
             count = source.readinto(buffer)

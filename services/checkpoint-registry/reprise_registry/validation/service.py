@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from sqlalchemy import func, update
 from sqlalchemy import select as sql_select
@@ -15,7 +17,7 @@ from sqlmodel import Session, col, select
 from reprise_common.clock import utcnow
 from reprise_common.events import CheckpointChange
 from reprise_common.logging import get_logger
-from reprise_registry.checkpoints import announce, service
+from reprise_registry.checkpoints import announce, paths, service
 from reprise_registry.checkpoints.models import Algorithm, Checkpoint, CheckpointFile, CheckpointState
 from reprise_registry.validation.checks import ManifestFile, Verdict, validate
 from reprise_registry.validation.hashing import manifest_digest
@@ -46,9 +48,18 @@ def load_manifest(session: Session, *, checkpoint_id: int) -> list[ManifestFile]
 
 
 def validate_checkpoint(
-    engines: Engines, *, checkpoint_id: int, sample_fraction: float, workers: int | None = None, seed: int | None = None
+    engines: Engines,
+    *,
+    checkpoint_id: int,
+    sample_fraction: float,
+    workers: int | None = None,
+    seed: int | None = None,
+    roots: Sequence[Path] | None = None,
 ) -> Checkpoint:
-    """Validate one committed (or re-check one validated) checkpoint and record the outcome; blocking."""
+    """Validate one committed (or re-check one validated) checkpoint and record the outcome; blocking.
+
+    Files are read only inside the checkpoint's directory within `roots` (default: the configured roots).
+    """
     with Session(engines.read) as session:
         checkpoint = service.get(session, checkpoint_id=checkpoint_id)
         if checkpoint.state not in VALIDATABLE:
@@ -63,6 +74,7 @@ def validate_checkpoint(
         sample_fraction=sample_fraction,
         workers=workers,
         rng=random.Random(seed),  # noqa: S311 - sampling, not secrecy
+        roots=roots,
     )
     return record_verdict(engines.write, checkpoint_id=checkpoint_id, expected=checkpoint.state, verdict=verdict)
 
@@ -126,12 +138,21 @@ def announce_change(session: Session, checkpoint: Checkpoint) -> None:
     announce.record(session, event, checkpoint_id=checkpoint.id)
 
 
-def validate_pending(engines: Engines, *, sample_fraction: float, workers: int | None = None, limit: int = 50) -> int:
+def validate_pending(
+    engines: Engines,
+    *,
+    sample_fraction: float,
+    workers: int | None = None,
+    limit: int = 50,
+    roots: Sequence[Path] | None = None,
+) -> int:
     """Validate every committed checkpoint (oldest first); returns how many were decided."""
     with Session(engines.read) as session:
         pending = service.get_all_by_state(session, state=CheckpointState.COMMITTED, limit=limit)
     for checkpoint_id in pending:
-        validate_checkpoint(engines, checkpoint_id=checkpoint_id, sample_fraction=sample_fraction, workers=workers)
+        validate_checkpoint(
+            engines, checkpoint_id=checkpoint_id, sample_fraction=sample_fraction, workers=workers, roots=roots
+        )
     return len(pending)
 
 
@@ -143,13 +164,15 @@ async def run_validator(
     sample_fraction: float,
     workers: int | None,
     interval_s: float,
+    roots: Sequence[Path] | None = None,
 ) -> None:
     """Validate committed checkpoints whenever woken and every interval (level-triggered: survives restarts)."""
+    confined = paths.roots_or_configured(roots)  # read once, not at every pass
     while True:
         wake.clear()
         try:
             decided = await asyncio.to_thread(
-                validate_pending, engines, sample_fraction=sample_fraction, workers=workers
+                validate_pending, engines, sample_fraction=sample_fraction, workers=workers, roots=confined
             )
         except Exception:  # a database hiccup must not stop validation for good; the next pass retries
             log.exception("validation pass failed")

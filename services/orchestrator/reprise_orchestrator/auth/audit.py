@@ -12,11 +12,11 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from reprise_common.auth import ANONYMOUS, Principal
 from reprise_common.clock import Clock
 from reprise_common.logging import get_logger
 from reprise_orchestrator.auth import service
-from reprise_orchestrator.auth.dependencies import Principal
-from reprise_orchestrator.auth.models import ANONYMOUS, AuditRecord
+from reprise_orchestrator.auth.models import AuditRecord
 
 log = get_logger("reprise.orchestrator.audit")
 MUTATING_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})

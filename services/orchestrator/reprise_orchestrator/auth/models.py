@@ -3,30 +3,13 @@
 from __future__ import annotations
 
 from datetime import datetime
-from enum import StrEnum
 
 from sqlalchemy import JSON, Column
 from sqlmodel import Field, SQLModel
 
+from reprise_common.auth import ANONYMOUS, Scope
 from reprise_common.clock import utcnow
 from reprise_common.db import UTCDateTime
-
-ANONYMOUS = "anonymous"
-
-
-class Scope(StrEnum):
-    """What a key may do; each scope implies the ones before it (read < operate < admin)."""
-
-    READ = "read"
-    OPERATE = "operate"
-    ADMIN = "admin"
-
-
-def granted(scopes: list[Scope]) -> list[str]:
-    """Every scope a key holding `scopes` has, lowest first (as stored)."""
-    order = list(Scope)
-    highest = max((order.index(scope) for scope in scopes), default=-1)
-    return [scope.value for scope in order[: highest + 1]]
 
 
 class ApiKeyBase(SQLModel):

@@ -16,29 +16,20 @@ from datetime import datetime, timedelta
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, or_, select
 
+from reprise_common.auth import KEY_PREFIX, Scope, granted, hash_key, key_id_of
 from reprise_common.errors import NotFoundError
 from reprise_common.events import new_id
-from reprise_orchestrator.auth.models import ApiKey, AuditRecord, Scope, granted
+from reprise_orchestrator.auth.models import ApiKey, AuditRecord
 
-KEY_PREFIX = "rpk"
 BOOTSTRAP_ID = "bootstrap"
+BOOTSTRAP_READ_ID = "bootstrap-read"
+# Keys whose value the operator chose (any shape): a key that names no id is compared against these rows.
+BOOTSTRAP_IDS = (BOOTSTRAP_ID, BOOTSTRAP_READ_ID)
 SECRET_BYTES = 32
 # last_used_at is a hint for operators, not a log: rewrite it at most this often, not on every request.
 LAST_USED_RESOLUTION = timedelta(seconds=60)
 # Compared against when no key row matches, so an unknown id costs the same work as a wrong secret.
 _NO_KEY_DIGEST = hashlib.sha256(b"no such key").hexdigest()
-
-
-def hash_key(key: str) -> str:
-    """The hex SHA-256 of a key, as stored."""
-    return hashlib.sha256(key.encode()).hexdigest()
-
-
-def key_id_of(key: str) -> str | None:
-    """The id inside an `rpk_<id>_<secret>` key, or None for any other shape."""
-    prefix, _, rest = key.partition("_")
-    key_id, _, secret = rest.partition("_")
-    return key_id if prefix == KEY_PREFIX and key_id and secret else None
 
 
 def create(session: Session, *, name: str, scopes: list[Scope], now: datetime) -> tuple[ApiKey, str]:
@@ -72,29 +63,40 @@ def revoke(session: Session, *, key_id: str, now: datetime) -> ApiKey:
 
 def authenticate(session: Session, *, key: str, now: datetime) -> ApiKey | None:
     """The live key row that `key` is, or None (unknown, wrong secret or revoked)."""
-    key_id = key_id_of(key)
-    row = session.get(ApiKey, key_id) if key_id is not None else None
-    if row is None:
-        row = session.get(ApiKey, BOOTSTRAP_ID)  # the bootstrap key is whatever the operator chose: any shape
-    expected = row.hash if row is not None else _NO_KEY_DIGEST
-    if not hmac.compare_digest(hash_key(key), expected) or row is None or row.revoked_at is not None:
+    return authenticate_digest(session, key_id=key_id_of(key), digest=hash_key(key), now=now)
+
+
+def authenticate_digest(session: Session, *, key_id: str | None, digest: str, now: datetime) -> ApiKey | None:
+    """The live key row whose SHA-256 is `digest` (its id given when the key names one), or None."""
+    candidates = [key_id] if key_id is not None else []
+    rows = [row for row in (session.get(ApiKey, name) for name in [*candidates, *BOOTSTRAP_IDS]) if row is not None]
+    match = None
+    for row in rows:  # every candidate compared, in constant time: no answer says which part was wrong
+        if hmac.compare_digest(digest, row.hash):
+            match = row
+    if match is None:
+        hmac.compare_digest(digest, _NO_KEY_DIGEST)
+    if match is None or match.revoked_at is not None:
         return None
-    if row.last_used_at is None or now - row.last_used_at >= LAST_USED_RESOLUTION:
-        row.last_used_at = now
-        session.add(row)
+    if match.last_used_at is None or now - match.last_used_at >= LAST_USED_RESOLUTION:
+        match.last_used_at = now
+        session.add(match)
         session.commit()
-        session.refresh(row)
-    return row
+        session.refresh(match)
+    return match
 
 
-def ensure_bootstrap(session: Session, *, key: str, now: datetime) -> ApiKey:
-    """Make `key` the admin key named bootstrap: created once, replaced when the value changes, never un-revoked."""
+def ensure_bootstrap(
+    session: Session, *, key: str, now: datetime, key_id: str = BOOTSTRAP_ID, scope: Scope = Scope.ADMIN
+) -> ApiKey:
+    """Make `key` the key `key_id` (bootstrap: admin; bootstrap-read: read): created once, replaced when the value
+    changes, never un-revoked."""
     digest = hash_key(key)
-    row = session.get(ApiKey, BOOTSTRAP_ID)
+    row = session.get(ApiKey, key_id)
     if row is not None and hmac.compare_digest(row.hash, digest):
         return row  # same value as before: nothing to do, and a revoked bootstrap key stays revoked
     if row is None:
-        row = ApiKey(id=BOOTSTRAP_ID, name=BOOTSTRAP_ID, hash=digest, scopes=granted([Scope.ADMIN]), created_at=now)
+        row = ApiKey(id=key_id, name=key_id, hash=digest, scopes=granted([scope]), created_at=now)
     else:  # the operator set a new value: the old one stops working, the new one works
         row.hash, row.revoked_at, row.last_used_at, row.created_at = digest, None, None, now
     session.add(row)
@@ -102,7 +104,7 @@ def ensure_bootstrap(session: Session, *, key: str, now: datetime) -> ApiKey:
         session.commit()
     except IntegrityError:  # another replica inserted it at the same moment, from the same setting
         session.rollback()
-        return ensure_bootstrap(session, key=key, now=now)
+        return ensure_bootstrap(session, key=key, now=now, key_id=key_id, scope=scope)
     session.refresh(row)
     return row
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Request
 from pydantic import AfterValidator
 
+from reprise_common.auth import REDACTED, may_see_secrets
 from reprise_common.labels import check_selector, parse_selector
 from reprise_orchestrator.deps import DepsDep, SessionDep
 from reprise_orchestrator.jobs import flows, service
@@ -16,18 +17,24 @@ router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 LabelSelector = Annotated[str, AfterValidator(check_selector)]
 
 
-def _public(job: object) -> JobPublic:
-    return JobPublic.model_validate(job, from_attributes=True)
+def _public(job: object, request: Request) -> JobPublic:
+    """The job as this caller may see it: env values (often secrets) only with the operate scope."""
+    public = JobPublic.model_validate(job, from_attributes=True)
+    env = public.spec.get("env")
+    if isinstance(env, dict) and env and not may_see_secrets(request):
+        public.spec = {**public.spec, "env": dict.fromkeys(env, REDACTED)}
+    return public
 
 
 @router.post("", status_code=201, response_model=JobPublic)
-async def submit_job(body: JobCreate, deps: DepsDep) -> JobPublic:
+async def submit_job(body: JobCreate, deps: DepsDep, request: Request) -> JobPublic:
     """Register a job, place its ranks and launch them."""
-    return _public(await flows.submit(deps, body))
+    return _public(await flows.submit(deps, body), request)
 
 
 @router.get("", response_model=JobsPublic)
 def list_jobs(
+    request: Request,
     session: SessionDep,
     state: JobState | None = None,
     label: Annotated[
@@ -37,11 +44,11 @@ def list_jobs(
 ) -> JobsPublic:
     """Jobs, newest first, optionally by state and by labels."""
     labels = [parse_selector(selector) for selector in label or []]
-    data = [_public(job) for job in service.get_all(session, state=state, labels=labels, limit=limit)]
+    data = [_public(job, request) for job in service.get_all(session, state=state, labels=labels, limit=limit)]
     return JobsPublic(data=data, count=len(data))
 
 
 @router.get("/{job_id}", response_model=JobPublic)
-def get_job(job_id: str, session: SessionDep) -> JobPublic:
-    """One job."""
-    return _public(service.get(session, job_id=job_id))
+def get_job(job_id: str, session: SessionDep, request: Request) -> JobPublic:
+    """One job (env values redacted for a read-only key)."""
+    return _public(service.get(session, job_id=job_id), request)

@@ -2,11 +2,16 @@
 
 A handler only claims: it takes the job's lock and a fence, persists the recovery as `locked`, hands it to the
 replica's runner and acknowledges; it never holds a delivery for longer than the claim takes. An incident whose
-recovery already runs (or already replaced the ranks it is about) attaches to that recovery instead.
+recovery already runs (or already replaced the ranks it is about) attaches to that recovery instead. An incident
+that gets no recovery (its job is gone or cannot be recovered, or it is for people) is logged and counted with its
+reason (`Skip`, on /metrics); one whose fence SQL refuses draws a higher fence (recoveries/fences.py) and claims.
 """
 
 from __future__ import annotations
 
+from enum import StrEnum
+
+from prometheus_client import Counter
 from sqlmodel import Session
 
 from reprise_common.bus import Delivery
@@ -16,8 +21,9 @@ from reprise_common.logging import get_logger
 from reprise_orchestrator.deps import Deps
 from reprise_orchestrator.jobs import service as jobs
 from reprise_orchestrator.jobs.models import ACTIVE_STATES, Job, JobState
-from reprise_orchestrator.locks import LockHandle
-from reprise_orchestrator.recoveries import rules, service
+from reprise_orchestrator.locks import LockHandle, LockStoreUnavailableError
+from reprise_orchestrator.recoveries import fences, rules, service
+from reprise_orchestrator.recoveries.fences import FENCE_ATTEMPTS, Refused
 from reprise_orchestrator.recoveries.flows import RecoveryFlow, Started
 from reprise_orchestrator.recoveries.models import Recovery
 from reprise_orchestrator.recoveries.records import Baseline, Locked, StepRecord, incident_of
@@ -26,6 +32,19 @@ from reprise_orchestrator.recoveries.states import TERMINAL_STEPS, Outcome, Reco
 from reprise_orchestrator.recoveries.steps import RecoveryRun
 
 log = get_logger("reprise.orchestrator.claims")
+INCIDENTS_SKIPPED = Counter(
+    "reprise_orchestrator_incidents_skipped_total",
+    "Incident changes acknowledged without a recovery of their own, by reason",
+    ["reason"],
+)
+
+
+class Skip(StrEnum):
+    """Why an incident change was acknowledged without a recovery (never silently: each is logged and counted)."""
+
+    NOT_ACTIONABLE = "not_actionable"  # a warning, or nothing recommended: for people, not for recoveries
+    JOB_NOT_FOUND = "job_not_found"
+    JOB_NOT_RECOVERABLE = "job_not_recoverable"  # pending, held for a human, or ended
 
 
 class Claims:
@@ -83,31 +102,61 @@ class Claims:
 
     async def _claim(self, incident: IncidentChange, *, fresh: bool) -> Ack:
         """Lock, fence, persist the recovery as locked, hand it to the runner; RETRY when the job is busy here or
-        elsewhere, or this replica runs as many recoveries as it may (another replica may take it meanwhile)."""
+        elsewhere, or this replica runs as many recoveries as it may (another replica may take it meanwhile).
+
+        A fence SQL refuses means the lock store's counter is behind (it lost its data): the counter is floored to
+        the stored fence and a fresh fence drawn under the same lock. An incident acknowledged without a recovery
+        of its own has a reason, logged and counted (`Skip`)."""
         if not self.runner.has_room():
             return Ack.RETRY
+        try:
+            return await self._claim_locked(incident, fresh=fresh)
+        except LockStoreUnavailableError as exc:  # nothing was claimed: the incident waits for the store
+            log.warning(
+                "lock store unreachable: the incident is retried", extra={"job_id": incident.job_id, "error": str(exc)}
+            )
+            return Ack.RETRY
+
+    async def _claim_locked(self, incident: IncidentChange, *, fresh: bool) -> Ack:
         handle = await self.deps.locks.acquire(incident.job_id, owner=self.deps.settings.replica_id)
         if handle is None:
             return Ack.RETRY  # another replica is claiming or running one; next time we attach to it
         started = False
         try:
             claimed = self._persist(handle, incident, fresh=fresh)
+            for _ in range(FENCE_ATTEMPTS - 1):
+                if not isinstance(claimed, Refused):
+                    break
+                refenced = await fences.refenced(self.deps, handle, claimed, where="claim")
+                if refenced is None:
+                    return Ack.RETRY  # the lock is gone (lost, or the lease ran out): claim again, or attach, later
+                handle = refenced
+                claimed = self._persist(handle, incident, fresh=fresh)
+            if isinstance(claimed, Refused):
+                log.warning("fence claim refused at every attempt", extra={"job_id": incident.job_id})
+                return Ack.RETRY
+            if isinstance(claimed, Skip):
+                skipped(incident, claimed)
+                return Ack.ACK
             started = claimed is not None and self.runner.start(handle, claimed[0].recovery_id, claimed)
         finally:
             if not started:  # nothing claimed, or the runner filled up meanwhile (the reconciler resumes it)
                 await self.deps.locks.release(handle)
         return Ack.ACK
 
-    def _persist(self, handle: LockHandle, incident: IncidentChange, *, fresh: bool) -> Started | None:
-        """Claim the recovery in one transaction; what the run starts from (no need to read it back)."""
+    def _persist(self, handle: LockHandle, incident: IncidentChange, *, fresh: bool) -> Started | Skip | Refused | None:
+        """Claim the recovery in one transaction; what the run starts from (no need to read it back). None when a
+        recovery of the job answers the incident already; a Skip when the job cannot be recovered; Refused when SQL
+        holds a fence at or above the handle's."""
         now = self.deps.clock.now()
         with Session(self.deps.engine, expire_on_commit=False) as session:
             if not fresh and self._attach_if_known(session, incident):  # it was claimed while we took the lock
                 return None
             job = session.get(Job, incident.job_id)
-            if job is None or job.state not in ACTIVE_STATES:
-                log.info("incident for a job that is not running", extra={"job_id": incident.job_id})
-                return None
+            if job is None:
+                return Skip.JOB_NOT_FOUND
+            if job.state not in ACTIVE_STATES:
+                return Skip.JOB_NOT_RECOVERABLE
             active = service.find_active(session, job_id=job.id) if fresh else None
             if active is not None:  # a recovery began meanwhile: it takes the news instead
                 if service.learn(session, recovery_id=active.id, incident=incident):
@@ -126,8 +175,7 @@ class Claims:
             )
             if not claimed:
                 session.rollback()
-                log.warning("fence claim refused: a newer owner exists", extra={"job_id": incident.job_id})
-                return None
+                return Refused(fence=handle.fence, stored=service.stored_fence(session, job_id=incident.job_id))
             baseline = Baseline(
                 last_restore_step=job.last_restore_step,
                 no_progress_streak=job.no_progress_streak,
@@ -161,6 +209,16 @@ def job_of(event: Event) -> str:
 def _actionable(incident: IncidentChange) -> bool:
     """Warnings and incidents that recommend nothing are for people, not for recoveries."""
     if incident.severity is Severity.WARNING or incident.recommended_action is RecommendedAction.NONE:
-        log.info("incident needs no recovery", extra={"incident_id": incident.incident_id, "job_id": incident.job_id})
+        skipped(incident, Skip.NOT_ACTIONABLE)
         return False
     return True
+
+
+def skipped(incident: IncidentChange, reason: Skip) -> None:
+    """Count and log an incident change acknowledged without a recovery of its own."""
+    INCIDENTS_SKIPPED.labels(reason.value).inc()
+    extra = {"incident_id": incident.incident_id, "job_id": incident.job_id, "reason": reason.value}
+    if reason is Skip.NOT_ACTIONABLE:
+        log.info("incident needs no recovery", extra=extra)
+    else:
+        log.warning("incident acknowledged without a recovery", extra=extra)

@@ -18,7 +18,7 @@ import contextlib
 from collections.abc import Callable
 from datetime import datetime
 from functools import partial
-from typing import Literal, cast
+from typing import Any, Literal, cast
 
 from sqlmodel import Session
 
@@ -31,7 +31,9 @@ from reprise_orchestrator.jobs import service as jobs
 from reprise_orchestrator.jobs.launch import publish_inactive
 from reprise_orchestrator.jobs.models import Job, JobState
 from reprise_orchestrator.locks import LockHandle
-from reprise_orchestrator.recoveries import rules, service
+from reprise_orchestrator.recoveries import fences, rules, service
+from reprise_orchestrator.recoveries.fences import FENCE_ATTEMPTS, Refused
+from reprise_orchestrator.recoveries.lease import Lease
 from reprise_orchestrator.recoveries.models import Recovery
 from reprise_orchestrator.recoveries.records import (
     Isolated,
@@ -66,6 +68,7 @@ class RecoveryFlow:
     def __init__(self, deps: Deps) -> None:
         self.deps = deps
         self.steps = RecoverySteps(deps)
+        self.lease = Lease(deps)
         self.runs: dict[str, RecoveryRun] = {}  # recovery id → its run, while this replica drives it
 
     def notify(self, recovery_id: str) -> None:
@@ -79,12 +82,12 @@ class RecoveryFlow:
 
         A fresh claim hands over what it just wrote (`claimed`); anything else is rebuilt from the records.
         """
-        start = claimed or self._own(handle, recovery_id)
+        start = claimed or await self._take(handle, recovery_id)
         if start is None:
             return
         run, last = start
         self.runs[recovery_id] = run
-        renewal = asyncio.create_task(self._renew(run), name=f"renew:{recovery_id}")
+        renewal = asyncio.create_task(self.lease.keep(run), name=f"renew:{recovery_id}")
         try:
             if run.step is RecoveryStep.LOCKED:
                 await self._publish(run, "started", RecoveryStep.LOCKED)
@@ -100,18 +103,34 @@ class RecoveryFlow:
             with contextlib.suppress(asyncio.CancelledError):
                 await renewal
 
-    def _own(self, handle: LockHandle, recovery_id: str) -> Started | None:
-        """The run of a recovery this replica now owns, rebuilt from its records, and its newest record."""
+    async def _take(self, handle: LockHandle, recovery_id: str) -> Started | None:
+        """Own an orphaned recovery under `handle`; when SQL refuses its fence (the lock store's counter was behind),
+        under a fresh fence above the stored one, drawn with the same lock."""
+        owned = self._own(handle, recovery_id)
+        for _ in range(FENCE_ATTEMPTS - 1):
+            if not isinstance(owned, Refused):
+                break
+            refenced = await fences.refenced(self.deps, handle, owned, where="take_over")
+            if refenced is None:
+                return None  # the lock is no longer ours: a later reconcile pass looks again
+            handle = refenced
+            owned = self._own(handle, recovery_id)
+        return None if isinstance(owned, Refused) else owned
+
+    def _own(self, handle: LockHandle, recovery_id: str) -> Started | Refused | None:
+        """The run of a recovery this replica now owns, rebuilt from its records, and its newest record; Refused
+        when SQL holds a fence at or above the handle's."""
         with Session(self.deps.engine) as session:
             recovery = session.get(Recovery, recovery_id)
             if recovery is None or recovery.step in TERMINAL_STEPS:
                 return None
-            if recovery.fence != handle.fence:  # an orphan: this replica takes it over with its new fence
-                if not jobs.claim_fence(session, job_id=recovery.job_id, fence=handle.fence):
-                    return None
-                recovery = service.take_over(
-                    session, recovery_id=recovery_id, fence=handle.fence, owner=self.deps.settings.replica_id
-                )
+            # Claimed even when the fences are equal: a counter that started again (the store lost its data) can
+            # hand out the fence the last owner holds.
+            if not jobs.claim_fence(session, job_id=recovery.job_id, fence=handle.fence):
+                return Refused(fence=handle.fence, stored=service.stored_fence(session, job_id=recovery.job_id))
+            recovery = service.take_over(
+                session, recovery_id=recovery_id, fence=handle.fence, owner=self.deps.settings.replica_id
+            )
             job = jobs.get(session, job_id=recovery.job_id)
             records = service.records(session, recovery_id=recovery_id)
         run = RecoveryRun(
@@ -240,14 +259,6 @@ class RecoveryFlow:
         await self.deps.compute.stop(run.job.id, node_ids, operation_id=operation, fence=run.handle.fence)
         await publish_inactive(self.deps.bus, run.job, msg_id=f"{run.recovery_id}:inactive")
 
-    async def _renew(self, run: RecoveryRun) -> None:
-        interval = self.deps.settings.lock_ttl_s / 3
-        while True:
-            await asyncio.sleep(interval)
-            if not await self.deps.locks.extend(run.handle):
-                run.lock_lost.set()
-                return
-
     async def _publish(
         self,
         run: RecoveryRun,
@@ -285,25 +296,45 @@ class RecoveryFlow:
 
 async def cancel(deps: Deps, job_id: str) -> Job:
     """Cancel a job: a fresh fence (no lock needed) fences out any running recovery, which ends as cancelled; then
-    the job's ranks are stopped."""
+    the job's ranks are stopped. A fence SQL refuses is drawn again above the stored one (the counter may be behind
+    it after the lock store lost its data, or another owner drew one meanwhile)."""
     with Session(deps.engine) as session:
         job = jobs.get(session, job_id=job_id)
         if job.state in (JobState.CANCELLED, JobState.FAILED, JobState.COMPLETED):
             return job
     fence = await deps.locks.next_fence(job_id)
+    refused = _cancel_fenced(deps, job_id, fence)
+    for _ in range(FENCE_ATTEMPTS - 1):
+        if refused is None:
+            break
+        await deps.locks.floor_fence(job_id, refused.stored)
+        fence = await deps.locks.next_fence(job_id)
+        refused = _cancel_fenced(deps, job_id, fence)
+    if refused is not None:
+        raise ConflictError(f"job {job_id}: a newer fencing token owns it; try again")
     with Session(deps.engine) as session:
-        if not jobs.claim_fence(session, job_id=job_id, fence=fence):
-            raise ConflictError(f"job {job_id}: a newer fencing token owns it; try again")
-        active = service.find_active(session, job_id=job_id)
-        if active is not None:
-            _end_cancelled(session, deps, active, fence)
-        jobs.update_fenced(session, job_id=job_id, fence=fence, state=JobState.CANCELLED, detail="cancelled")
         job = jobs.get(session, job_id=job_id)
     operation = f"{job_id}:cancel:{fence}"
     await deps.compute.stop(job_id, job.nodes(), operation_id=operation, fence=fence)
     await publish_inactive(deps.bus, job, msg_id=operation)
     log.info("job cancelled", extra={"job_id": job_id, "fence": fence})
     return job
+
+
+def _cancel_fenced(deps: Deps, job_id: str, fence: int) -> Refused | None:
+    """Claim the job for the cancel and mark it cancelled in the same statement (a claim that reads the job
+    meanwhile never sees it active under the cancel's fence), and end its running recovery; Refused when SQL holds
+    a fence at or above this one."""
+    with Session(deps.engine) as session:
+        cancelled: dict[str, Any] = {"state": JobState.CANCELLED, "detail": "cancelled"}
+        if not jobs.claim_fence(session, job_id=job_id, fence=fence, commit=False, **cancelled):
+            session.rollback()
+            return Refused(fence=fence, stored=service.stored_fence(session, job_id=job_id))
+        active = service.find_active(session, job_id=job_id)
+        if active is not None:
+            _end_cancelled(session, deps, active, fence)  # its end state is written over below
+        jobs.update_fenced(session, job_id=job_id, fence=fence, **cancelled)
+    return None
 
 
 def _end_cancelled(session: Session, deps: Deps, recovery: Recovery, fence: int) -> None:

@@ -7,6 +7,10 @@ Each replica runs one. A recovery's owner holds the job's lock for as long as it
 be taken while the recovery is unfinished means its owner died, paused past its lease, or shut down and let it go.
 Taking the lock draws a new fence, which fences the old owner out of SQL and out of the nodes; the recovery then
 runs on in this replica's runner, through the same path as a fresh claim.
+
+Each pass first keeps the fence floor (recoveries/fences.py): the first pass of a replica, and any pass that finds
+the lock store lost its data since, floors every job's fencing counter to the fence SQL holds. A pass that finds
+the store unreachable is skipped with a warning (once per outage); the next one tries again.
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ from sqlmodel import Session
 from reprise_common.logging import get_logger
 from reprise_orchestrator.deps import Deps
 from reprise_orchestrator.jobs import flows as job_flows
+from reprise_orchestrator.locks import LockStoreUnavailableError
 from reprise_orchestrator.recoveries import service
+from reprise_orchestrator.recoveries.fences import FenceFloor
 from reprise_orchestrator.recoveries.runner import RecoveryRunner
 
 log = get_logger("reprise.orchestrator.reconciler")
@@ -32,18 +38,29 @@ class Reconciler:
         self.runner = runner
         self.interval_s = interval_s
         self.resumed = 0
+        self.floor = FenceFloor(deps)
+        self._store_away = False
 
     async def run(self) -> None:
         """Reconcile until cancelled; an error in one pass is logged and the next pass runs."""
         while True:
             try:
                 await self.tick()
+            except LockStoreUnavailableError as exc:
+                if not self._store_away:
+                    log.warning("lock store unreachable: reconcile passes wait for it", extra={"error": str(exc)})
+                self._store_away = True
             except Exception:
                 log.exception("reconcile pass failed")
             await asyncio.sleep(self.interval_s)
 
     async def tick(self) -> int:
-        """One pass: complete finished jobs, resume what can be taken over; returns how many recoveries it took."""
+        """One pass: keep the fence floor, complete finished jobs, resume what can be taken over; returns how many
+        recoveries it took."""
+        await self.floor.keep()
+        if self._store_away:
+            log.info("lock store reachable again")
+            self._store_away = False
         await job_flows.complete_finished(self.deps)
         with Session(self.deps.engine) as session:
             active = service.get_all_active_ids(session)

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 
 from reprise_common.logging import get_logger
-from reprise_orchestrator.locks import JobLocks, LockHandle
+from reprise_orchestrator.locks import JobLocks, LockHandle, LockStoreUnavailableError
 from reprise_orchestrator.recoveries.flows import RecoveryFlow, Started
 
 log = get_logger("reprise.orchestrator.runner")
@@ -52,6 +52,9 @@ class RecoveryRunner:
         except asyncio.CancelledError:
             log.info("recovery left to another replica", extra={"recovery_id": recovery_id})
             raise
+        except LockStoreUnavailableError as exc:  # while taking it over: nothing was done under the new fence
+            extra = {"recovery_id": recovery_id, "error": str(exc)}
+            log.warning("lock store unreachable; the reconciler resumes the recovery", extra=extra)
         except Exception:
             log.exception("recovery task failed; the reconciler will resume it", extra={"recovery_id": recovery_id})
         finally:

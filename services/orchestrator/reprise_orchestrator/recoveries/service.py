@@ -122,6 +122,17 @@ def learned_incident(session: Session, *, recovery_id: str) -> IncidentChange | 
     return learned
 
 
+def stored_fence(session: Session, *, job_id: str) -> int:
+    """The job's highest fence as SQL holds it (0 for a job never fenced or not found)."""
+    return session.exec(select(Job.max_fence).where(Job.id == job_id)).one_or_none() or 0
+
+
+def stored_fences(session: Session) -> dict[str, int]:
+    """job id → highest fence, for every job that has one (only those two columns are read)."""
+    query = select(Job.id, Job.max_fence).where(col(Job.max_fence) > 0)
+    return {job_id: fence for job_id, fence in session.exec(query).all()}
+
+
 # --- writing ----------------------------------------------------------------------------------------------------
 def insert_claimed(session: Session, *, recovery: Recovery, steps: Sequence[StepRecord]) -> None:
     """Add a claimed recovery with its first steps to the session's transaction (the caller commits)."""

@@ -1,0 +1,144 @@
+"""What each NATS identity may publish and subscribe to, as the server enforces it (`reprise creds` writes it).
+
+Each service gets only the subjects its code uses: only the orchestrator commands agents (`reprise.cmd.*`,
+`reprise.inject.*`) and answers API key checks, only the detector opens incidents and recommends quarantines, each
+agent uses only its own node's subjects. JetStream is reached through `$JS.API.*` subjects: each service may manage
+only its own durable consumers (info, create, pull, ack) and, because every service's bus provisions every stream
+when it connects (the first to start creates them, a newer release updates them), create and update Reprise's
+streams by name. Nothing but the admin identity (operator tools, tests) may use every subject.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from reprise_common import subjects
+
+JS_API = "$JS.API"
+INBOX = "_INBOX.>"  # nats-py's reply inbox: JetStream API answers, publish acks, pull batches, command replies
+COMMANDS_ALL = f"{subjects.PREFIX}.cmd.*"
+INJECTS_ALL = f"{subjects.PREFIX}.inject.*"
+
+
+@dataclass(frozen=True)
+class Durable:
+    """A durable pull consumer a service reads a stream through."""
+
+    stream: str
+    name: str  # "*" where replicas name their own (the detector's `<base>-p<index>of<count>`)
+    deleted_at_start: bool = False  # the service deletes it first (the detector replays placements at each start)
+
+
+@dataclass(frozen=True)
+class Grant:
+    """What one service's code does on NATS, from which its permissions follow."""
+
+    publish: tuple[str, ...] = ()
+    subscribe: tuple[str, ...] = ()  # core NATS subscriptions besides the reply inbox
+    durables: tuple[Durable, ...] = ()
+    stream_info: tuple[str, ...] = ()  # streams whose state it reads
+    answers: bool = False  # it serves requests: it may reply to the ones it received, and to no other inbox
+
+
+# API keys are checked with the orchestrator (the key authority) over `reprise.auth.verify`: only it may receive the
+# checks (anyone answering them could grant any scope), every other HTTP service may ask.
+KEY_CHECKS = subjects.AUTH_VERIFY
+
+# The durable names are the services' own constants (their app and runtime modules): cli/tests/test_service_jetstream.py
+# reads through each with those constants, so a renamed one fails there.
+SERVICES: dict[str, Grant] = {
+    "checkpoint-registry": Grant(
+        publish=(subjects.CHECKPOINTS_ALL, subjects.dead_letter("checkpoint-registry"), KEY_CHECKS),
+        durables=(
+            Durable(subjects.PLACEMENTS_STREAM, "registry-placements"),
+            Durable(subjects.AGENT_STREAM, "registry-checkpoints"),
+        ),
+    ),
+    "detector": Grant(
+        publish=(subjects.INCIDENTS_ALL, subjects.NODE_QUARANTINE_ALL, subjects.dead_letter("detector"), KEY_CHECKS),
+        subscribe=(subjects.AGENT_REPORTS,),
+        durables=(
+            Durable(subjects.PLACEMENTS_STREAM, "*", deleted_at_start=True),
+            Durable(subjects.AGENT_STREAM, "*", deleted_at_start=True),  # it also drops its retired reports consumer
+        ),
+        stream_info=(subjects.PLACEMENTS_STREAM,),
+    ),
+    "orchestrator": Grant(
+        publish=(
+            COMMANDS_ALL,
+            INJECTS_ALL,  # drills
+            subjects.PLACEMENTS_ALL,
+            subjects.RECOVERIES_ALL,
+            subjects.COMPUTE_SIGNALS_ALL,
+            subjects.dead_letter("orchestrator"),
+        ),
+        subscribe=(subjects.AGENT_REPORTS, KEY_CHECKS),  # the node inventory; the key authority
+        durables=(
+            Durable(subjects.INCIDENTS_STREAM, "orchestrator-incidents"),
+            Durable(subjects.INCIDENTS_STREAM, "orchestrator-incident-updates"),
+            Durable(subjects.NODES_STREAM, "orchestrator-quarantine"),
+        ),
+        answers=True,
+    ),
+    "notifier": Grant(
+        publish=(subjects.dead_letter("notifier"), KEY_CHECKS),
+        durables=(
+            Durable(subjects.INCIDENTS_STREAM, "notifier-incidents"),
+            Durable(subjects.RECOVERIES_STREAM, "notifier-recoveries"),
+        ),
+    ),
+    "dashboard": Grant(publish=(KEY_CHECKS,), subscribe=(subjects.INCIDENTS_ALL, subjects.RECOVERIES_ALL)),  # live feed
+}
+
+
+def provisioning() -> list[str]:
+    """The API subjects that create or update each stream (and purge what an older release stored under a retired
+    subject), by name: no other stream, and no stream deletion."""
+    allowed: list[str] = []
+    for spec in subjects.STREAMS:
+        allowed += [f"{JS_API}.STREAM.CREATE.{spec.name}", f"{JS_API}.STREAM.UPDATE.{spec.name}"]
+        if spec.retired_subjects:
+            allowed.append(f"{JS_API}.STREAM.PURGE.{spec.name}")
+    return allowed
+
+
+def consumer_subjects(durable: Durable) -> list[str]:
+    """Look up, create (nats-py's durable form), pull from and acknowledge one durable consumer."""
+    stream, name = durable.stream, durable.name
+    allowed = [
+        f"{JS_API}.CONSUMER.INFO.{stream}.{name}",
+        f"{JS_API}.CONSUMER.DURABLE.CREATE.{stream}.{name}",
+        f"{JS_API}.CONSUMER.MSG.NEXT.{stream}.{name}",
+        f"$JS.ACK.{stream}.{name}.>",
+    ]
+    if durable.deleted_at_start:
+        allowed.append(f"{JS_API}.CONSUMER.DELETE.{stream}.{name}")
+    return allowed
+
+
+def service_permissions(service: str) -> dict[str, Any]:
+    """The server permissions of one platform service's identity; KeyError for a name that is not a service."""
+    grant = SERVICES[service]
+    publish = [*grant.publish, *provisioning(), *(f"{JS_API}.STREAM.INFO.{name}" for name in grant.stream_info)]
+    for durable in grant.durables:
+        publish += consumer_subjects(durable)
+    permissions: dict[str, Any] = {"publish": {"allow": publish}, "subscribe": {"allow": [*grant.subscribe, INBOX]}}
+    if grant.answers:
+        permissions["allow_responses"] = True
+    return permissions
+
+
+def agent_permissions(node_id: str) -> dict[str, Any]:
+    """What one node's agent may do: publish its own reports and events, receive its own commands, answer them."""
+    return {
+        "publish": {"allow": [f"{subjects.PREFIX}.agent.{subjects.token(node_id)}.>"]},
+        "subscribe": {
+            "allow": [
+                subjects.node_command(node_id),
+                subjects.node_inject(node_id),
+                f"{subjects.node_inbox_prefix(node_id)}.>",
+            ]
+        },
+        "allow_responses": True,
+    }
