@@ -23,6 +23,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from reprise_common.aio import raise_if_cancelled
 from reprise_common.errors import RepriseError
 
 _RELEASE = """
@@ -114,6 +115,7 @@ def _answering(what: str) -> Iterator[None]:
     try:
         yield
     except (RedisConnectionError, RedisTimeoutError) as exc:
+        raise_if_cancelled()  # a cancel that landed in the socket read is a cancel, not the store going away
         raise LockStoreUnavailableError(f"the lock store did not answer ({what}): {exc}") from exc
 
 

@@ -23,6 +23,7 @@ import time
 from prometheus_client import Counter
 from sqlmodel import Session
 
+from reprise_common.aio import raise_if_cancelled
 from reprise_common.logging import get_logger
 from reprise_orchestrator.deps import Deps
 from reprise_orchestrator.locks import LockStoreUnavailableError
@@ -53,6 +54,7 @@ class Lease:
             sent = time.monotonic()
             try:
                 held = await self._renew(run)
+                raise_if_cancelled()  # a cancel the store client retried past is still a cancel
             except LockStoreUnavailableError as exc:
                 pause = ttl / RETRIES_PER_LEASE
                 left = expires - time.monotonic()

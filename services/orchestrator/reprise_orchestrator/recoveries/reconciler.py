@@ -19,6 +19,7 @@ import asyncio
 
 from sqlmodel import Session
 
+from reprise_common.aio import raise_if_cancelled
 from reprise_common.logging import get_logger
 from reprise_orchestrator.deps import Deps
 from reprise_orchestrator.jobs import flows as job_flows
@@ -51,7 +52,9 @@ class Reconciler:
                     log.warning("lock store unreachable: reconcile passes wait for it", extra={"error": str(exc)})
                 self._store_away = True
             except Exception:
+                raise_if_cancelled()
                 log.exception("reconcile pass failed")
+            raise_if_cancelled()  # redis-py retries a read its cancel interrupted: the pass can end as if not cancelled
             await asyncio.sleep(self.interval_s)
 
     async def tick(self) -> int:
