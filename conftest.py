@@ -6,6 +6,7 @@ No fakes for NATS, Redis or SQL: each fixture starts (or connects to) the real t
 from __future__ import annotations
 
 import os
+import secrets
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +15,7 @@ import psycopg
 import pytest
 
 from reprise_cli.servers import NatsServer, RedisServer, free_port
+from reprise_orchestrator.settings import OrchestratorSettings
 
 POSTGRES_ADMIN_URL = os.environ.get("REPRISE_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 
@@ -39,6 +41,18 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture
+def key_authority(nats_server: NatsServer, redis_server: RedisServer, tmp_path: Path) -> OrchestratorSettings:
+    """Settings of an orchestrator on the test's servers, the key authority for other services: a fresh admin key,
+    its database `<tmp>/orchestrator.db`."""
+    return OrchestratorSettings(
+        nats_url=nats_server.url,
+        redis_url=redis_server.url,
+        database_url=f"sqlite:///{tmp_path / 'orchestrator.db'}",
+        admin_api_key=secrets.token_urlsafe(32),
+    )
 
 
 @pytest.fixture

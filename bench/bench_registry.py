@@ -95,7 +95,7 @@ def bench_validation(root: Path, url: str, *, files: int, ranks: int, iterations
     per_rank = files // ranks
     with Session(engine) as session:
         data = CheckpointCreate(job_id="bench-v", step=1, path=str(directory), world_size=ranks)
-        checkpoint = service.begin(session, data=data)
+        checkpoint = service.begin(session, data=data, roots=[root.resolve()])
         assert checkpoint.id is not None
         for rank in range(ranks):
             reports = []
@@ -103,14 +103,14 @@ def bench_validation(root: Path, url: str, *, files: int, ranks: int, iterations
                 name = f"__{rank}_{index}.distcp"
                 (directory / name).write_bytes(b"x" * 64)
                 reports.append(FileReport(path=name, size_bytes=64, digest="0" * 64))
-            service.report_rank(session, checkpoint_id=checkpoint.id, rank=rank, files=reports)
+            service.report_rank(session, checkpoint_id=checkpoint.id, rank=rank, files=reports, roots=[root.resolve()])
         (directory / "COMMITTED").write_bytes(b"")
-        assert service.try_commit(session, checkpoint_id=checkpoint.id).committed
+        assert service.try_commit(session, checkpoint_id=checkpoint.id, roots=[root.resolve()]).committed
     engines = Engines(read=engine, write=engine)
     samples = []
     for _ in range(iterations):
         start = time.perf_counter_ns()
-        outcome = validate_checkpoint(engines, checkpoint_id=checkpoint.id, sample_fraction=0.0)
+        outcome = validate_checkpoint(engines, checkpoint_id=checkpoint.id, sample_fraction=0.0, roots=[root.resolve()])
         samples.append(time.perf_counter_ns() - start)
         assert outcome.state == CheckpointState.VALIDATED, outcome.reason
     engine.dispose()

@@ -19,7 +19,6 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from sqlmodel import Session
 
-from reprise_cli.servers import NatsServer, RedisServer
 from reprise_common.auth import REDACTED
 from reprise_common.db import make_engine
 from reprise_detector.app import create_app as create_detector
@@ -32,8 +31,6 @@ from reprise_orchestrator.settings import OrchestratorSettings
 from reprise_registry.app import create_app as create_registry
 from reprise_registry.settings import RegistrySettings
 
-ADMIN_KEY = secrets.token_urlsafe(32)
-ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 SERVICES = ("detector", "checkpoint-registry", "notifier")
 # A read route of each service that answers 200 on an empty database.
 LISTING = {"detector": "/v1/incidents", "checkpoint-registry": "/v1/jobs/j/checkpoints", "notifier": "/v1/deliveries"}
@@ -54,21 +51,22 @@ def _service_app(name: str, nats_url: str, root: Path, **auth: Any) -> FastAPI:
 
 
 @pytest.fixture
-def platform(nats_server: NatsServer, redis_server: RedisServer, tmp_path: Path) -> Iterator[Callable[..., TestClient]]:
+def admin_key(key_authority: OrchestratorSettings) -> str:
+    """The authority's bootstrap admin key."""
+    assert key_authority.admin_api_key is not None
+    return key_authority.admin_api_key.get_secret_value()
+
+
+@pytest.fixture
+def platform(key_authority: OrchestratorSettings, tmp_path: Path) -> Iterator[Callable[..., TestClient]]:
     """Opens apps on one NATS server: `platform("orchestrator")` is the authority; others take auth settings."""
     with ExitStack() as stack:
 
         def open_app(name: str, **auth: Any) -> TestClient:
             if name == "orchestrator":
-                settings = OrchestratorSettings(
-                    nats_url=nats_server.url,
-                    redis_url=redis_server.url,
-                    database_url=f"sqlite:///{tmp_path / 'orchestrator.db'}",
-                    admin_api_key=ADMIN_KEY,
-                )
-                app = create_orchestrator(settings)
+                app = create_orchestrator(key_authority)
             else:
-                app = _service_app(name, nats_server.url, tmp_path, **auth)
+                app = _service_app(name, key_authority.nats_url, tmp_path, **auth)
             client = stack.enter_context(TestClient(app))
             _wait_connected(client)
             return client
@@ -99,10 +97,10 @@ def _routes(app: FastAPI) -> list[tuple[str, str]]:
 
 @pytest.mark.parametrize("name", SERVICES)  # the orchestrator's own routes: services/orchestrator/tests/test_auth.py
 def test_every_route_refuses_a_call_without_a_key_or_with_a_wrong_one(
-    platform: Callable[..., TestClient], name: str
+    platform: Callable[..., TestClient], admin_key: str, name: str
 ) -> None:
     platform("orchestrator")
-    client = platform(name, admin_api_key=ADMIN_KEY)
+    client = platform(name, admin_api_key=admin_key)
     routes = _routes(client.app)  # type: ignore[arg-type]
     assert len(routes) >= 3, routes
     for method, path in routes:
@@ -110,17 +108,19 @@ def test_every_route_refuses_a_call_without_a_key_or_with_a_wrong_one(
         assert bare.status_code == 401, (method, path, bare.status_code, bare.text)
         wrong = client.request(method, path, json={}, headers=bearer("rpk_nope_" + secrets.token_urlsafe(32)))
         assert wrong.status_code == 401, (method, path, wrong.status_code, wrong.text)
-    assert client.get(LISTING[name], headers=ADMIN).status_code == 200
+    assert client.get(LISTING[name], headers=bearer(admin_key)).status_code == 200
 
 
 @pytest.mark.parametrize("name", SERVICES)
 def test_keys_made_at_the_authority_work_everywhere_with_their_scope_and_stop_when_revoked(
-    platform: Callable[..., TestClient], name: str
+    platform: Callable[..., TestClient], admin_key: str, name: str
 ) -> None:
     authority = platform("orchestrator")
     service = platform(name, auth_cache_ttl_s=0)  # no bootstrap key here: every key is asked about
     made = {
-        scope: authority.post("/v1/api-keys", json={"name": f"{scope}-key", "scopes": [scope]}, headers=ADMIN).json()
+        scope: authority.post(
+            "/v1/api-keys", json={"name": f"{scope}-key", "scopes": [scope]}, headers=bearer(admin_key)
+        ).json()
         for scope in ("read", "operate")
     }
     reader, operator = bearer(made["read"]["key"]), bearer(made["operate"]["key"])
@@ -133,7 +133,7 @@ def test_keys_made_at_the_authority_work_everywhere_with_their_scope_and_stop_wh
         assert service.request(method, path, json={}, headers=operator).status_code not in (401, 403)
 
     for made_key in made.values():
-        assert authority.delete(f"/v1/api-keys/{made_key['id']}", headers=ADMIN).status_code == 200
+        assert authority.delete(f"/v1/api-keys/{made_key['id']}", headers=bearer(admin_key)).status_code == 200
     assert service.get(LISTING[name], headers=reader).status_code == 401
     for method, path in mutating:
         gone = service.request(method, path, json={}, headers=operator)
@@ -141,36 +141,30 @@ def test_keys_made_at_the_authority_work_everywhere_with_their_scope_and_stop_wh
 
 
 def test_without_the_authority_a_known_key_holds_for_a_while_and_an_unknown_one_is_503(
-    platform: Callable[..., TestClient], nats_server: NatsServer, redis_server: RedisServer, tmp_path: Path
+    platform: Callable[..., TestClient], key_authority: OrchestratorSettings, admin_key: str
 ) -> None:
-    with ExitStack() as stack:
-        authority = stack.enter_context(
-            TestClient(
-                create_orchestrator(
-                    OrchestratorSettings(
-                        nats_url=nats_server.url,
-                        redis_url=redis_server.url,
-                        database_url=f"sqlite:///{tmp_path / 'o.db'}",
-                        admin_api_key=ADMIN_KEY,
-                    )
-                )
-            )
-        )
+    with TestClient(create_orchestrator(key_authority)) as authority:
         _wait_connected(authority)
-        key = authority.post("/v1/api-keys", json={"name": "r", "scopes": ["read"]}, headers=ADMIN).json()["key"]
-        detector = platform("detector", admin_api_key=ADMIN_KEY, auth_cache_ttl_s=0, auth_stale_s=600)
+        key = authority.post("/v1/api-keys", json={"name": "r", "scopes": ["read"]}, headers=bearer(admin_key)).json()[
+            "key"
+        ]
+        detector = platform("detector", admin_api_key=admin_key, auth_cache_ttl_s=0, auth_stale_s=600)
         assert detector.get("/v1/incidents", headers=bearer(key)).status_code == 200
     # The authority is gone: the key seen a moment ago still reads, a new one cannot be checked, the admin key works.
     assert detector.get("/v1/incidents", headers=bearer(key)).status_code == 200
     unknown = detector.get("/v1/incidents", headers=bearer("rpk_x_" + secrets.token_urlsafe(32)))
     assert unknown.status_code == 503, unknown.text
     assert "key authority" in unknown.json()["detail"]
-    assert detector.get("/v1/incidents", headers=ADMIN).status_code == 200
+    assert detector.get("/v1/incidents", headers=bearer(admin_key)).status_code == 200
 
 
-def test_a_read_key_never_sees_job_env_values(platform: Callable[..., TestClient], tmp_path: Path) -> None:
+def test_a_read_key_never_sees_job_env_values(
+    platform: Callable[..., TestClient], admin_key: str, tmp_path: Path
+) -> None:
     authority = platform("orchestrator")
-    reader = bearer(authority.post("/v1/api-keys", json={"name": "r", "scopes": ["read"]}, headers=ADMIN).json()["key"])
+    reader = bearer(
+        authority.post("/v1/api-keys", json={"name": "r", "scopes": ["read"]}, headers=bearer(admin_key)).json()["key"]
+    )
     spec = {"name": "secret-env", "nodes": ["node-1"], "command": ["true"], "env": {"WANDB_API_KEY": "s3cret"}}
     engine = make_engine(f"sqlite:///{tmp_path / 'orchestrator.db'}")
     with Session(engine) as session:  # a stored job as submit leaves it (placing needs agents this test has not)
@@ -184,4 +178,6 @@ def test_a_read_key_never_sees_job_env_values(platform: Callable[..., TestClient
     listed = authority.get("/v1/jobs", headers=reader).json()["data"]
     assert [row["id"] for row in listed] == ["job-env"]
     assert "s3cret" not in str(listed)
-    assert authority.get("/v1/jobs/job-env", headers=ADMIN).json()["spec"]["env"] == {"WANDB_API_KEY": "s3cret"}
+    assert authority.get("/v1/jobs/job-env", headers=bearer(admin_key)).json()["spec"]["env"] == {
+        "WANDB_API_KEY": "s3cret"
+    }

@@ -44,11 +44,6 @@ class CheckpointRootsSettings(BaseSettings):
         return list(dict.fromkeys(resolved))
 
 
-def configured_checkpoint_roots() -> list[Path]:
-    """The roots as the environment configures them (for callers not handed the registry's settings)."""
-    return CheckpointRootsSettings().checkpoint_roots
-
-
 class RegistrySettings(ServiceSettings, DatabaseSettings, AuthSettings, CheckpointRootsSettings):
     """Everything the registry reads from its environment."""
 

@@ -26,16 +26,16 @@ WORKER = textwrap.dedent(
     from reprise_registry.checkpoints import service
     from reprise_registry.checkpoints.models import CheckpointCreate, FileReport
 
-    url, root, first, count = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    url, root, first, count = sys.argv[1], Path(sys.argv[2]).resolve(), int(sys.argv[3]), int(sys.argv[4])
     engine = db.make_write_engine(url)
     for rank in range(first, first + count):
         for step in range(100, 100 + {steps}):
             with Session(engine) as session:
                 data = CheckpointCreate(job_id="proc", step=step, path=str(root / str(step)), world_size={world})
-                checkpoint = service.begin(session, data=data)
+                checkpoint = service.begin(session, data=data, roots=[root])
                 files = [FileReport(path=f"rank-{{rank:05d}}.pt", size_bytes=rank)]
-                service.report_rank(session, checkpoint_id=checkpoint.id, rank=rank, files=files)
-                service.try_commit(session, checkpoint_id=checkpoint.id)
+                service.report_rank(session, checkpoint_id=checkpoint.id, rank=rank, files=files, roots=[root])
+                service.try_commit(session, checkpoint_id=checkpoint.id, roots=[root])
     """
 ).format(steps=STEPS, world=WORLD)
 
@@ -45,11 +45,11 @@ def _report(url: str, root: Path, rank: int) -> None:
     for step in range(STEPS):
         with Session(engine) as session:
             data = CheckpointCreate(job_id="threads", step=step, path=str(root / str(step)), world_size=WORLD)
-            checkpoint = service.begin(session, data=data)
+            checkpoint = service.begin(session, data=data, roots=[root.resolve()])
             assert checkpoint.id is not None
             files = [FileReport(path=f"rank-{rank:05d}.pt", size_bytes=rank)]
-            service.report_rank(session, checkpoint_id=checkpoint.id, rank=rank, files=files)
-            service.try_commit(session, checkpoint_id=checkpoint.id)
+            service.report_rank(session, checkpoint_id=checkpoint.id, rank=rank, files=files, roots=[root.resolve()])
+            service.try_commit(session, checkpoint_id=checkpoint.id, roots=[root.resolve()])
 
 
 ENGINES: dict[str, object] = {}

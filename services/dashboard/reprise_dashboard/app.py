@@ -11,7 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 
-from reprise_common.auth import AuthorityKeys
+from reprise_common import auth
 from reprise_common.bus import Bus
 from reprise_common.clock import Clock, SystemClock
 from reprise_common.errors import NotFoundError
@@ -79,9 +79,9 @@ def create_app(
     )
     for router in (job_views.router, incident_views.router, node_views.router, alert_views.router):
         app.include_router(router)
-    mode = settings.viewer_auth if settings.auth_enabled else "off"
-    keys = AuthorityKeys(runtime.bus, admin_key=settings.admin_api_key, ttl_s=settings.auth_cache_ttl_s)
-    viewers.install(app, mode=mode, keys=keys, header=settings.viewer_header)
+    viewers.install(
+        app, settings.viewer_auth, keys=auth.authority_keys(settings, runtime.bus), header=settings.viewer_header
+    )
     return app
 
 

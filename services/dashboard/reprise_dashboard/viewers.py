@@ -27,11 +27,12 @@ OPEN_PREFIXES = ("/healthz", "/readyz", "/metrics", "/static/", "/login", "/logo
 MAX_FORM_BYTES = 4_096
 
 
-def install(app: FastAPI, *, mode: ViewerAuth, keys: AuthorityKeys, header: str) -> None:
-    """Put the viewer check in front of every page and the live feed, and add /login and /logout."""
-    app.state.viewer_keys = keys
-    if mode == "off":
+def install(app: FastAPI, mode: ViewerAuth, *, keys: AuthorityKeys | None, header: str) -> None:
+    """Put the viewer check in front of every page and the live feed, and add /login and /logout; with
+    authentication off (no keys) anyone may look, whatever the mode."""
+    if keys is None or mode == "off":
         return
+    app.state.viewer_keys = keys
     app.add_middleware(BaseHTTPMiddleware, dispatch=_proxy_gate(header) if mode == "proxy" else _key_gate(keys))
     if mode == "key":
         app.add_api_route("/login", login_page, methods=["GET"], include_in_schema=False)

@@ -6,42 +6,38 @@ import asyncio
 import secrets
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from reprise_cli.servers import NatsServer, RedisServer
 from reprise_dashboard.app import create_app
 from reprise_dashboard.settings import DashboardSettings
 from reprise_orchestrator.app import create_app as create_orchestrator
 from reprise_orchestrator.settings import OrchestratorSettings
 
-ADMIN_KEY = secrets.token_urlsafe(32)
-ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
-
 Open = Callable[..., Any]
 
 
 @pytest.fixture
+def admin(key_authority: OrchestratorSettings) -> dict[str, str]:
+    """Headers with the authority's bootstrap admin key."""
+    assert key_authority.admin_api_key is not None
+    return {"Authorization": f"Bearer {key_authority.admin_api_key.get_secret_value()}"}
+
+
+@pytest.fixture
 async def apps(
-    nats_server: NatsServer, redis_server: RedisServer, tmp_path: Path, down_settings: Callable[..., DashboardSettings]
+    key_authority: OrchestratorSettings, down_settings: Callable[..., DashboardSettings]
 ) -> AsyncIterator[Open]:
     """`apps("orchestrator")` starts the key authority; `apps("dashboard", **settings)` a dashboard on the same NATS."""
     async with AsyncExitStack() as stack:
 
         async def open_app(name: str, **overrides: Any) -> httpx.AsyncClient:
             if name == "orchestrator":
-                settings = OrchestratorSettings(
-                    nats_url=nats_server.url,
-                    redis_url=redis_server.url,
-                    database_url=f"sqlite:///{tmp_path / 'o.db'}",
-                    admin_api_key=ADMIN_KEY,
-                )
-                app = create_orchestrator(settings)
+                app = create_orchestrator(key_authority)
             else:
-                app = create_app(down_settings(nats_url=nats_server.url, **{"auth_cache_ttl_s": 0, **overrides}))
+                app = create_app(down_settings(nats_url=key_authority.nats_url, **{"auth_cache_ttl_s": 0, **overrides}))
             await stack.enter_async_context(app.router.lifespan_context(app))
             client = await stack.enter_async_context(
                 httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://dashboard")
@@ -55,14 +51,16 @@ async def apps(
         yield open_app
 
 
-async def _key(authority: httpx.AsyncClient, scope: str = "read") -> dict[str, str]:
-    made = await authority.post("/v1/api-keys", json={"name": f"viewer-{scope}", "scopes": [scope]}, headers=ADMIN)
+async def _key(authority: httpx.AsyncClient, admin: dict[str, str], scope: str = "read") -> dict[str, str]:
+    made = await authority.post("/v1/api-keys", json={"name": f"viewer-{scope}", "scopes": [scope]}, headers=admin)
     assert made.status_code == 201, made.text
     result: dict[str, str] = made.json()
     return result
 
 
-async def test_a_viewer_signs_in_with_a_key_and_is_shut_out_once_it_is_revoked(apps: Open) -> None:
+async def test_a_viewer_signs_in_with_a_key_and_is_shut_out_once_it_is_revoked(
+    apps: Open, admin: dict[str, str]
+) -> None:
     authority = await apps("orchestrator")
     dashboard = await apps("dashboard", viewer_auth="key")
     away = await dashboard.get("/jobs/job-1?tab=x")
@@ -74,7 +72,7 @@ async def test_a_viewer_signs_in_with_a_key_and_is_shut_out_once_it_is_revoked(a
     wrong = await dashboard.post("/login", data={"key": "rpk_x_" + secrets.token_urlsafe(32), "next": "/"})
     assert wrong.status_code == 401 and "invalid or revoked API key" in wrong.text
 
-    key = await _key(authority)
+    key = await _key(authority, admin)
     signed = await dashboard.post("/login", data={"key": key["key"], "next": "/incidents"})
     assert signed.status_code == 303 and signed.headers["location"] == "/incidents"
     cookie = signed.headers["set-cookie"].lower()
@@ -85,15 +83,15 @@ async def test_a_viewer_signs_in_with_a_key_and_is_shut_out_once_it_is_revoked(a
     bearer = {"Authorization": f"Bearer {key['key']}"}
     assert (await dashboard.get("/", headers=bearer)).status_code == 200  # a script may send the key instead
 
-    assert (await authority.delete(f"/v1/api-keys/{key['id']}", headers=ADMIN)).status_code == 200
+    assert (await authority.delete(f"/v1/api-keys/{key['id']}", headers=admin)).status_code == 200
     assert (await dashboard.get("/", headers=bearer)).status_code == 303
 
 
 @pytest.mark.parametrize("target", ["//evil.example/x", "https://evil.example/", "/\\evil.example"])
-async def test_sign_in_never_sends_the_viewer_to_another_site(apps: Open, target: str) -> None:
+async def test_sign_in_never_sends_the_viewer_to_another_site(apps: Open, admin: dict[str, str], target: str) -> None:
     authority = await apps("orchestrator")
     dashboard = await apps("dashboard", viewer_auth="key")
-    signed = await dashboard.post("/login", data={"key": (await _key(authority))["key"], "next": target})
+    signed = await dashboard.post("/login", data={"key": (await _key(authority, admin))["key"], "next": target})
     assert signed.status_code == 303 and signed.headers["location"] == "/"
 
 

@@ -71,15 +71,14 @@ def file_reports(event: CheckpointSaved, directory: Path) -> list[FileReport]:
     return reports
 
 
-def register_saved(engines: Engines, event: CheckpointSaved, *, roots: Sequence[Path] | None = None) -> bool:
+def register_saved(engines: Engines, event: CheckpointSaved, *, roots: Sequence[Path]) -> bool:
     """Begin (idempotently), record the rank's files, and commit when complete; True when it is committed now.
 
     An event whose directory is outside the roots, or naming a file outside that directory, raises PathRefusedError
     before anything is stat-ed or stored.
     """
-    confined = paths.roots_or_configured(roots)
     layout = layout_of(event.files)
-    reports = file_reports(event, confine(event, confined))
+    reports = file_reports(event, confine(event, roots))
     with Session(engines.write) as session:
         checkpoint = service.begin(
             session,
@@ -92,22 +91,20 @@ def register_saved(engines: Engines, event: CheckpointSaved, *, roots: Sequence[
                 marker=DEFAULT_MARKER[layout],
                 restart_epoch=event.restart_epoch,
             ),
-            roots=confined,
+            roots=roots,
         )
         assert checkpoint.id is not None
-        service.report_rank(session, checkpoint_id=checkpoint.id, rank=event.rank, files=reports, roots=confined)
-        return service.try_commit(session, checkpoint_id=checkpoint.id, roots=confined).committed
+        service.report_rank(session, checkpoint_id=checkpoint.id, rank=event.rank, files=reports, roots=roots)
+        return service.try_commit(session, checkpoint_id=checkpoint.id, roots=roots).committed
 
 
 class Registration:
     """The registry's NATS handlers."""
 
-    def __init__(
-        self, engines: Engines, *, on_committed: Callable[[], None], roots: Sequence[Path] | None = None
-    ) -> None:
+    def __init__(self, engines: Engines, *, on_committed: Callable[[], None], roots: Sequence[Path]) -> None:
         self.engines = engines
         self.on_committed = on_committed
-        self.roots = paths.roots_or_configured(roots)  # none given: REPRISE_CHECKPOINT_ROOTS, read once
+        self.roots = roots
 
     async def on_checkpoint_saved(self, event: Event, delivery: Delivery) -> Outcome:
         """Handler of the agents' checkpoint.saved events."""

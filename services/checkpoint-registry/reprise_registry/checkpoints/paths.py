@@ -14,7 +14,6 @@ from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
 
 from reprise_common.errors import RepriseError
-from reprise_registry.settings import configured_checkpoint_roots
 
 FieldPath = tuple[str | int, ...]  # where the refused value sits in its request or event, e.g. ("files", 3, "path")
 
@@ -37,22 +36,16 @@ def field_name(field: FieldPath) -> str:
     return name
 
 
-def roots_or_configured(roots: Sequence[Path] | None) -> Sequence[Path]:
-    """The roots a caller was handed, else those the environment configures (REPRISE_CHECKPOINT_ROOTS)."""
-    return configured_checkpoint_roots() if roots is None else roots
-
-
-def checkpoint_directory(path: str, roots: Sequence[Path] | None = None, *, field: FieldPath = ("path",)) -> Path:
+def checkpoint_directory(path: str, roots: Sequence[Path], *, field: FieldPath = ("path",)) -> Path:
     """A checkpoint's directory, resolved: absolute, without '..', strictly inside a root, a directory if it exists."""
-    allowed = roots_or_configured(roots)
     _printable(path, field)
     if not os.path.isabs(path):
         raise PathRefusedError(field, f"{path!r} is not an absolute path", path)
     if ".." in PurePosixPath(path).parts:
         raise PathRefusedError(field, f"{path!r} contains '..'", path)
     resolved = Path(os.path.realpath(path))
-    if not any(resolved != root and resolved.is_relative_to(root) for root in allowed):
-        roots_text = ", ".join(str(root) for root in allowed)
+    if not any(resolved != root and resolved.is_relative_to(root) for root in roots):
+        roots_text = ", ".join(str(root) for root in roots)
         raise PathRefusedError(field, f"{path} resolves outside the checkpoint roots ({roots_text})", path)
     if resolved.exists() and not resolved.is_dir():
         raise PathRefusedError(field, f"{path} is not a directory", path)

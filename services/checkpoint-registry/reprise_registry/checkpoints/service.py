@@ -98,7 +98,7 @@ def world_size_of(session: Session, *, job_id: str) -> int | None:
 
 
 # --- changes --------------------------------------------------------------------------------------------------
-def begin(session: Session, *, data: CheckpointCreate, roots: Sequence[Path] | None = None) -> Checkpoint:
+def begin(session: Session, *, data: CheckpointCreate, roots: Sequence[Path]) -> Checkpoint:
     """Begin a checkpoint, or return the one already begun for the same job and step (idempotent).
 
     A corrupt, deleted or never-finished checkpoint of the same step is started over when the new attempt comes from
@@ -159,7 +159,7 @@ def _start_over(session: Session, existing: Checkpoint, data: CheckpointCreate, 
     return existing
 
 
-def directory_of(checkpoint: Checkpoint, roots: Sequence[Path] | None = None) -> Path:
+def directory_of(checkpoint: Checkpoint, roots: Sequence[Path]) -> Path:
     """A stored checkpoint's resolved directory; ConflictError when it is (now) outside the roots."""
     try:
         return paths.checkpoint_directory(checkpoint.path, roots)
@@ -168,7 +168,7 @@ def directory_of(checkpoint: Checkpoint, roots: Sequence[Path] | None = None) ->
 
 
 def report_rank(
-    session: Session, *, checkpoint_id: int, rank: int, files: Sequence[FileReport], roots: Sequence[Path] | None = None
+    session: Session, *, checkpoint_id: int, rank: int, files: Sequence[FileReport], roots: Sequence[Path]
 ) -> Checkpoint:
     """Record the files one rank wrote (replacing an earlier report of that rank while still writing).
 
@@ -217,7 +217,7 @@ def _same_report(session: Session, checkpoint_id: int, rank: int, rows: Sequence
     return known == {(r["path"], r["size_bytes"], r["digest"]) for r in rows}
 
 
-def try_commit(session: Session, *, checkpoint_id: int, roots: Sequence[Path] | None = None) -> CommitResult:
+def try_commit(session: Session, *, checkpoint_id: int, roots: Sequence[Path]) -> CommitResult:
     """Commit when every rank of the world has reported for this step and the commit marker exists on storage."""
     checkpoint = get(session, checkpoint_id=checkpoint_id)
     if checkpoint.state != CheckpointState.WRITING:

@@ -101,7 +101,7 @@ def apply(
     *,
     job_id: str,
     policy: RetentionPolicy,
-    roots: Sequence[Path] | None = None,
+    roots: Sequence[Path],
     now: datetime | None = None,
 ) -> RetentionResult:
     """Mark the validated checkpoints the policy does not keep as deleted (files removed after, if asked)."""
@@ -138,7 +138,7 @@ def apply(
 
 
 def delete_files(
-    checkpoint: Checkpoint, relative_paths: Sequence[str], *, roots: Sequence[Path] | None = None
+    checkpoint: Checkpoint, relative_paths: Sequence[str], *, roots: Sequence[Path]
 ) -> tuple[int, list[str]]:
     """Remove a deleted checkpoint's files, then its marker, then its directory if nothing else is left.
 

@@ -71,7 +71,7 @@ def validate(
     sample_fraction: float,
     workers: int | None = None,
     rng: random.Random | None = None,
-    roots: Sequence[Path] | None = None,
+    roots: Sequence[Path],
 ) -> Verdict:
     """Run every check on a committed checkpoint; the first failure decides the reason."""
     expected = set(range(checkpoint.world_size or 0))

@@ -17,7 +17,7 @@ from sqlmodel import Session, col, select
 from reprise_common.clock import utcnow
 from reprise_common.events import CheckpointChange
 from reprise_common.logging import get_logger
-from reprise_registry.checkpoints import announce, paths, service
+from reprise_registry.checkpoints import announce, service
 from reprise_registry.checkpoints.models import Algorithm, Checkpoint, CheckpointFile, CheckpointState
 from reprise_registry.validation.checks import ManifestFile, Verdict, validate
 from reprise_registry.validation.hashing import manifest_digest
@@ -54,7 +54,7 @@ def validate_checkpoint(
     sample_fraction: float,
     workers: int | None = None,
     seed: int | None = None,
-    roots: Sequence[Path] | None = None,
+    roots: Sequence[Path],
 ) -> Checkpoint:
     """Validate one committed (or re-check one validated) checkpoint and record the outcome; blocking.
 
@@ -144,7 +144,7 @@ def validate_pending(
     sample_fraction: float,
     workers: int | None = None,
     limit: int = 50,
-    roots: Sequence[Path] | None = None,
+    roots: Sequence[Path],
 ) -> int:
     """Validate every committed checkpoint (oldest first); returns how many were decided."""
     with Session(engines.read) as session:
@@ -164,15 +164,14 @@ async def run_validator(
     sample_fraction: float,
     workers: int | None,
     interval_s: float,
-    roots: Sequence[Path] | None = None,
+    roots: Sequence[Path],
 ) -> None:
     """Validate committed checkpoints whenever woken and every interval (level-triggered: survives restarts)."""
-    confined = paths.roots_or_configured(roots)  # read once, not at every pass
     while True:
         wake.clear()
         try:
             decided = await asyncio.to_thread(
-                validate_pending, engines, sample_fraction=sample_fraction, workers=workers, roots=confined
+                validate_pending, engines, sample_fraction=sample_fraction, workers=workers, roots=roots
             )
         except Exception:  # a database hiccup must not stop validation for good; the next pass retries
             log.exception("validation pass failed")

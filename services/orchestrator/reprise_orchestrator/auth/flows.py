@@ -16,8 +16,10 @@ def bootstrap(deps: Deps) -> None:
     """Make REPRISE_ADMIN_API_KEY an admin key and REPRISE_READ_API_KEY a read key (idempotent), and say so when
     nobody could administer keys."""
     settings = deps.settings
-    chosen = [(settings.admin_api_key, service.BOOTSTRAP_ID, Scope.ADMIN)]
-    chosen.append((settings.read_api_key, service.BOOTSTRAP_READ_ID, Scope.READ))
+    chosen = (
+        (settings.admin_api_key, service.BOOTSTRAP_ID, Scope.ADMIN),
+        (settings.read_api_key, service.BOOTSTRAP_READ_ID, Scope.READ),
+    )
     with Session(deps.engine) as session:
         for secret, key_id, scope in chosen:
             if secret is None:
