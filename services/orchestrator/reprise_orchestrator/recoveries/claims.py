@@ -23,7 +23,7 @@ from reprise_orchestrator.jobs import service as jobs
 from reprise_orchestrator.jobs.models import ACTIVE_STATES, Job, JobState
 from reprise_orchestrator.locks import LockHandle, LockStoreUnavailableError
 from reprise_orchestrator.recoveries import fences, rules, service
-from reprise_orchestrator.recoveries.fences import FENCE_ATTEMPTS, Refused
+from reprise_orchestrator.recoveries.fences import Refused
 from reprise_orchestrator.recoveries.flows import RecoveryFlow, Started
 from reprise_orchestrator.recoveries.models import Recovery
 from reprise_orchestrator.recoveries.records import Baseline, Locked, StepRecord, incident_of
@@ -123,15 +123,12 @@ class Claims:
             return Ack.RETRY  # another replica is claiming or running one; next time we attach to it
         started = False
         try:
-            claimed = self._persist(handle, incident, fresh=fresh)
-            for _ in range(FENCE_ATTEMPTS - 1):
-                if not isinstance(claimed, Refused):
-                    break
-                refenced = await fences.refenced(self.deps, handle, claimed, where="claim")
-                if refenced is None:
-                    return Ack.RETRY  # the lock is gone (lost, or the lease ran out): claim again, or attach, later
-                handle = refenced
-                claimed = self._persist(handle, incident, fresh=fresh)
+            held, claimed = await fences.claim_under_fresh_fences(
+                self.deps, handle, lambda fenced: self._persist(fenced, incident, fresh=fresh), where="claim"
+            )
+            if held is None:
+                return Ack.RETRY  # the lock is gone (lost, or the lease ran out): claim again, or attach, later
+            handle = held
             if isinstance(claimed, Refused):
                 log.warning("fence claim refused at every attempt", extra={"job_id": incident.job_id})
                 return Ack.RETRY

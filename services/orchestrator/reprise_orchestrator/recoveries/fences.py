@@ -8,12 +8,15 @@ every claim would be refused until the counter caught up. Two things keep the co
   fence and leaves a mark in the store; a later pass that finds the mark gone (the store lost its data since) floors
   them all again;
 - a claim or take-over that SQL refuses (`Refused`) floors that job's counter to the stored fence and draws a fresh
-  fence under the lock it holds (`refenced`), up to FENCE_ATTEMPTS times, so it does not wait for the next pass.
+  fence under the lock it holds (`claim_under_fresh_fences`), up to FENCE_ATTEMPTS times, so it does not wait for
+  the next pass.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from prometheus_client import Counter
 from sqlmodel import Session
@@ -24,6 +27,7 @@ from reprise_orchestrator.locks import LockHandle
 from reprise_orchestrator.recoveries import service
 
 log = get_logger("reprise.orchestrator.fences")
+T = TypeVar("T")
 FENCE_ATTEMPTS = 3  # a refused claim draws a fresh fence this many times at most (one suffices after a loss)
 FENCES_BEHIND = Counter(
     "reprise_orchestrator_fences_behind_total",
@@ -67,6 +71,24 @@ class FenceFloor:
         level = log.info if why == "start" else log.warning
         level("fencing counters floored to the stored fences", extra={"why": why, "jobs": len(floors)})
         return True
+
+
+async def claim_under_fresh_fences(
+    deps: Deps, handle: LockHandle, claim: Callable[[LockHandle], T | Refused], *, where: str
+) -> tuple[LockHandle | None, T | Refused]:
+    """Claim under `handle`; while SQL refuses its fence, draw a fresh one under the same lock and claim again
+    (FENCE_ATTEMPTS claims in all). The handle it ended with (None when the lock is no longer its own) and the last
+    answer, which is still Refused when every attempt was."""
+    answer = claim(handle)
+    for _ in range(FENCE_ATTEMPTS - 1):
+        if not isinstance(answer, Refused):
+            break
+        fresh = await refenced(deps, handle, answer, where=where)
+        if fresh is None:
+            return None, answer
+        handle = fresh
+        answer = claim(handle)
+    return handle, answer
 
 
 async def refenced(deps: Deps, handle: LockHandle, refused: Refused, *, where: str) -> LockHandle | None:

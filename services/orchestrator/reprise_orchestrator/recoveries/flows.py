@@ -106,16 +106,11 @@ class RecoveryFlow:
     async def _take(self, handle: LockHandle, recovery_id: str) -> Started | None:
         """Own an orphaned recovery under `handle`; when SQL refuses its fence (the lock store's counter was behind),
         under a fresh fence above the stored one, drawn with the same lock."""
-        owned = self._own(handle, recovery_id)
-        for _ in range(FENCE_ATTEMPTS - 1):
-            if not isinstance(owned, Refused):
-                break
-            refenced = await fences.refenced(self.deps, handle, owned, where="take_over")
-            if refenced is None:
-                return None  # the lock is no longer ours: a later reconcile pass looks again
-            handle = refenced
-            owned = self._own(handle, recovery_id)
-        return None if isinstance(owned, Refused) else owned
+        held, owned = await fences.claim_under_fresh_fences(
+            self.deps, handle, lambda fenced: self._own(fenced, recovery_id), where="take_over"
+        )
+        # None: the lock is no longer ours, or every fence was refused; a later reconcile pass looks again
+        return None if held is None or isinstance(owned, Refused) else owned
 
     def _own(self, handle: LockHandle, recovery_id: str) -> Started | Refused | None:
         """The run of a recovery this replica now owns, rebuilt from its records, and its newest record; Refused
