@@ -59,7 +59,7 @@ def _key_gate(keys: AuthorityKeys) -> DispatchFunction:
             return await call_next(request)
         key = request.cookies.get(COOKIE) or _bearer(request)
         try:
-            known = key is not None and len(key) <= MAX_PRESENTED_KEY and await keys.verify(key) is not None
+            known = await _known(keys, key)
         except AuthUnavailableError as exc:
             return PlainTextResponse(str(exc), 503)
         if known:
@@ -70,6 +70,13 @@ def _key_gate(keys: AuthorityKeys) -> DispatchFunction:
         return RedirectResponse(f"/login?next={quote(target, safe='')}", status_code=303)
 
     return gate
+
+
+async def _known(keys: AuthorityKeys, key: str | None) -> bool:
+    """Whether `key` is a live key of any scope; AuthUnavailableError when the authority cannot be asked."""
+    if not key or len(key) > MAX_PRESENTED_KEY:
+        return False
+    return await keys.verify(key) is not None
 
 
 def _bearer(request: Request) -> str | None:
@@ -97,7 +104,7 @@ async def login(request: Request) -> Response:
     target = _safe_next((form.get("next") or ["/"])[0])
     keys: AuthorityKeys = request.app.state.viewer_keys
     try:
-        known = bool(key) and len(key) <= MAX_PRESENTED_KEY and await keys.verify(key) is not None
+        known = await _known(keys, key)
     except AuthUnavailableError as exc:
         return page(request, "login.html", {"section": "", "next": target, "error": str(exc)}, status_code=503)
     if not known:
