@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
+from reprise_cli.servers import redis_acl_args
 from reprise_cli.topology import DEFAULT_PORTS, ServiceSpec, StackConfig, build_services
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,7 +45,7 @@ ADAPTED_ENV = {
 URL_ENV = ("REPRISE_NATS_URL", "REPRISE_REDIS_URL", "REPRISE_REGISTRY_URL", "REPRISE_DATABASE_URL")
 URL_ENV += ("REPRISE_ORCHESTRATOR_URL", "REPRISE_DETECTOR_URL", "REPRISE_NOTIFIER_URL")
 # Secrets: the launcher passes its own from the state dir; compose must take them from the shell, never hold one.
-SECRET_ENV = {"REPRISE_ADMIN_API_KEY", "REPRISE_READ_API_KEY"}
+SECRET_ENV = {"REPRISE_ADMIN_API_KEY", "REPRISE_READ_API_KEY", "REPRISE_REDIS_PASSWORD"}
 
 LAUNCHER: list[ServiceSpec] = build_services(StackConfig(nodes=2, spares=1))
 
@@ -334,6 +335,9 @@ def test_redis_matches_the_launcher(services: dict[str, dict[str, Any]]) -> None
     )
     data = command[command.index("--dir") + 1] if "--dir" in command else "/data"
     assert data in mounts, f"redis keeps its append-only file in {data!r}, which is not a mounted volume"
+    password = _env(_service(services, "orchestrator"))["REPRISE_REDIS_PASSWORD"]
+    acl = redis_acl_args(password)
+    assert command[-len(acl) :] == acl, f"redis must run the launcher's ACL {acl} with the orchestrator's password"
 
 
 def test_postgres_has_the_database_the_services_use(services: dict[str, dict[str, Any]]) -> None:

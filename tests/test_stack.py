@@ -16,10 +16,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+import redis
 
 from reprise_cli.client import poll
-from reprise_cli.creds import read_admin_api_key
-from reprise_cli.servers import free_stack_ports
+from reprise_cli.creds import ensure_redis_password, read_admin_api_key
+from reprise_cli.servers import REDIS_USER, free_stack_ports
 from reprise_cli.stack import Stack
 from reprise_cli.topology import DEFAULT_PORTS, StackConfig
 from reprise_common.events import FaultKind, InjectFault
@@ -105,6 +106,24 @@ def test_walking_skeleton_xid79_to_fenced_recovery(stack: Stack) -> None:
             assert len([r for r in status["ranks"] if r["alive"]]) == alive, (node, status)
     finally:
         client.close()
+    _redis_admits_only_the_orchestrators_user(stack)
+
+
+def _redis_admits_only_the_orchestrators_user(stack: Stack) -> None:
+    """The recovery above ran through the stack's Redis as its ACL user; nobody else gets in, and that user cannot
+    wipe the fences or touch other keys."""
+    port = stack.config.ports["redis"]
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis(port=port, socket_timeout=2).ping()
+    password = ensure_redis_password(stack.config.state_dir)
+    user = redis.Redis(port=port, username=REDIS_USER, password=password, socket_timeout=2)
+    try:
+        assert any(key.startswith(b"reprise:fence:") for key in user.scan_iter(match="reprise:*"))
+        for refused in (("FLUSHALL",), ("SET", "elsewhere", "1"), ("CONFIG", "GET", "dir")):
+            with pytest.raises(redis.ResponseError, match="no permissions"):
+                user.execute_command(*refused)
+    finally:
+        user.close()
 
 
 def test_drills_from_the_cli_and_a_cancel_that_stops_everything(stack: Stack) -> None:

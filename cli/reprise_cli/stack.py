@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 
 from reprise_cli.client import PlatformClient
-from reprise_cli.creds import ADMIN, init_credentials, read_admin_api_key, seed_file
+from reprise_cli.creds import ADMIN, ensure_redis_password, init_credentials, read_admin_api_key, seed_file
 from reprise_cli.servers import (
     ManagedProcess,
     NatsServer,
@@ -102,7 +102,10 @@ class Stack:
             config=self.config.creds_dir / "nats.conf",
         )
         self.redis = RedisServer(
-            port=self.config.ports["redis"], data_dir=state / "redis", log_path=self.log_dir / "redis.log"
+            port=self.config.ports["redis"],
+            data_dir=state / "redis",
+            log_path=self.log_dir / "redis.log",
+            password=ensure_redis_password(self.config.state_dir),
         )
         self.nats.start()
         self.redis.start()

@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from reprise_cli.creds import ensure_admin_api_key, ensure_read_api_key, seed_file
+from reprise_cli.creds import ensure_admin_api_key, ensure_read_api_key, ensure_redis_password, seed_file
+from reprise_cli.servers import REDIS_USER
 
 DEFAULT_PORTS: dict[str, int] = {
     "nats": 14222,
@@ -126,6 +127,8 @@ def build_services(config: StackConfig) -> list[ServiceSpec]:
                 **base("orchestrator", ports["orchestrator"]),
                 "REPRISE_DATABASE_URL": f"sqlite:///{state / 'orchestrator.db'}",
                 "REPRISE_REDIS_URL": config.redis_url,
+                "REPRISE_REDIS_USERNAME": REDIS_USER,  # the ACL user that reaches only reprise:* keys
+                "REPRISE_REDIS_PASSWORD": ensure_redis_password(config.state_dir),
                 "REPRISE_REGISTRY_URL": registry_url,
                 "REPRISE_ADMIN_API_KEY": ensure_admin_api_key(config.state_dir),  # created once in the state dir
                 "REPRISE_READ_API_KEY": ensure_read_api_key(config.state_dir),  # the dashboard's and viewers'

@@ -99,7 +99,14 @@ def build_deps(settings: OrchestratorSettings, redis: Redis) -> Deps:
 
 def create_app(settings: OrchestratorSettings) -> FastAPI:
     """Build the app; consumers start once NATS is reachable."""
-    redis = Redis.from_url(settings.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+    password = settings.redis_password.get_secret_value() if settings.redis_password is not None else None
+    redis = Redis.from_url(
+        settings.redis_url,
+        username=settings.redis_username,
+        password=password,
+        socket_timeout=2.0,
+        socket_connect_timeout=2.0,
+    )
     deps = build_deps(settings, redis)
     bus, engine, compute = deps.bus, deps.engine, deps.compute
     flow = RecoveryFlow(deps)

@@ -21,6 +21,8 @@ class OrchestratorSettings(ServiceSettings, DatabaseSettings, AuthSettings):
     http_port: int = 8730
     database_url: str = "sqlite:///.state/orchestrator.db"
     redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_username: str | None = Field(default=None, max_length=100, description="the Redis ACL user; none: default")
+    redis_password: SecretStr | None = Field(default=None, description="that user's password; none: no AUTH")
     registry_url: str = "http://127.0.0.1:8710"
     replica_id: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
     lock_ttl_s: float = Field(default=15.0, gt=0, description="job lock lease; renewed every third of it")
