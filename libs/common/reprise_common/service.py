@@ -5,10 +5,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import json
 from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request, Response
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -70,8 +74,13 @@ _STATUS_BY_ERROR: tuple[tuple[type[RepriseError], int], ...] = (
 )
 
 
+MAX_ECHO_CHARS = 200  # a 422 shows the offending input only when it is this short (as JSON)
+MAX_ERRORS_SHOWN = 20  # and at most this many errors, then how many more there were
+
+
 def add_error_handlers(app: FastAPI) -> None:
-    """Map domain errors to HTTP answers in this one place: {"detail": message}."""
+    """Map domain errors to HTTP answers in this one place: {"detail": message}; a request that fails validation
+    gets a 422 naming each field (`loc`), without echoing a large input back."""
 
     async def handle(_request: Request, exc: Exception) -> JSONResponse:
         status = next((code for kind, code in _STATUS_BY_ERROR if isinstance(exc, kind)), 500)
@@ -79,6 +88,24 @@ def add_error_handlers(app: FastAPI) -> None:
 
     for kind, _code in _STATUS_BY_ERROR:
         app.add_exception_handler(kind, handle)
+    app.add_exception_handler(RequestValidationError, _unprocessable)
+
+
+async def _unprocessable(_request: Request, exc: Exception) -> JSONResponse:
+    errors = exc.errors() if isinstance(exc, RequestValidationError) else []
+    shown = [_without_large_input(error) for error in errors[:MAX_ERRORS_SHOWN]]
+    if len(errors) > MAX_ERRORS_SHOWN:
+        shown.append({"type": "more_errors", "loc": [], "msg": f"{len(errors) - MAX_ERRORS_SHOWN} more errors"})
+    return JSONResponse({"detail": jsonable_encoder(shown)}, status_code=422)
+
+
+def _without_large_input(error: Mapping[str, Any]) -> dict[str, Any]:
+    """One validation error with its input (and context) only when they are short."""
+    kept = {key: value for key, value in error.items() if key not in ("input", "ctx", "url")}
+    for key in ("input", "ctx"):
+        if key in error and len(json.dumps(jsonable_encoder(error[key]), default=str)) <= MAX_ECHO_CHARS:
+            kept[key] = error[key]
+    return kept
 
 
 async def _run_check(check: ReadinessCheck) -> bool:

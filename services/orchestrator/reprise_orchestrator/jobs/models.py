@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from datetime import datetime
 from enum import StrEnum
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import AwareDatetime, model_validator
+from pydantic import AwareDatetime, StringConstraints, model_validator
 from sqlalchemy import JSON, Column, Index, String
 from sqlmodel import Field, SQLModel
+from sqlmodel.main import SQLModelConfig
 
 from reprise_common.clock import utcnow
 from reprise_common.db import TypedJSON, UTCDateTime
@@ -32,8 +33,25 @@ class JobState(StrEnum):
 ACTIVE_STATES = frozenset({JobState.RUNNING, JobState.RECOVERING})
 
 
+# Bounds of what a job launches with: each rank gets the command and env as its argv and environment, which Linux
+# limits to 128 KiB per string (MAX_ARG_STRLEN) and about 2 MiB in all (with the agent's own variables).
+MAX_ENV_VARS = 256
+MAX_ENV_VALUE = 32_768
+MAX_COMMAND_ARGS = 1_024
+MAX_ARG_BYTES = 131_071
+MAX_LAUNCH_BYTES = 262_144  # command and env together
+EnvName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", max_length=256)]
+EnvValue = Annotated[str, StringConstraints(max_length=MAX_ENV_VALUE)]
+Argument = Annotated[str, StringConstraints(max_length=MAX_ARG_BYTES)]
+ExitCode = Annotated[int, Field(ge=-255, le=255)]
+# Unknown fields are refused (a typo in a policy must not silently fall back to a default).
+STRICT = SQLModelConfig(extra="forbid")
+
+
 class RecoveryPolicy(SQLModel):
     """How a job may be recovered; every field has a default a user can override per job."""
+
+    model_config = STRICT
 
     max_restarts: int = Field(default=10, ge=0, le=1000, description="restarts allowed within restart_window_s")
     restart_window_s: float = Field(default=86_400.0, gt=0, description="the window the restart budget counts in")
@@ -48,7 +66,9 @@ class RecoveryPolicy(SQLModel):
     elastic_max_nodes: int | None = Field(default=None, ge=1, le=4096, description="never run on more nodes than this")
     use_spares: bool = Field(default=True, description="replace a lost or cordoned node with a spare first")
     hang_timeout_s: float | None = Field(default=None, gt=0, le=86_400, description="override the learned hang limit")
-    non_retryable_exit_codes: list[int] = Field(default_factory=list, description="a rank exiting so fails the job")
+    non_retryable_exit_codes: list[ExitCode] = Field(
+        default_factory=list, max_length=256, description="a rank exiting so fails the job"
+    )
     max_same_error: int = Field(
         default=3, ge=1, le=100, description="the same root cause this many times in a row fails the job"
     )
@@ -98,10 +118,12 @@ class JobBase(SQLModel):
 class JobCreate(JobBase):
     """Body of POST /v1/jobs: either a node list or a node count."""
 
+    model_config = STRICT
+
     nodes: list[IdStr] | None = Field(default=None, min_length=1, max_length=4096)
     node_count: int | None = Field(default=None, ge=1, le=4096)
-    command: list[str] = Field(min_length=1)
-    env: dict[str, str] = Field(default_factory=dict)
+    command: list[Argument] = Field(min_length=1, max_length=MAX_COMMAND_ARGS)
+    env: dict[EnvName, EnvValue] = Field(default_factory=dict, max_length=MAX_ENV_VARS)
     labels: Labels = Field(
         default_factory=dict, max_length=MAX_LABELS, description="key/value pairs to route alerts and filter jobs by"
     )
@@ -113,6 +135,10 @@ class JobCreate(JobBase):
             raise ValueError("give exactly one of nodes (a list of node ids) or node_count")
         if self.nodes is not None and len(set(self.nodes)) != len(self.nodes):
             raise ValueError("nodes lists a node twice")
+        size = sum(len(arg.encode()) + 1 for arg in self.command)
+        size += sum(len(name) + len(value.encode()) + 2 for name, value in self.env.items())
+        if size > MAX_LAUNCH_BYTES:
+            raise ValueError(f"command and env take {size} bytes; at most {MAX_LAUNCH_BYTES} (each rank's argv + env)")
         count = self.node_count if self.node_count is not None else len(self.nodes or [])
         bounds = self.policy
         if bounds.elastic_max_nodes is not None and count > bounds.elastic_max_nodes:
