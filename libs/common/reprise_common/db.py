@@ -17,6 +17,9 @@ from sqlmodel import Session, SQLModel, col, create_engine, select
 from sqlmodel.sql.expression import SelectOfScalar
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
+# The widest integer SQLite (INTEGER) and PostgreSQL (BIGINT) store: every id, offset and count a request carries is
+# bounded by it, so a larger one is a 422 naming the field rather than an overflow in the driver (a 500).
+SQL_INT_MAX = 2**63 - 1
 # Bound values per INSERT statement: SQLite allows 32,766 since 3.32 (999 before), PostgreSQL 65,535.
 MAX_BOUND_VALUES = {"sqlite": 32_766, "postgresql": 65_535}
 SQLITE_OLD_MAX_BOUND_VALUES = 999

@@ -64,7 +64,7 @@ def advise(
     save_cost_s: Annotated[float | None, Query(gt=0)] = None,
     current_interval_s: Annotated[float | None, Query(gt=0)] = None,
     failures_per_node_day: Annotated[float | None, Query(gt=0)] = None,
-    observed_failures: Annotated[int | None, Query(ge=0)] = None,
+    observed_failures: Annotated[int | None, Query(ge=0, le=1_000_000_000)] = None,
     observed_hours: Annotated[float | None, Query(gt=0)] = None,
     restart_overhead_s: Annotated[float | None, Query(ge=0)] = None,
 ) -> Advice:

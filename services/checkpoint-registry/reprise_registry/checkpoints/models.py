@@ -10,7 +10,7 @@ from sqlalchemy import BigInteger, Column, ForeignKey, Index, Integer, String, U
 from sqlmodel import Field, SQLModel
 
 from reprise_common.clock import utcnow
-from reprise_common.db import UTCDateTime
+from reprise_common.db import SQL_INT_MAX, UTCDateTime
 from reprise_common.settings import IdStr
 
 
@@ -46,7 +46,7 @@ class CheckpointBase(SQLModel):
     """Fields a client provides when it begins a checkpoint."""
 
     job_id: IdStr = Field(sa_type=String(64))
-    step: int = Field(ge=0, sa_type=BigInteger)
+    step: int = Field(ge=0, le=SQL_INT_MAX, sa_type=BigInteger)
     path: str = Field(min_length=1, max_length=4096, sa_type=String(4096))
 
 
@@ -61,7 +61,7 @@ class CheckpointCreate(CheckpointBase):
         max_length=255,
         description="commit marker file, relative to `path`; default by layout",
     )
-    restart_epoch: int = Field(default=0, ge=0)
+    restart_epoch: int = Field(default=0, ge=0, le=SQL_INT_MAX)
 
 
 class Checkpoint(CheckpointBase, table=True):
@@ -125,7 +125,7 @@ class FileReport(SQLModel):
     path: str = Field(
         min_length=1, max_length=4096, description="relative to the checkpoint's path, or absolute inside it"
     )
-    size_bytes: int = Field(ge=0)
+    size_bytes: int = Field(ge=0, le=SQL_INT_MAX)
     digest: str | None = Field(default=None, regex=r"^[0-9a-f]{16,128}$")
     algorithm: Algorithm = Algorithm.BLAKE3
 

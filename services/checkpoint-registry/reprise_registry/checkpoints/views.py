@@ -7,9 +7,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Annotated
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Path, Query
 from fastapi.exceptions import RequestValidationError
 
+from reprise_common.db import SQL_INT_MAX
 from reprise_common.errors import ConflictError
 from reprise_registry.checkpoints import service
 from reprise_registry.checkpoints.models import (
@@ -27,6 +28,9 @@ from reprise_registry.checkpoints.paths import FieldPath, PathRefusedError
 from reprise_registry.deps import DepsDep, ReadSession, WriteSession
 from reprise_registry.validation.service import validate_checkpoint
 
+# Path parameters, bounded so that a number past 64 bits is a 422 naming it, not an overflow in the database (500).
+CheckpointId = Annotated[int, Path(ge=1, le=SQL_INT_MAX, description="a checkpoint's id")]
+RankNumber = Annotated[int, Path(ge=0, le=1_000_000, description="a rank of the checkpoint's world")]
 router = APIRouter(prefix="/v1", tags=["checkpoints"])
 
 
@@ -59,13 +63,13 @@ def begin_checkpoint(body: CheckpointCreate, session: WriteSession, deps: DepsDe
 
 
 @router.get("/checkpoints/{checkpoint_id}", response_model=CheckpointPublic)
-def get_checkpoint(checkpoint_id: int, session: ReadSession) -> CheckpointPublic:
+def get_checkpoint(checkpoint_id: CheckpointId, session: ReadSession) -> CheckpointPublic:
     """One checkpoint."""
     return _public(service.get(session, checkpoint_id=checkpoint_id))
 
 
 @router.get("/checkpoints/{checkpoint_id}/files", response_model=CheckpointFilesPublic)
-def list_files(checkpoint_id: int, session: ReadSession) -> CheckpointFilesPublic:
+def list_files(checkpoint_id: CheckpointId, session: ReadSession) -> CheckpointFilesPublic:
     """A checkpoint's manifest: every file with its rank, size and digest."""
     service.get(session, checkpoint_id=checkpoint_id)
     rows = service.files_of(session, checkpoint_id=checkpoint_id)
@@ -75,7 +79,7 @@ def list_files(checkpoint_id: int, session: ReadSession) -> CheckpointFilesPubli
 
 @router.put("/checkpoints/{checkpoint_id}/ranks/{rank}", response_model=CheckpointPublic)
 def report_rank(
-    checkpoint_id: int, rank: int, body: RankReport, session: WriteSession, deps: DepsDep
+    checkpoint_id: CheckpointId, rank: RankNumber, body: RankReport, session: WriteSession, deps: DepsDep
 ) -> CheckpointPublic:
     """Record the files one rank wrote, with their sizes and digests (repeating a report is harmless).
 
@@ -90,7 +94,7 @@ def report_rank(
 
 
 @router.post("/checkpoints/{checkpoint_id}/commit", response_model=CommitResult)
-def commit_checkpoint(checkpoint_id: int, session: WriteSession, deps: DepsDep) -> CommitResult:
+def commit_checkpoint(checkpoint_id: CheckpointId, session: WriteSession, deps: DepsDep) -> CommitResult:
     """Commit once every rank reported and the marker exists (409 says what is missing); validation follows."""
     result = service.try_commit(session, checkpoint_id=checkpoint_id, roots=deps.settings.checkpoint_roots)
     if not result.committed:
@@ -101,7 +105,7 @@ def commit_checkpoint(checkpoint_id: int, session: WriteSession, deps: DepsDep) 
 
 @router.post("/checkpoints/{checkpoint_id}/validate", response_model=CheckpointPublic)
 async def validate_now(
-    checkpoint_id: int, deps: DepsDep, sample_fraction: Annotated[float | None, Query(ge=0, le=1)] = None
+    checkpoint_id: CheckpointId, deps: DepsDep, sample_fraction: Annotated[float | None, Query(ge=0, le=1)] = None
 ) -> CheckpointPublic:
     """Validate a committed checkpoint now, or re-verify a validated one; answers with the outcome."""
     fraction = deps.settings.validate_sample_fraction if sample_fraction is None else sample_fraction
@@ -120,7 +124,7 @@ async def validate_now(
 
 
 @router.post("/checkpoints/{checkpoint_id}/load-failed", response_model=CheckpointPublic)
-def load_failed(checkpoint_id: int, body: LoadFailure, session: WriteSession) -> CheckpointPublic:
+def load_failed(checkpoint_id: CheckpointId, body: LoadFailure, session: WriteSession) -> CheckpointPublic:
     """Report that restoring this checkpoint failed: latest-validated falls back to the previous one."""
     return _public(service.mark_load_failed(session, checkpoint_id=checkpoint_id, reason=body.reason))
 
@@ -140,7 +144,7 @@ def list_checkpoints(
 
 @router.get("/jobs/{job_id}/checkpoints/latest", response_model=CheckpointPublic)
 def latest_checkpoint(
-    job_id: str, session: ReadSession, before_step: Annotated[int | None, Query(ge=0)] = None
+    job_id: str, session: ReadSession, before_step: Annotated[int | None, Query(ge=0, le=SQL_INT_MAX)] = None
 ) -> CheckpointPublic:
     """The newest validated checkpoint that has not failed to load (404 when none); before_step asks for older."""
     return _public(service.latest_validated(session, job_id=job_id, before_step=before_step))

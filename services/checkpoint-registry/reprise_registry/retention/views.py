@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Response
 
-from reprise_registry.checkpoints.views import unprocessable
+from reprise_registry.checkpoints.views import CheckpointId, unprocessable
 from reprise_registry.deps import DepsDep, ReadSession, WriteSession
 from reprise_registry.retention import service
 from reprise_registry.retention.models import PinCreate, PinPublic, RetentionPolicy, RetentionResult
@@ -13,20 +13,20 @@ router = APIRouter(prefix="/v1", tags=["retention"])
 
 
 @router.post("/checkpoints/{checkpoint_id}/pins", status_code=201, response_model=PinPublic)
-def pin_checkpoint(checkpoint_id: int, body: PinCreate, session: WriteSession) -> PinPublic:
+def pin_checkpoint(checkpoint_id: CheckpointId, body: PinCreate, session: WriteSession) -> PinPublic:
     """Pin a validated checkpoint while a recovery uses it: retention never deletes it (409 unless validated)."""
     return PinPublic.model_validate(service.pin(session, checkpoint_id=checkpoint_id, data=body), from_attributes=True)
 
 
 @router.get("/checkpoints/{checkpoint_id}/pins", response_model=list[PinPublic])
-def list_pins(checkpoint_id: int, session: ReadSession) -> list[PinPublic]:
+def list_pins(checkpoint_id: CheckpointId, session: ReadSession) -> list[PinPublic]:
     """Every pin on a checkpoint."""
     rows = service.pins_of(session, checkpoint_id=checkpoint_id)
     return [PinPublic.model_validate(row, from_attributes=True) for row in rows]
 
 
 @router.delete("/checkpoints/{checkpoint_id}/pins/{holder}", status_code=204)
-def unpin_checkpoint(checkpoint_id: int, holder: str, session: WriteSession) -> Response:
+def unpin_checkpoint(checkpoint_id: CheckpointId, holder: str, session: WriteSession) -> Response:
     """Release a holder's pin (idempotent)."""
     service.unpin(session, checkpoint_id=checkpoint_id, holder=holder)
     return Response(status_code=204)

@@ -8,6 +8,7 @@ from fastapi import APIRouter, HTTPException, Query
 from fastapi.exceptions import RequestValidationError
 from pydantic import AwareDatetime
 
+from reprise_common.db import SQL_INT_MAX
 from reprise_common.errors import BusError
 from reprise_common.events import Category
 from reprise_detector.incidents import flows, service
@@ -33,7 +34,7 @@ def list_incidents(
     category: Category | None = None,
     since: Annotated[AwareDatetime | None, Query(description="opened at or after (ISO 8601 with a zone)")] = None,
     until: Annotated[AwareDatetime | None, Query(description="opened before (ISO 8601 with a zone)")] = None,
-    offset: Annotated[int, Query(ge=0)] = 0,
+    offset: Annotated[int, Query(ge=0, le=SQL_INT_MAX)] = 0,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
 ) -> IncidentsPublic:
     """Incidents matching every given filter."""

@@ -6,6 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
+from reprise_common.db import SQL_INT_MAX
 from reprise_notifier.deliveries import service
 from reprise_notifier.deliveries.models import (
     DeadLetterPublic,
@@ -30,7 +31,7 @@ def list_deliveries(
     state: DeliveryState | None = None,
     destination: str | None = None,
     job_id: str | None = None,
-    offset: Annotated[int, Query(ge=0)] = 0,
+    offset: Annotated[int, Query(ge=0, le=SQL_INT_MAX)] = 0,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
 ) -> DeliveriesPublic:
     """Deliveries matching every given filter."""
@@ -45,7 +46,7 @@ def list_dead_letters(
     session: SessionDep,
     *,
     destination: str | None = None,
-    offset: Annotated[int, Query(ge=0)] = 0,
+    offset: Annotated[int, Query(ge=0, le=SQL_INT_MAX)] = 0,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
 ) -> DeadLettersPublic:
     """Alerts given up on, with the reason and the status that refused them."""
