@@ -121,6 +121,9 @@ def run(fault: Fault, settings: Settings, root: Path) -> Outcome:
             outcome.notes.append(f"the job did not start: {job['state']} {job.get('detail', '')}")
             return outcome
         logs = RankZeroLogs(stack.config.state_dir, job["id"])
+        if fault is Fault.NODE_LOSS:  # the victim's agent kills itself: the stack's supervisor must leave it dead
+            victim = next(r for r in job["placement"] if r["rank"] == settings.victim_rank)
+            stack.hold_node_down(victim["node_id"])
         try:
             _watch(client, job, logs, outcome, settings)
             _analyse(client, job["id"], logs, outcome)

@@ -46,6 +46,7 @@ URL_ENV = ("REPRISE_NATS_URL", "REPRISE_REDIS_URL", "REPRISE_REGISTRY_URL", "REP
 URL_ENV += ("REPRISE_ORCHESTRATOR_URL", "REPRISE_DETECTOR_URL", "REPRISE_NOTIFIER_URL")
 # Secrets: the launcher passes its own from the state dir; compose must take them from the shell, never hold one.
 SECRET_ENV = {"REPRISE_ADMIN_API_KEY", "REPRISE_READ_API_KEY", "REPRISE_REDIS_PASSWORD"}
+RESTART_POLICIES = {"unless-stopped", "always", "on-failure"}  # compose's default, "no", leaves a crash dead
 
 LAUNCHER: list[ServiceSpec] = build_services(StackConfig(nodes=2, spares=1))
 
@@ -275,6 +276,15 @@ def test_healthcheck_asks_readyz(services: dict[str, dict[str, Any]], spec: Serv
     test = (_service(services, spec.name).get("healthcheck") or {}).get("test")
     probe = " ".join(test) if isinstance(test, list) else str(test)
     assert "/readyz" in probe, f"{spec.name}: healthcheck {test!r} does not ask /readyz"
+
+
+@pytest.mark.parametrize("name", [*INFRASTRUCTURE, *(spec.name for spec in LAUNCHER)])
+def test_every_container_is_restarted_when_it_crashes(services: dict[str, dict[str, Any]], name: str) -> None:
+    """`reprise up` restarts a crashed server or service (cli/reprise_cli/supervise.py); compose must too."""
+    policy = _service(services, name).get("restart")
+    assert policy in RESTART_POLICIES, (
+        f"{name}: restart is {policy!r}; a crashed container stays dead unless it is one of {sorted(RESTART_POLICIES)}"
+    )
 
 
 @pytest.mark.parametrize("spec", LAUNCHER, ids=_by_name)

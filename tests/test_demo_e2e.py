@@ -1,7 +1,9 @@
-"""The demo's scenario, smaller, on real processes: 2 nodes + 1 spare, the real DDP script, a crash and an XID 79.
+"""The demo's scenario, smaller, on real processes: 2 nodes + 1 spare, the real DDP script, a crash, an XID 79 and a
+checkpoint corrupted on storage after validation.
 
 The same code as `reprise demo` (reprise_cli.demo): the platform recovers each fault without help, the XID's node is
-cordoned and the spare takes its place, and the job ends with the fault-free reference's parameters, bit for bit.
+cordoned and the spare takes its place, the corrupt checkpoint is refused by the ranks' load and the recovery falls
+back to the one before, and the job ends with the fault-free reference's parameters, bit for bit.
 """
 
 from __future__ import annotations
@@ -22,32 +24,38 @@ from reprise_cli.topology import DEFAULT_PORTS, StackConfig
 
 pytest.importorskip("torch", reason="PyTorch is not installed: the DDP demo job cannot run")
 # Real processes on a shared 2-core machine: ~90 s when it is quiet; the limit leaves room for a busy one.
-pytestmark = [pytest.mark.stack, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.stack, pytest.mark.chaos, pytest.mark.timeout(300)]
 
 
-def test_a_ddp_job_survives_a_crash_and_an_xid79_and_ends_with_the_reference_parameters(tmp_path: Path) -> None:
+def test_a_ddp_job_survives_a_crash_an_xid79_and_a_corrupt_checkpoint_with_the_reference_parameters(
+    tmp_path: Path,
+) -> None:
     config = StackConfig(
         nodes=2, spares=1, gpus_per_node=2, state_dir=tmp_path / "state", ports=free_stack_ports(DEFAULT_PORTS)
     )
-    training = Training(steps=48, checkpoint_every=8, step_sleep=0.1)
+    training = Training(steps=64, checkpoint_every=8, step_sleep=0.1)
     reference = ReferenceRun(training, world_size=2, work_dir=tmp_path / "reference").start()
     stack = Stack(config)
     try:
         stack.start(timeout_s=90)
         with closing(stack.client()) as client:
             scenario = Scenario(stack, client, training, say=print, work_dir=tmp_path / "job")
-            faults = [FaultPlan(Fault.RANK_CRASH, rank=1), FaultPlan(Fault.XID79, rank=1)]
+            faults = [
+                FaultPlan(Fault.RANK_CRASH, rank=1),
+                FaultPlan(Fault.XID79, rank=1),
+                FaultPlan(Fault.CORRUPT_CHECKPOINT, rank=0),
+            ]
             run = scenario.run(faults, reference=reference)
     finally:
         reference.stop()
         stack.stop()
 
-    assert [f.recovered for f in run.faults] == [True, True], [f.recovery for f in run.faults]
+    assert [f.recovered for f in run.faults] == [True, True, True], [f.recovery for f in run.faults]
     # A recovery no fault accounts for is printed by the scenario. Known defect (see the closing note): on a loaded
     # machine a rank sometimes exits 1 at start-up or at the very end, and Reprise then recovers it; that must not
     # hide the two faults' recoveries and the final parameters, which are asserted here.
     print("unplanned recoveries:", [(r["id"], r["step"], r.get("outcome")) for r in run.unplanned])
-    crash, xid = run.faults
+    crash, xid, corrupt = run.faults
     assert crash.incident is not None and xid.incident is not None
     assert (crash.incident["culprit_node_id"], crash.incident["culprit_rank"]) == ("node-2", 1)
     assert xid.incident["category"] == "gpu_hardware"
@@ -66,6 +74,15 @@ def test_a_ddp_job_survives_a_crash_and_an_xid79_and_ends_with_the_reference_par
         assert 0 < numbers.detection_s < numbers.recovery_s
     assert xid.restored_step is not None and crash.restored_step is not None
     assert xid.restored_step > crash.restored_step
+    # The corrupt checkpoint passed the presence check, was refused by the ranks' digest check on load (the first
+    # attempt's ranks died before a step), and the next attempt restored the checkpoint before it.
+    assert corrupt.recovery is not None
+    restores = [(r["data"] or {}).get("checkpoint") for r in corrupt.recovery["steps"] if r["step"] == "restoring"]
+    verifies = [(r["data"] or {}) for r in corrupt.recovery["steps"] if r["step"] == "verifying"]
+    assert len(restores) >= 2 and restores[0] is not None, corrupt.recovery["steps"]
+    assert verifies[0].get("load_failed") is True, verifies
+    assert corrupt.restored_step is not None and corrupt.restored_step < restores[0]["step"]
+    assert corrupt.restored_step >= xid.restored_step
     progress = goodput(run.samples, final_step=training.steps)
     assert progress is not None and 0 < progress.ratio < 1
 

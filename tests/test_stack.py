@@ -210,6 +210,59 @@ def test_readyz_reports_nats_outage_and_services_reconnect(stack: Stack) -> None
     assert poll(all_ready, bool, timeout_s=30)
 
 
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(url + "/readyz", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@pytest.mark.chaos
+def test_killed_redis_and_detector_come_back_a_lost_node_stays_down_and_stop_restarts_nothing(
+    stack: Stack, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """kill -9 Redis and the detector: the supervisor restarts each on its port, with its credentials, and the
+    services become ready again; an agent held down (the demo's node loss) stays dead; stop() leaves nothing."""
+    said: list[str] = []
+
+    def told(text: str) -> bool:
+        said.append(capsys.readouterr().out)
+        return text in "".join(said)
+
+    assert stack.redis is not None and stack.redis.process is not None
+    redis_pid, detector = stack.redis.process.pid, stack.services["detector"]
+    detector_pid = detector.pid
+    os.killpg(redis_pid, signal.SIGKILL)
+    os.killpg(detector_pid, signal.SIGKILL)
+
+    assert poll(lambda: stack.redis is not None and stack.redis.ready(), bool, timeout_s=30)
+    assert stack.redis.process is not None and stack.redis.process.pid != redis_pid
+    assert poll(lambda: detector.alive() and detector.pid != detector_pid and _ready(stack.url("detector")), bool,
+                timeout_s=60)  # fmt: skip
+    assert poll(lambda: _ready(stack.url("orchestrator")), bool, timeout_s=30)  # its Redis client reconnected
+    password = ensure_redis_password(stack.config.state_dir)
+    user = redis.Redis(port=stack.config.ports["redis"], username=REDIS_USER, password=password, socket_timeout=2)
+    try:
+        assert user.ping()  # the same port, user and password as before the kill
+    finally:
+        user.close()
+    assert told("supervisor: redis crashed (signal SIGKILL)") and told("supervisor: detector restarted")
+
+    lost = stack.services["agent-spare-1"]
+    lost_pid = lost.pid
+    stack.hold_node_down("spare-1")  # as the demo does before it injects a node loss
+    os.killpg(lost_pid, signal.SIGKILL)
+    assert poll(lambda: told("agent-spare-1 exited (signal SIGKILL), held down"), bool, timeout_s=10)
+    assert lost.pid == lost_pid and not lost.alive()
+
+    pids = stack.pids()
+    before_stop = len("".join(said))
+    stack.stop()
+    assert [pid for pid in pids if process_alive(pid)] == []
+    told("")
+    assert "supervisor:" not in "".join(said)[before_stop:]  # nothing the stop ended was taken for a crash
+
+
 def test_reprise_up_serves_and_ctrl_c_leaves_no_process(tmp_path: Path) -> None:
     ports = free_stack_ports(DEFAULT_PORTS)
     argv = [

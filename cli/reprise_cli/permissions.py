@@ -61,6 +61,7 @@ SERVICES: dict[str, Grant] = {
         durables=(
             Durable(subjects.PLACEMENTS_STREAM, "*", deleted_at_start=True),
             Durable(subjects.AGENT_STREAM, "*", deleted_at_start=True),  # it also drops its retired reports consumer
+            Durable(subjects.RECOVERIES_STREAM, "*"),  # a recovery that succeeded mitigates its incident
         ),
         stream_info=(subjects.PLACEMENTS_STREAM,),
     ),

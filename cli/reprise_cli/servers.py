@@ -124,12 +124,16 @@ class ManagedProcess:
     env: dict[str, str] = field(default_factory=dict)
     cwd: Path | None = None
     proc: subprocess.Popen[bytes] | None = None
+    stop_requested: bool = False  # set by stop(): an exit after it is intended, not a crash
     _log: IO[bytes] | None = None
 
     def start(self) -> None:
-        """Start the process (new session, dies with its parent)."""
+        """Start the process (new session, dies with its parent); a second start runs it again."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        if self._log is not None:
+            self._log.close()  # the handle of a run that crashed
         self._log = self.log_path.open("ab")
+        self.stop_requested = False
         self.proc = subprocess.Popen(
             list(self.argv),
             stdout=self._log,
@@ -138,7 +142,7 @@ class ManagedProcess:
             env={**os.environ, **self.env},
             cwd=self.cwd,
             start_new_session=True,
-            preexec_fn=die_with_parent(signal.SIGTERM),  # noqa: PLW1509 - no threads run during the launcher's fork
+            preexec_fn=die_with_parent(signal.SIGTERM),  # noqa: PLW1509 - the child loads nothing (see procs.py)
         )
 
     @property
@@ -152,6 +156,12 @@ class ManagedProcess:
         """True while the process runs."""
         return self.proc is not None and self.proc.poll() is None
 
+    def crashed(self) -> int | None:
+        """The return code of a process that ended without stop() being called; None while it runs or after stop()."""
+        if self.proc is None or self.stop_requested:
+            return None
+        return self.proc.poll()
+
     def signal(self, sig: int) -> None:
         """Send a signal to the whole process group."""
         if self.alive():
@@ -159,9 +169,10 @@ class ManagedProcess:
                 os.killpg(self.pid, sig)
 
     def stop(self, grace_s: float = 10.0) -> int | None:
-        """SIGTERM the group, wait up to grace_s, then SIGKILL it; returns the exit code."""
-        if self.proc is None:
-            return None
+        """SIGTERM the group, wait up to grace_s, then SIGKILL it; returns the exit code (a second stop only that)."""
+        if self.proc is None or (self.stop_requested and self._log is None):
+            return None if self.proc is None else self.proc.returncode
+        self.stop_requested = True
         if self.alive():
             self.signal(signal.SIGTERM)
             try:
@@ -174,6 +185,7 @@ class ManagedProcess:
             os.killpg(self.pid, signal.SIGKILL)
         if self._log is not None:
             self._log.close()
+            self._log = None
         return self.proc.returncode
 
     def log_tail(self, lines: int = 20) -> str:
@@ -194,8 +206,40 @@ def wait_until(predicate: Callable[[], bool], *, timeout_s: float, interval_s: f
     return predicate()
 
 
+class _ServerProcess:
+    """What the servers share: one process at a time, started and waited for, stopped, and whether it crashed."""
+
+    log_path: Path
+    process: ManagedProcess | None
+
+    def ready(self) -> bool:
+        """The server answers its clients."""
+        raise NotImplementedError
+
+    def _launch(self, name: str, argv: list[str], *, port: int, timeout_s: float) -> None:
+        """Run argv (after what is left of a crashed run) and wait until the server is ready."""
+        if self.process is not None:
+            self.process.stop(grace_s=5.0)
+        process = ManagedProcess(name, argv, self.log_path)
+        process.start()
+        self.process = process  # started before it is seen: other threads read `process`
+        if not wait_until(self.ready, timeout_s=timeout_s):
+            tail = self.process.log_tail()
+            self.stop()
+            raise ConfigError(f"{name} server did not become ready on port {port}: {tail.splitlines()[-1:]}")
+
+    def crashed(self) -> int | None:
+        """The return code of a server that ended without stop() being called (see ManagedProcess.crashed)."""
+        return self.process.crashed() if self.process is not None else None
+
+    def stop(self) -> None:
+        """Stop the server."""
+        if self.process is not None:
+            self.process.stop(grace_s=5.0)
+
+
 @dataclass
-class NatsServer:
+class NatsServer(_ServerProcess):
     """A real nats-server with JetStream, its store in a directory of ours."""
 
     port: int
@@ -205,6 +249,8 @@ class NatsServer:
     host: str = "127.0.0.1"
     config: Path | None = None  # default: deploy/nats/nats.conf (no authorization)
     process: ManagedProcess | None = None
+    cluster_port: int | None = None  # a member of a cluster (NatsCluster): its route port, and its peers' below
+    peer_cluster_ports: tuple[int, ...] = ()
 
     @property
     def url(self) -> str:
@@ -223,12 +269,15 @@ class NatsServer:
             "-js",
             "-sd", str(self.store_dir),
         ]  # fmt: skip
-        self.process = ManagedProcess("nats", argv, self.log_path)
-        self.process.start()
-        if not wait_until(self.ready, timeout_s=timeout_s):
-            tail = self.process.log_tail()
-            self.stop()
-            raise ConfigError(f"nats-server did not become ready on port {self.port}: {tail.splitlines()[-1:]}")
+        if self.cluster_port is not None:
+            routes = ",".join(f"nats://{self.host}:{port}" for port in self.peer_cluster_ports)
+            argv += [
+                "--server_name", f"reprise-nats-{self.port}",
+                "--cluster_name", "reprise",
+                "--cluster", f"nats://{self.host}:{self.cluster_port}",
+                "--routes", routes,
+            ]  # fmt: skip
+        self._launch("nats", argv, port=self.port, timeout_s=timeout_s)
 
     def ready(self) -> bool:
         """JetStream answers on the monitoring port."""
@@ -240,10 +289,46 @@ class NatsServer:
         except httpx.HTTPError:
             return False
 
+
+@dataclass
+class NatsCluster:
+    """Three (or more) nats-servers routed into one JetStream cluster on loopback, as production runs NATS."""
+
+    servers: list[NatsServer]
+
+    @classmethod
+    def on_free_ports(cls, directory: Path, *, size: int = 3) -> NatsCluster:
+        """A cluster of `size` servers, each with its own ports, store and log under `directory`."""
+        cluster_ports = [free_port() for _ in range(size)]
+        return cls(
+            [
+                NatsServer(
+                    port=free_port(),
+                    monitor_port=free_port(),
+                    store_dir=directory / f"nats-{index}" / "store",
+                    log_path=directory / f"nats-{index}.log",
+                    cluster_port=cluster_port,
+                    peer_cluster_ports=tuple(p for p in cluster_ports if p != cluster_port),
+                )
+                for index, cluster_port in enumerate(cluster_ports)
+            ]
+        )
+
+    @property
+    def url(self) -> str:
+        """Every member's client URL, comma-separated (what REPRISE_NATS_URL takes)."""
+        return ",".join(server.url for server in self.servers)
+
+    def start(self, timeout_s: float = 15.0) -> None:
+        """Start every member, one after another on this thread (a child's parent-death signal follows the thread
+        that started it); JetStream elects its leaders once a quorum is up."""
+        for server in self.servers:
+            server.start(timeout_s=timeout_s)
+
     def stop(self) -> None:
-        """Stop the server."""
-        if self.process is not None:
-            self.process.stop(grace_s=5.0)
+        """Stop every member."""
+        for server in self.servers:
+            server.stop()
 
 
 def redis_acl_args(password: str, *, user: str = REDIS_USER) -> list[str]:
@@ -254,7 +339,7 @@ def redis_acl_args(password: str, *, user: str = REDIS_USER) -> list[str]:
 
 
 @dataclass
-class RedisServer:
+class RedisServer(_ServerProcess):
     """A real Redis-compatible server with append-only persistence in a directory of ours; with a password, only
     the ACL user `reprise` may connect (`redis_acl_args`)."""
 
@@ -282,12 +367,7 @@ class RedisServer:
         ]  # fmt: skip
         if self.password is not None:
             argv += redis_acl_args(self.password)
-        self.process = ManagedProcess("redis", argv, self.log_path)
-        self.process.start()
-        if not wait_until(self.ready, timeout_s=timeout_s):
-            tail = self.process.log_tail()
-            self.stop()
-            raise ConfigError(f"redis server did not become ready on port {self.port}: {tail.splitlines()[-1:]}")
+        self._launch("redis", argv, port=self.port, timeout_s=timeout_s)
 
     def ready(self) -> bool:
         """The server answers PING."""
@@ -307,8 +387,3 @@ class RedisServer:
                 client.close()
         except redis.RedisError:
             return False
-
-    def stop(self) -> None:
-        """Stop the server."""
-        if self.process is not None:
-            self.process.stop(grace_s=5.0)

@@ -22,9 +22,11 @@ from reprise_cli.servers import (
     wait_until,
 )
 from reprise_cli.servers import require_free_port as _require_free_port
+from reprise_cli.supervise import RestartPolicy, Supervisor
 from reprise_cli.topology import (
     ServiceSpec,
     StackConfig,
+    agent_name,
     build_services,
     node_ids,
     slack_receiver_argv,
@@ -55,15 +57,21 @@ def _command_path(command: str) -> str:
 
 @dataclass
 class Stack:
-    """Starts NATS, Redis and every service; stops all of them, leaving no process behind."""
+    """Starts NATS, Redis and every service and supervises them (a crash is restarted); stops all of them, leaving
+    no process behind."""
 
     config: StackConfig
     say: Callable[[str], None] = print
+    restart_policy: RestartPolicy = field(default_factory=RestartPolicy)
     nats: NatsServer | None = None
     redis: RedisServer | None = None
     slack_receiver: ManagedProcess | None = None
     services: dict[str, ManagedProcess] = field(default_factory=dict)
     specs: list[ServiceSpec] = field(default_factory=list)
+    supervisor: Supervisor = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.supervisor = Supervisor(say=self.say, log_path=self.log_dir / "supervisor.log", policy=self.restart_policy)
 
     @property
     def log_dir(self) -> Path:
@@ -117,6 +125,17 @@ class Stack:
             process.start()
             self.services[spec.name] = process
         self.wait_ready(timeout_s=timeout_s)
+        self._supervise()
+
+    def _supervise(self) -> None:
+        """From now on a server or service that crashes is restarted (a failed start above is not retried)."""
+        assert self.nats is not None and self.redis is not None and self.slack_receiver is not None
+        self.supervisor.watch("nats", self.nats)
+        self.supervisor.watch("redis", self.redis)
+        self.supervisor.watch("slack-receiver", self.slack_receiver)
+        for name, process in self.services.items():
+            self.supervisor.watch(name, process)
+        self.supervisor.start()
 
     def _start_slack_receiver(self) -> None:
         """Start the local stand-in for Slack (the notifier's default destination) and wait until it answers."""
@@ -133,6 +152,10 @@ class Stack:
 
         if not wait_until(answers, timeout_s=15):
             raise ConfigError(f"the Slack receiver did not start: {self.slack_receiver.log_tail(5)}")
+
+    def hold_node_down(self, node_id: str) -> None:
+        """The node's agent stays down once it exits (a simulated node loss): the supervisor does not restart it."""
+        self.supervisor.hold(agent_name(node_id))
 
     @property
     def admin_seed(self) -> Path:
@@ -177,7 +200,9 @@ class Stack:
             )
 
     def stop(self) -> None:
-        """Stop services (agents first, so ranks stop cleanly), then the Slack receiver, Redis and NATS."""
+        """Stop the supervisor (nothing restarts from here on), the services (agents first, so ranks stop cleanly),
+        then the Slack receiver, Redis and NATS."""
+        self.supervisor.stop()
         for name in reversed(list(self.services)):
             self.services[name].stop(grace_s=15.0)
         if self.slack_receiver is not None:

@@ -174,8 +174,13 @@ def build_services(config: StackConfig) -> list[ServiceSpec]:
             "REPRISE_SPARE": "true" if spare else "false",
             "REPRISE_ADVERTISE_ADDR": config.host,
         }
-        services.append(ServiceSpec(f"agent-{node_id}", "agent", ROLE_COMMANDS["agent"], env, port))
+        services.append(ServiceSpec(agent_name(node_id), "agent", ROLE_COMMANDS["agent"], env, port))
     return services
+
+
+def agent_name(node_id: str) -> str:
+    """The name of a node's agent among the stack's services (its log: logs/<name>.log)."""
+    return f"agent-{node_id}"
 
 
 # The local Slack-compatible receiver (cli/reprise_cli/slack_receiver.py) is a stand-in for Slack, not a platform

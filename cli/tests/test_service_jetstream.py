@@ -124,7 +124,7 @@ async def test_each_service_provisions_every_stream_over_an_older_release(
     assert (await js.stream_info(subjects.AGENT_STREAM)).state.messages == 0
 
 
-async def test_detector_reads_agent_events_reports_and_placements(deployment: Deployment, admin: Client) -> None:
+async def test_detector_reads_agent_events_reports_placements_and_recovery_outcomes(deployment: Deployment, admin: Client) -> None:
     planner = await _connected(deployment, "orchestrator")
     await planner.publish(subjects.placement("job-1"), _placement())
     bus = await _connected(deployment, "detector")
@@ -166,6 +166,15 @@ async def test_detector_reads_agent_events_reports_and_placements(deployment: De
     js = admin.jetstream()
     await _acknowledged(js, subjects.PLACEMENTS_STREAM, replica.durable(detector.PLACEMENTS_DURABLE), 1)
     await _acknowledged(js, subjects.AGENT_STREAM, events_durable, 1)
+    # Recovery outcomes mitigate incidents: the detector reads them through a durable of its own too.
+    outcomes_durable = replica.durable(detector.RECOVERIES_DURABLE)
+    outcomes = await _consume(bus, subjects.RECOVERIES_STREAM, outcomes_durable, subjects.RECOVERIES_ALL)
+    succeeded = RecoveryChange(
+        source="orchestrator", change="succeeded", recovery_id="rec-1", job_id="job-1", step="running", fence=2
+    )
+    await planner.publish(subjects.recovery("job-1", "succeeded"), succeeded)
+    assert await poll_until(lambda: outcomes, timeout_s=5), outcomes
+    await _acknowledged(js, subjects.RECOVERIES_STREAM, outcomes_durable, 1)
     for each in (agent, bus, planner):
         await each.close()
 

@@ -21,10 +21,12 @@ from ._client import (
     stats,
 )
 from ._resume import ResumeInfo, resume
+from ._verify import CheckpointCorruptError, verify_files
 
 __all__ = [
     "PROTOCOL_VERSION",
     "SOCKET_ENV",
+    "CheckpointCorruptError",
     "PhaseScope",
     "ResumeInfo",
     "SdkStats",
@@ -33,4 +35,5 @@ __all__ = [
     "phase",
     "resume",
     "stats",
+    "verify_files",
 ]

@@ -15,6 +15,7 @@ Every save runs in the "checkpointing" phase (a long save is not taken for a han
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import warnings
@@ -27,6 +28,7 @@ import torch.distributed as dist
 
 from ._client import checkpoint_saved, phase
 from ._resume import resume
+from ._verify import expected_files, verify_files, verify_share
 
 StrPath = str | os.PathLike[str]
 
@@ -48,6 +50,11 @@ def save_checkpoint(directory: StrPath, step: int, state: dict[str, Any], *, ran
                 sink.flush()
                 os.fsync(sink.fileno())
             os.replace(partial, target)
+        except (OSError, RuntimeError) as exc:
+            full = _out_of_space(exc)
+            if full is None:
+                raise
+            raise OSError(errno.ENOSPC, f"no space left on the device saving {target} (step {step})") from full
         finally:
             partial.unlink(missing_ok=True)
         _fsync_directory(target.parent)
@@ -55,6 +62,17 @@ def save_checkpoint(directory: StrPath, step: int, state: dict[str, Any], *, ran
     files = [str(target)]
     checkpoint_saved(str(target.parent), step, files, sha256=sha256_files(files))
     return files
+
+
+def _out_of_space(exc: BaseException) -> OSError | None:
+    """The ENOSPC behind a failed save, if that is what it was (torch's writer reports it as a RuntimeError about a
+    file position, with the OSError only in its context)."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno == errno.ENOSPC:
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def sha256_files(files: list[str]) -> dict[str, tuple[int, str]]:
@@ -99,8 +117,13 @@ def _write_marker(directory: Path) -> None:
 def load_checkpoint(
     directory: StrPath, *, rank: int | None = None, map_location: Any = "cpu", weights_only: bool = True
 ) -> dict[str, Any]:
-    """Read this rank's state written by save_checkpoint (tensors land on `map_location`)."""
+    """Read this rank's state written by save_checkpoint (tensors land on `map_location`).
+
+    When it is the checkpoint Reprise restores, the file is first checked against the registry's digest
+    (CheckpointCorruptError when it differs).
+    """
     source = rank_file(directory, resume().rank if rank is None else rank)
+    verify_files(directory, [source.name])
     state: dict[str, Any] = torch.load(source, map_location=map_location, weights_only=weights_only)
     return state
 
@@ -124,10 +147,18 @@ def save_distributed(directory: StrPath, step: int, state: dict[str, Any]) -> li
 
 
 def load_distributed(directory: StrPath, state: dict[str, Any]) -> dict[str, Any]:
-    """Load a torch.distributed.checkpoint into `state` in place (its tensors give shapes and placement)."""
+    """Load a torch.distributed.checkpoint into `state` in place (its tensors give shapes and placement).
+
+    When it is the checkpoint Reprise restores, each rank first checks its share of the files (and every rank the
+    .metadata) against the registry's digests (CheckpointCorruptError when one differs).
+    """
     import torch.distributed.checkpoint as dcp  # noqa: PLC0415
 
     grouped = _process_group_up()
+    me, world = (dist.get_rank(), dist.get_world_size()) if grouped else (0, 1)
+    if expected_files(directory):
+        verify_files(directory, [".metadata"])
+        verify_share(directory, rank=me, world_size=world)
     with _single_process_is_meant(not grouped):
         dcp.load(state, checkpoint_id=Path(directory).absolute(), no_dist=not grouped)
     return state

@@ -177,3 +177,71 @@ def test_distributed_checkpoint_reports_each_ranks_own_files(tmp_path: Path) -> 
     assert [Path(f).name for f in by_rank[0]["files"]] == [".metadata", "__0_0.distcp"]
     assert [Path(f).name for f in by_rank[1]["files"]] == ["__1_0.distcp"]
     assert by_rank[1]["own"] == [1.0, 1.0, 1.0] and by_rank[1]["shared"] == [1.0, 1.0]
+
+
+def _manifest(monkeypatch: pytest.MonkeyPatch, directory: Path, files: list[str], tmp_path: Path) -> None:
+    """What the agent hands a rank that restores `directory`: the registry's digests of its files."""
+    entries = []
+    for name in files:
+        data = (directory / name).read_bytes()
+        entries.append(
+            {"path": name, "size_bytes": len(data), "algorithm": "sha256", "digest": hashlib.sha256(data).hexdigest()}
+        )
+    listing = tmp_path / "resume-files.json"
+    listing.write_text(json.dumps(entries))
+    monkeypatch.setenv("REPRISE_RESUME_CHECKPOINT", str(directory))
+    monkeypatch.setenv("REPRISE_RESUME_FILES", str(listing))
+
+
+def _flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) - 20] ^= 0x01  # inside the zip's last entry data: same size, torch.load may not notice
+    path.write_bytes(bytes(data))
+
+
+def test_a_restored_file_that_differs_from_the_validated_digest_is_refused(
+    helpers: ModuleType, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from reprise_sdk import CheckpointCorruptError
+
+    directory = tmp_path / "step-40"
+    helpers.save_checkpoint(directory, 40, {"w": torch.arange(1000.0)})
+    _manifest(monkeypatch, directory, ["rank-00002.pt"], tmp_path)
+    assert torch.equal(helpers.load_checkpoint(directory)["w"], torch.arange(1000.0))  # intact: loads
+
+    _flip_byte(directory / "rank-00002.pt")
+    with pytest.raises(CheckpointCorruptError, match=r"rank-00002\.pt: sha256 .* differs from the validated"):
+        helpers.load_checkpoint(directory)
+    (directory / "rank-00002.pt").write_bytes(b"short")
+    with pytest.raises(CheckpointCorruptError, match="is 5 bytes; the registry validated"):
+        helpers.load_checkpoint(directory)
+    (directory / "rank-00002.pt").unlink()
+    with pytest.raises(CheckpointCorruptError, match="is missing"):
+        helpers.load_checkpoint(directory)
+    with pytest.raises(CheckpointCorruptError, match="not a file of the validated checkpoint"):
+        helpers.load_checkpoint(directory, rank=0)  # a file the registry never validated
+
+
+def test_another_directory_than_the_restored_one_is_not_checked(
+    helpers: ModuleType, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    helpers.save_checkpoint(tmp_path / "a", 1, {"w": torch.ones(3)})
+    helpers.save_checkpoint(tmp_path / "b", 2, {"w": torch.zeros(3)})
+    _manifest(monkeypatch, tmp_path / "a", ["rank-00002.pt"], tmp_path)
+    assert torch.equal(helpers.load_checkpoint(tmp_path / "b")["w"], torch.zeros(3))
+
+
+def test_a_distributed_checkpoint_is_checked_before_it_is_loaded(
+    helpers: ModuleType, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from reprise_sdk import CheckpointCorruptError
+
+    files = helpers.save_distributed(tmp_path / "dcp", 9, {"w": torch.arange(64.0)})
+    _manifest(monkeypatch, tmp_path / "dcp", [Path(f).name for f in files], tmp_path)
+    target = {"w": torch.zeros(64)}
+    helpers.load_distributed(tmp_path / "dcp", target)
+    assert torch.equal(target["w"], torch.arange(64.0))
+
+    _flip_byte(tmp_path / "dcp" / "__0_0.distcp")
+    with pytest.raises(CheckpointCorruptError, match=r"__0_0\.distcp"):
+        helpers.load_distributed(tmp_path / "dcp", {"w": torch.zeros(64)})

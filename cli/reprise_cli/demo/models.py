@@ -28,6 +28,9 @@ class Fault(StrEnum):
     XID79 = "XID 79"  # the rank's GPU falls off the bus: its node is cordoned, a spare takes its place
     RANK_HANG = "rank hang"  # SIGSTOP one rank: alive and silent, its peers blocked in the next collective
     NODE_LOSS = "node loss"  # the node's agent and ranks are killed: no reports, no goodbye
+    # A byte of the newest validated checkpoint flipped on storage, then a rank crash: the ranks' load finds the
+    # digest changed, the registry marks it corrupt, and the recovery falls back to the checkpoint before it.
+    CORRUPT_CHECKPOINT = "corrupt checkpoint"
 
 
 @dataclass(frozen=True)
@@ -53,7 +56,11 @@ def fault_event(plan: FaultPlan, *, job_id: str, gpu: int | None) -> InjectFault
     """The injection request for a planned fault."""
     if plan.fault is Fault.XID79:
         return InjectFault(kind=FaultKind.XID, gpu=gpu or 0, xid=79)
-    kinds = {Fault.RANK_CRASH: FaultKind.RANK_KILL, Fault.RANK_HANG: FaultKind.RANK_HANG}
+    kinds = {
+        Fault.RANK_CRASH: FaultKind.RANK_KILL,
+        Fault.CORRUPT_CHECKPOINT: FaultKind.RANK_KILL,
+        Fault.RANK_HANG: FaultKind.RANK_HANG,
+    }
     if plan.fault is Fault.NODE_LOSS:
         return InjectFault(kind=FaultKind.NODE_LOSS, job_id=job_id)
     return InjectFault(kind=kinds[plan.fault], rank=plan.rank, job_id=job_id)

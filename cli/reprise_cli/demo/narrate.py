@@ -64,7 +64,9 @@ def _placing(data: dict[str, Any]) -> str:
 
 def _restoring(data: dict[str, Any]) -> str:
     checkpoint = data.get("checkpoint")
-    return f": checkpoint step {checkpoint['step']}" if checkpoint else ": no checkpoint, from the start"
+    chosen = f": checkpoint step {checkpoint['step']}" if checkpoint else ": no checkpoint, from the start"
+    skipped = [f"step {s['step']} ({s['reason'].split(':')[0]})" for s in data.get("skipped") or []]
+    return chosen + (f", skipped as corrupt: {', '.join(skipped)}" if skipped else "")
 
 
 def _launching(data: dict[str, Any]) -> str:
@@ -74,6 +76,10 @@ def _launching(data: dict[str, Any]) -> str:
 
 
 def _verifying(data: dict[str, Any]) -> str:
+    if data.get("load_failed") is not None:
+        return f": ranks {data.get('dead_ranks')} died before their first step: the checkpoint failed to load"
+    if data.get("dead_ranks") or data.get("missing"):
+        return f": not every rank reached step {data.get('target_step')}"
     return f": every rank at or past step {data.get('target_step')}" if "steps" in data else ""
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from reprise_cli.client import PlatformClient, poll
-from reprise_cli.demo.models import TERMINAL, DemoFailure, DemoRun, FaultPlan, FaultRun, fault_event
+from reprise_cli.demo.models import TERMINAL, DemoFailure, DemoRun, Fault, FaultPlan, FaultRun, fault_event
 from reprise_cli.demo.narrate import incident_line, nodes_of, step_lines
 from reprise_cli.demo.sampler import StepSampler
 from reprise_cli.demo.training import ReferenceRun, Training, digest_in, job_spec, rank_log
@@ -156,6 +156,10 @@ class Scenario:
             raise DemoFailure(f"the job has no rank {plan.rank} to hit with a {plan.fault}")
         event = fault_event(plan, job_id=self.job["id"], gpu=target.get("gpu"))
         sample = self.sampler.latest() if self.sampler else None
+        if plan.fault is Fault.NODE_LOSS:  # the agent kills itself: the stack's supervisor must not bring it back
+            self.stack.hold_node_down(target["node_id"])
+        if plan.fault is Fault.CORRUPT_CHECKPOINT:
+            self._flip_a_byte_of_the_latest_checkpoint()
         injected_at = utcnow()
         reply = self.client.inject(event, node_id=target["node_id"])
         if not reply.accepted:
@@ -163,6 +167,16 @@ class Scenario:
         at_step = f" at step {sample.step}" if sample and sample.step else ""
         self.say(f"FAULT {plan.fault} on {target['node_id']} (rank {plan.rank}){at_step}: {reply.detail}")
         return FaultRun(plan, target["node_id"], self.job["restart_epoch"], injected_at, reply.detail)
+
+    def _flip_a_byte_of_the_latest_checkpoint(self) -> None:
+        """Flip one byte in the middle of rank 0's file (the one every rank reads) of the newest validated checkpoint:
+        the size stays, so only a digest can tell."""
+        latest = self.client.latest_checkpoint(self.job["id"]).json()
+        target = Path(latest["path"]) / "rank-00000.pt"
+        data = bytearray(target.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        target.write_bytes(bytes(data))
+        self.say(f"STORAGE a byte flipped in {target} (checkpoint step {latest['step']}, validated)")
 
     def _follow(self, fault: FaultRun, *, known_incidents: set[str]) -> None:
         """Narrate the incident and the recovery's steps as they happen, until the recovery ends."""

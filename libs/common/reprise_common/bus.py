@@ -51,10 +51,11 @@ _STREAM_EXISTS_DIFFERENTLY = 10058
 _SLOW_CONSUMER_LOG_EVERY_S = 60.0
 
 
-def stream_config(spec: StreamSpec) -> StreamConfig:
-    """The JetStream configuration for one of Reprise's streams."""
+def stream_config(spec: StreamSpec, *, replicas: int = 1) -> StreamConfig:
+    """The JetStream configuration for one of Reprise's streams, stored on `replicas` servers of a cluster."""
     return StreamConfig(
         name=spec.name,
+        num_replicas=replicas,
         description=spec.description,
         subjects=list(spec.subjects),
         retention=RetentionPolicy.LIMITS,
@@ -72,7 +73,11 @@ class Bus:
     def for_service(cls, settings: ServiceSettings, service: str, *, provision: bool = True) -> Bus:
         """The bus of a platform service, with its NATS identity from its settings."""
         return cls(
-            url=settings.nats_url, service=service, nkey_seed_file=settings.nats_nkey_seed_file, provision=provision
+            url=settings.nats_url,
+            service=service,
+            nkey_seed_file=settings.nats_nkey_seed_file,
+            provision=provision,
+            replicas=settings.nats_stream_replicas,
         )
 
     def __init__(
@@ -84,8 +89,10 @@ class Bus:
         nkey_seed_file: Path | None = None,
         inbox_prefix: str | None = None,
         provision: bool = True,
+        replicas: int = 1,
     ) -> None:
-        self.url = url
+        self.url = url  # one server, or a cluster's members comma-separated
+        self.replicas = replicas
         self.service = service
         self.streams = tuple(streams)
         self.nkey_seed_file = nkey_seed_file
@@ -132,7 +139,7 @@ class Bus:
             tries += 1
             try:
                 self._nc = await nats.connect(
-                    servers=[self.url],
+                    servers=[server.strip() for server in self.url.split(",")],
                     name=self.service,
                     connect_timeout=2,
                     allow_reconnect=True,
@@ -209,7 +216,7 @@ class Bus:
         in AGENT): they would otherwise hold the server's disk until they age out.
         """
         for spec in self.streams:
-            config = stream_config(spec)
+            config = stream_config(spec, replicas=self.replicas)
             try:
                 await self.js.add_stream(config)
             except nats.js.errors.BadRequestError as exc:
@@ -340,6 +347,7 @@ class Bus:
         ack_wait_s: float = 30.0,
         retry_delay_s: float = 0.5,
         deliver_policy: DeliverPolicy = DeliverPolicy.ALL,
+        progress_every_s: float | None = None,
     ) -> Consumer:
         """A durable pull consumer whose handler decides whole batches; ``start()`` or ``await open()`` runs it."""
         consumer = Consumer(
@@ -355,6 +363,7 @@ class Bus:
             ack_wait_s=ack_wait_s,
             retry_delay_s=retry_delay_s,
             deliver_policy=deliver_policy,
+            progress_every_s=progress_every_s,
         )
         self._consumers.append(consumer)
         return consumer

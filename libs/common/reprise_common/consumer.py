@@ -50,6 +50,7 @@ class Delivery:
     subject: str
     num_delivered: int
     stream_seq: int
+    stored_ns: int = 0  # when the stream stored it (the server's clock), ns since the epoch; 0 when unknown
 
 
 Handler = Callable[[Event, Delivery], Awaitable[Outcome]]
@@ -57,16 +58,23 @@ _V1_ACK_TOKENS = 9  # $JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>.<cons
 
 
 def delivery_of(msg: Msg) -> Delivery:
-    """Where a JetStream message came from and how often it has been delivered, from its ack subject.
+    """Where a JetStream message came from, how often it has been delivered and when it was stored, from its ack
+    subject.
 
-    Only the two numbers needed are read: nats-py's `metadata` converts every token, a timestamp included, which was a
-    tenth of a storm's time. The newer subject form (with domain and account) has nats-py's token positions.
+    Only the numbers needed are read, as integers: nats-py's `metadata` converts every token (the timestamp to a
+    datetime), which was a tenth of a storm's time. The newer subject form (with domain and account) has nats-py's
+    token positions.
     """
     tokens = msg.reply.split(".")
     if len(tokens) == _V1_ACK_TOKENS and tokens[0] == Msg.Ack.Prefix0 and tokens[1] == Msg.Ack.Prefix1:
-        return Delivery(subject=msg.subject, num_delivered=int(tokens[4]), stream_seq=int(tokens[5]))
+        return Delivery(
+            subject=msg.subject, num_delivered=int(tokens[4]), stream_seq=int(tokens[5]), stored_ns=int(tokens[7])
+        )
     meta = msg.metadata  # raises for a message that is not from JetStream
-    return Delivery(subject=msg.subject, num_delivered=meta.num_delivered, stream_seq=meta.sequence.stream)
+    stored_ns = round(meta.timestamp.timestamp() * 1_000_000_000)
+    return Delivery(
+        subject=msg.subject, num_delivered=meta.num_delivered, stream_seq=meta.sequence.stream, stored_ns=stored_ns
+    )
 
 
 @dataclass(frozen=True)
@@ -118,6 +126,7 @@ class Consumer:
         ack_wait_s: float = 30.0,
         retry_delay_s: float = 0.5,
         deliver_policy: DeliverPolicy = DeliverPolicy.ALL,
+        progress_every_s: float | None = None,
     ) -> None:
         self.bus = bus
         self.stream = stream
@@ -133,6 +142,11 @@ class Consumer:
         self.ack_wait_s = ack_wait_s
         self.retry_delay_s = retry_delay_s
         self.deliver_policy = deliver_policy
+        # While a fetched batch is held (handled, or waiting its turn), tell the server every this many seconds that
+        # it is in progress: the ack wait can then be short, so that a consumer that dies with a batch in hand has
+        # it redelivered (to a restarted or another consumer) after seconds, not after a long ack wait.
+        self.progress_every_s = progress_every_s
+        self._held: list[Batch] = []
         self.acked = 0  # messages acknowledged after the handler's work, since the start
         self._stopping = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -156,7 +170,8 @@ class Consumer:
                 await self._task
 
     async def _subscribe(self) -> PullInbox:
-        """Create the durable consumer if it is missing, and an inbox to pull from it."""
+        """Create the durable consumer if it is missing (or apply the limits it should have), and an inbox to pull
+        from it."""
         config = ConsumerConfig(
             durable_name=self.durable,
             ack_policy=AckPolicy.EXPLICIT,
@@ -167,9 +182,11 @@ class Consumer:
             filter_subject=self.filter_subject,
         )
         try:
-            await self.bus.js.consumer_info(self.stream, self.durable)
+            info = await self.bus.js.consumer_info(self.stream, self.durable)
         except nats.js.errors.NotFoundError:
             await self.bus.js.add_consumer(self.stream, config=config)
+        else:
+            await self._update_limits(info.config, config)
         inbox = PullInbox(
             self.bus.nc,
             stream=self.stream,
@@ -180,7 +197,50 @@ class Consumer:
         await inbox.open()
         return inbox
 
+    async def _update_limits(self, found: ConsumerConfig, wanted: ConsumerConfig) -> None:
+        """Apply the ack wait and delivery limits this consumer wants to one that an earlier run created otherwise.
+
+        The server keeps a durable consumer's config, so a changed ack wait would otherwise never take effect. Only
+        these limits are changed (the server refuses a change of e.g. the deliver policy); a refusal is logged.
+        """
+        limits = {
+            "ack_wait": wanted.ack_wait,
+            "max_deliver": wanted.max_deliver,
+            "max_ack_pending": wanted.max_ack_pending,
+        }
+        if all(getattr(found, name) == value for name, value in limits.items()):
+            return
+        try:
+            await self.bus.js.add_consumer(self.stream, config=found.evolve(**limits))
+        except nats.js.errors.Error as exc:
+            log.warning("could not update the consumer's limits", extra={"consumer": self.durable, "error": repr(exc)})
+            return
+        log.info("updated the consumer's limits", extra={"consumer": self.durable, **limits})
+
+    async def _keep_in_progress(self, every_s: float) -> None:
+        """Tell the server every `every_s` that the messages of the batches held are still being worked on."""
+        while True:
+            await asyncio.sleep(every_s)
+            for batch in list(self._held):
+                for msg in batch.msgs:
+                    with contextlib.suppress(nats.errors.Error):
+                        await msg.in_progress()
+
     async def _run(self, first: PullInbox | None) -> None:
+        progress = None
+        if self.progress_every_s is not None:
+            progress = asyncio.create_task(
+                self._keep_in_progress(self.progress_every_s), name=f"progress:{self.durable}"
+            )
+        try:
+            await self._fetch_and_dispatch(first)
+        finally:
+            if progress is not None:
+                progress.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await progress
+
+    async def _fetch_and_dispatch(self, first: PullInbox | None) -> None:
         sub = first
         generation = self.bus.generation
         ahead: asyncio.Future[Batch] | None = None  # the next batch, fetched (and read) while the handler works
@@ -214,16 +274,20 @@ class Consumer:
                 await self._dispatch(batch)
         if ahead is not None:
             with contextlib.suppress(TimeoutError, nats.errors.Error, BusError):
-                await self._give_back((await ahead).msgs)
+                await self._give_back(await ahead)
         if sub is not None:
             with contextlib.suppress(nats.errors.Error, TimeoutError):
                 await sub.close()
 
-    async def _give_back(self, msgs: list[Msg]) -> None:
+    async def _give_back(self, batch: Batch) -> None:
         """Messages fetched ahead but not handled (the consumer stops): redelivered now, not after the ack wait."""
-        for msg in msgs:
+        for msg in batch.msgs:
             with contextlib.suppress(nats.errors.Error):
                 await msg.nak()
+        self._release(batch)
+
+    def _release(self, batch: Batch) -> None:
+        self._held = [held for held in self._held if held is not batch]
 
     async def _fetch(self, sub: PullInbox) -> Batch:
         """The next batch, read; an empty one when the consumer stops first."""
@@ -254,11 +318,20 @@ class Consumer:
                     continue
             items.append(Item(event, delivery, msg.data))
             kept.append(msg)
-        return Batch(len(msgs), kept, items)
+        batch = Batch(len(msgs), kept, items)
+        if kept:
+            self._held.append(batch)  # settled or given back later
+        return batch
 
     async def _dispatch(self, batch: Batch) -> None:
         if not batch.items:
             return
+        try:
+            await self._handle(batch)
+        finally:
+            self._release(batch)
+
+    async def _handle(self, batch: Batch) -> None:
         try:
             verdicts = await self.handler(batch.items)
         except Exception:  # a handler bug must not kill the consumer; the batch is retried

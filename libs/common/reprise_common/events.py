@@ -242,6 +242,8 @@ class Category(StrEnum):
     INTERCONNECT = "interconnect"
     NODE = "node"
     APPLICATION = "application"
+    PROCESS_KILLED = "process_killed"  # a rank ended by SIGKILL from outside (not by the OOM killer)
+    EARLY_EXIT = "early_exit"  # a rank exited 0 while the rest of its job went on: the job runs a rank short
     DEPENDENCY = "dependency"
     UNKNOWN = "unknown"
 
@@ -252,6 +254,8 @@ class Category(StrEnum):
 CAUSE_DEPTH: Mapping[str, int] = {
     Category.UNKNOWN: 1,
     Category.APPLICATION: 1,
+    Category.PROCESS_KILLED: 1,
+    Category.EARLY_EXIT: 1,
     Category.DEPENDENCY: 2,
     Category.NODE: 3,
     Category.INTERCONNECT: 4,
@@ -488,6 +492,18 @@ class CommandAction(StrEnum):
     STOP = "stop"
 
 
+RESUME_FILES_MAX = 1024  # files a launch carries for the ranks to check; beyond it the registry checks them all
+
+
+class ResumeFile(Wire):
+    """One file of the checkpoint a launch resumes from, as the registry validated it: a rank checks what it loads."""
+
+    path: str = Field(min_length=1, max_length=4096, description="relative to the checkpoint's directory")
+    size_bytes: int = Field(ge=0)
+    algorithm: Literal["sha256", "blake3"]
+    digest: str = Field(pattern=r"^[0-9a-f]{16,128}$")
+
+
 class LaunchArgs(Wire):
     """What an agent needs to start its node's ranks of one restart epoch (one schema for both ends)."""
 
@@ -500,6 +516,11 @@ class LaunchArgs(Wire):
     cwd: str | None = Field(default=None, max_length=4096)
     resume_checkpoint: str | None = Field(
         default=None, max_length=4096, description="the validated checkpoint to resume from; None: from the start"
+    )
+    resume_files: list[ResumeFile] = Field(
+        default_factory=list,
+        max_length=RESUME_FILES_MAX,
+        description="the checkpoint's files with the registry's digests; empty: the registry checked every digest",
     )
     ranks: list[RankAssignment] = Field(min_length=1, description="this node's ranks only")
 

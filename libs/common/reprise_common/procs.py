@@ -14,11 +14,19 @@ _PR_SET_PDEATHSIG = 1
 
 
 def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None]:
-    """A preexec_fn asking the kernel to send `sig` to the child when its parent dies (no orphans)."""
+    """A preexec_fn asking the kernel to send `sig` to the child when its parent dies (no orphans).
+
+    libc is loaded here, in the parent: the child only calls prctl, so forking from a thread (the launcher's
+    supervisor) cannot deadlock on a loader lock another thread held. The kernel's "parent" is the forking thread.
+    """
+    try:
+        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except OSError:
+        return lambda: None
 
     def preexec() -> None:
         with contextlib.suppress(Exception):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
+            prctl(_PR_SET_PDEATHSIG, sig)
 
     return preexec
 

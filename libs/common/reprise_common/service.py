@@ -6,15 +6,17 @@ import asyncio
 import contextlib
 import gc
 import json
+import re
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import uvicorn
 from fastapi import FastAPI, Request, Response
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import AwareDatetime, BaseModel, BeforeValidator
 
 from reprise_common.bus import Bus
 from reprise_common.errors import BusError, ConflictError, NotFoundError, RepriseError, StaleFenceError
@@ -45,6 +47,13 @@ def settle_garbage_collector() -> None:
     gc.set_threshold(GC_YOUNG_THRESHOLD, older, oldest)
 
 
+class Readiness(BaseModel):
+    """The answer of /readyz: ready or not, and each dependency's check."""
+
+    status: Literal["ready", "not ready"]
+    checks: dict[str, Literal["ok", "down"]]
+
+
 def add_ops_routes(app: FastAPI, *, checks: Mapping[str, ReadinessCheck]) -> None:
     """Add /healthz (the process is alive), /readyz (every dependency reachable) and /metrics (Prometheus)."""
 
@@ -52,7 +61,13 @@ def add_ops_routes(app: FastAPI, *, checks: Mapping[str, ReadinessCheck]) -> Non
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/readyz", tags=["ops"], summary="Readiness: every dependency is reachable")
+    @app.get(
+        "/readyz",
+        tags=["ops"],
+        summary="Readiness: every dependency is reachable",
+        response_model=Readiness,
+        responses={503: {"model": Readiness, "description": "A dependency is down (the checks name it)"}},
+    )
     async def readyz() -> JSONResponse:
         results = await asyncio.gather(*(_run_check(check) for check in checks.values()))
         detail = {name: ("ok" if ok else "down") for name, ok in zip(checks, results, strict=True)}
@@ -61,7 +76,12 @@ def add_ops_routes(app: FastAPI, *, checks: Mapping[str, ReadinessCheck]) -> Non
             {"status": "ready" if ready else "not ready", "checks": detail}, status_code=200 if ready else 503
         )
 
-    @app.get("/metrics", tags=["ops"], summary="Prometheus metrics")
+    @app.get(
+        "/metrics",
+        tags=["ops"],
+        summary="Prometheus metrics",
+        response_class=PlainTextResponse,  # the text exposition format, not JSON
+    )
     async def metrics() -> Response:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
@@ -73,6 +93,40 @@ _STATUS_BY_ERROR: tuple[tuple[type[RepriseError], int], ...] = (
     (BusError, 503),  # the message bus is unreachable: the caller may repeat the request
 )
 
+
+class ErrorDetail(BaseModel):
+    """The body of every error answer but a 422: what went wrong, for people."""
+
+    detail: str
+
+
+def _error(description: str) -> dict[str, Any]:
+    return {"model": ErrorDetail, "description": description}
+
+
+# What any /v1 route may answer besides its own results (`include_router(..., responses=ERROR_RESPONSES)`): the
+# domain errors mapped above, a body FastAPI cannot parse (not JSON, not UTF-8) and a key that is refused.
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    400: _error("The body could not be parsed (not JSON, or not UTF-8)"),
+    401: _error("No API key, or an unknown or revoked one"),
+    403: _error("The API key lacks the scope the route needs"),
+    404: _error("No such resource"),
+    409: _error("The resource's state, or a newer fencing token, refuses the change"),
+    503: _error("The message bus or the key authority is unreachable: the request may be repeated"),
+}
+
+_BARE_NUMBER = re.compile(r"\s*[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?\s*")
+
+
+def _iso_8601(value: object) -> object:
+    """Refuse a bare number where an ISO 8601 time is documented: pydantic would read it as Unix seconds."""
+    if isinstance(value, int | float) or (isinstance(value, str) and _BARE_NUMBER.fullmatch(value)):
+        raise ValueError("expected an ISO 8601 date-time with a zone, e.g. 2026-12-02T05:00:00Z")
+    return value
+
+
+# A time in a query or body: ISO 8601 with a zone, as the OpenAPI document says (format: date-time).
+IsoDateTime = Annotated[AwareDatetime, BeforeValidator(_iso_8601)]
 
 MAX_ECHO_CHARS = 200  # a 422 shows the offending input only when it is this short (as JSON)
 MAX_ERRORS_SHOWN = 20  # and at most this many errors, then how many more there were
@@ -115,11 +169,11 @@ async def _run_check(check: ReadinessCheck) -> bool:
         return False
 
 
-def nats_check(bus: Bus) -> ReadinessCheck:
-    """Readiness of the NATS connection."""
+def nats_check(background: Background) -> ReadinessCheck:
+    """Readiness on NATS: connected, and the service's start hook (its consumers) ran to the end."""
 
     async def check() -> bool:
-        return bus.connected
+        return background.bus.connected and background.started.is_set()
 
     return check
 
@@ -131,13 +185,19 @@ class Background:
         self.bus = bus
         self._task: asyncio.Task[None] | None = None
         self.started = asyncio.Event()
+        self.failed: Exception | None = None  # why the start hook did not finish, if it did not
 
     def start(self, on_connected: Callable[[], Awaitable[None]]) -> None:
         """Begin connecting; on_connected runs once the bus is up (consumers, responders)."""
 
         async def run() -> None:
             await self.bus.connect()
-            await on_connected()
+            try:
+                await on_connected()
+            except Exception as exc:  # e.g. a consumer its NATS identity may not create: it would never consume
+                self.failed = exc
+                log.exception("could not start consuming: not ready (fix the cause and restart the service)")
+                return
             self.started.set()
             log.info("connected and consuming", extra={"nats": self.bus.url})
 

@@ -16,7 +16,12 @@ class ServiceSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="REPRISE_", extra="ignore")
 
-    nats_url: str = "nats://127.0.0.1:4222"
+    nats_url: str = Field(
+        default="nats://127.0.0.1:4222", description="a NATS server, or a cluster's members comma-separated"
+    )
+    nats_stream_replicas: int = Field(
+        default=1, ge=1, le=5, description="servers of a NATS cluster holding each stream (3 in production)"
+    )
     http_host: str = "127.0.0.1"
     http_port: int = Field(default=8000, ge=0, le=65535)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
@@ -30,8 +35,9 @@ class ServiceSettings(BaseSettings):
     @field_validator("nats_url")
     @classmethod
     def _nats_scheme(cls, value: str) -> str:
-        if not value.startswith(("nats://", "tls://", "ws://", "wss://")):
-            raise ValueError("REPRISE_NATS_URL must start with nats://, tls://, ws:// or wss://")
+        for server in value.split(","):
+            if not server.strip().startswith(("nats://", "tls://", "ws://", "wss://")):
+                raise ValueError("REPRISE_NATS_URL: each server must start with nats://, tls://, ws:// or wss://")
         return value
 
 

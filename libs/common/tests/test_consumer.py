@@ -4,6 +4,7 @@ at once when the consumer stops before handling it; where a message came from is
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import nats.errors
 import pytest
@@ -95,7 +96,9 @@ def test_a_delivery_is_read_from_the_ack_subject_as_nats_py_reads_it() -> None:
     for reply in replies:
         msg = Msg(_client=None, subject="reprise.agent.node-1.gpu.xid", reply=reply, data=b"{}")  # type: ignore[arg-type]
         meta = msg.metadata
-        assert delivery_of(msg) == Delivery(msg.subject, meta.num_delivered, meta.sequence.stream)
+        delivery = delivery_of(msg)
+        assert replace(delivery, stored_ns=0) == Delivery(msg.subject, meta.num_delivered, meta.sequence.stream)
+        assert abs(delivery.stored_ns - 1764489012345678901) < 1000  # when the stream stored it, to the microsecond
     with pytest.raises(nats.errors.Error):  # not a JetStream message
         delivery_of(Msg(_client=None, subject="x", reply="_INBOX.abc", data=b""))  # type: ignore[arg-type]
 

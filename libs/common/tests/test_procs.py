@@ -1,4 +1,4 @@
-"""Process helpers read the kernel's view of a process: state and CPU time."""
+"""Process helpers read the kernel's view of a process (state and CPU time) and tie a child to its parent."""
 
 from __future__ import annotations
 
@@ -9,6 +9,19 @@ import sys
 import time
 
 from reprise_common.procs import process_alive, sample_process
+
+# A parent that starts a sleeping child from a thread (as the launcher's supervisor does), prints its pid, sleeps.
+PARENT = """
+import subprocess, sys, threading, time
+from reprise_common.procs import die_with_parent
+
+def spawn():
+    child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], preexec_fn=die_with_parent())
+    print(child.pid, flush=True)
+    time.sleep(60)
+
+threading.Thread(target=spawn).start()
+"""
 
 
 def _state_becomes(pid: int, state: str, *, min_cpu_s: float = 0.0, timeout_s: float = 20.0) -> bool:
@@ -33,3 +46,20 @@ def test_a_sample_tells_a_stopped_process_from_a_sleeping_one_and_counts_cpu() -
         child.kill()
         child.wait()
     assert sample_process(child.pid) is None and not process_alive(child.pid)
+
+
+def test_a_child_started_from_a_thread_dies_with_its_parent() -> None:
+    parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True)
+    assert parent.stdout is not None
+    child = int(parent.stdout.readline())
+    try:
+        assert process_alive(child)
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 20
+        while process_alive(child) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not process_alive(child)
+    finally:
+        if process_alive(child):
+            os.kill(child, signal.SIGKILL)

@@ -37,7 +37,7 @@ def create_app(settings: AgentSettings) -> FastAPI:
 
     app = FastAPI(title=f"Reprise agent {settings.node_id}", version="0.1.0", lifespan=lifespan)
     app.state.agent = agent
-    add_ops_routes(app, checks={"nats": nats_check(bus)})
+    add_ops_routes(app, checks={"nats": nats_check(background)})
 
     @app.get("/v1/status", tags=["agent"], summary="This node's GPUs, ranks and command state")
     async def status() -> dict[str, Any]:

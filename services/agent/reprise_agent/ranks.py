@@ -12,11 +12,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from reprise_common.events import LaunchArgs, RankAssignment, RankStatus
+from pydantic import TypeAdapter
+
+from reprise_common.events import LaunchArgs, RankAssignment, RankStatus, ResumeFile
 from reprise_common.logging import get_logger
 from reprise_common.procs import describe_exit, die_with_parent, oom_kill_count, sample_process
 
 log = get_logger("reprise.agent.ranks")
+RESUME_FILES = TypeAdapter(list[ResumeFile])
 
 
 def _killed_by_oom(rank: RankProcess) -> bool:
@@ -105,14 +108,26 @@ class RankSupervisor:
             raise RuntimeError(f"job {job_id} already has live ranks on {self.node_id}: stop it first")
         self._forget(job_id)
         self.launches[job_id] = spec
+        resume_files = self._write_resume_files(job_id, spec)
         pids = []
         for assignment in spec.ranks:
-            rank = await self._start(job_id, spec, assignment)
+            rank = await self._start(job_id, spec, assignment, resume_files)
             self._ranks[(job_id, assignment.rank)] = rank
             pids.append(rank.proc.pid)
         return pids
 
-    async def _start(self, job_id: str, spec: LaunchArgs, assignment: RankAssignment) -> RankProcess:
+    def _write_resume_files(self, job_id: str, spec: LaunchArgs) -> Path | None:
+        """The checkpoint's files and the registry's digests, as JSON for the ranks (REPRISE_RESUME_FILES)."""
+        if not spec.resume_files:
+            return None
+        path = self.log_dir / job_id / f"epoch-{spec.restart_epoch}-resume-files.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(RESUME_FILES.dump_json(spec.resume_files).decode(), encoding="utf-8")
+        return path
+
+    async def _start(
+        self, job_id: str, spec: LaunchArgs, assignment: RankAssignment, resume_files: Path | None
+    ) -> RankProcess:
         env = {
             **os.environ,
             **spec.env,
@@ -126,6 +141,7 @@ class RankSupervisor:
             "REPRISE_NODE_ID": self.node_id,
             "REPRISE_RESTART_EPOCH": str(spec.restart_epoch),
             "REPRISE_RESUME_CHECKPOINT": spec.resume_checkpoint or "",
+            "REPRISE_RESUME_FILES": str(resume_files or ""),
         }
         if assignment.gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = str(assignment.gpu)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import sys
@@ -37,6 +38,7 @@ from reprise_common.events import (
     NodeReport,
     RankAssignment,
     RankExited,
+    ResumeFile,
 )
 from reprise_common.procs import process_alive
 
@@ -361,3 +363,25 @@ async def test_an_unreachable_rendezvous_master_is_reported_for_its_job_only(har
 
     assert await wait_for(failed, timeout_s=15)  # the dependency loop runs every 5 s
     assert {(e.dependency, e.job_id, e.node_id) for e in failed()} == {("rendezvous:job-1", "job-1", "n1")}
+
+
+async def test_a_rank_restoring_a_checkpoint_is_handed_the_registrys_digests(harness: Harness, tmp_path: Path) -> None:
+    out = tmp_path / "seen.json"
+    show = (
+        "import json, os, sys; json.dump({k: os.environ.get(k, '') for k in "
+        "('REPRISE_RESUME_CHECKPOINT', 'REPRISE_RESUME_FILES')}, open(sys.argv[1], 'w'))"
+    )
+    files = [ResumeFile(path="rank-00000.pt", size_bytes=700, algorithm="sha256", digest="ab" * 32)]
+    cmd = LaunchCommand(
+        command_id="resume", job_id="job-r", fence=1,
+        args=LaunchArgs(restart_epoch=3, world_size=1, master_addr="127.0.0.1", master_port=29500,
+                        command=[sys.executable, "-c", show, str(out)], resume_checkpoint=str(tmp_path / "step-50"),
+                        resume_files=files, ranks=[RankAssignment(rank=0, node_id="n1", gpu=0, local_rank=0)]),
+    )  # fmt: skip
+    reply = await harness.client.request(subjects.node_command("n1"), cmd, CommandReply, timeout=15)
+    assert reply.result is CommandResult.DONE
+    assert await wait_for(lambda: out.exists() and out.read_text().endswith("}"), timeout_s=20)
+    seen = await asyncio.to_thread(lambda: json.loads(out.read_text()))
+    assert seen["REPRISE_RESUME_CHECKPOINT"] == str(tmp_path / "step-50")
+    listed = await asyncio.to_thread(lambda: json.loads(Path(seen["REPRISE_RESUME_FILES"]).read_text()))
+    assert listed == [{"path": "rank-00000.pt", "size_bytes": 700, "algorithm": "sha256", "digest": "ab" * 32}]

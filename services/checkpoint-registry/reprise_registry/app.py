@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import AsyncIterator, Coroutine
 from contextlib import asynccontextmanager
 from typing import Any
@@ -13,7 +14,7 @@ from fastapi import FastAPI
 from reprise_common import auth, subjects
 from reprise_common.bus import Bus
 from reprise_common.db import db_check, make_engine
-from reprise_common.service import Background, add_error_handlers, add_ops_routes, nats_check
+from reprise_common.service import ERROR_RESPONSES, Background, add_error_handlers, add_ops_routes, nats_check
 from reprise_registry import db
 from reprise_registry.advisor import views as advisor_views
 from reprise_registry.checkpoints import announce
@@ -23,6 +24,7 @@ from reprise_registry.deps import Deps
 from reprise_registry.retention import views as retention_views
 from reprise_registry.retention.service import run_retention
 from reprise_registry.settings import RegistrySettings
+from reprise_registry.validation import recheck
 from reprise_registry.validation.service import Engines, run_validator
 
 CHECKPOINTS_DURABLE = "registry-checkpoints"
@@ -68,6 +70,18 @@ def create_app(settings: RegistrySettings) -> FastAPI:
                     workers=settings.hash_workers,
                     interval_s=settings.validate_interval_s,
                     roots=settings.checkpoint_roots,
+                    sweep=functools.partial(
+                        recheck.sweep,
+                        deps.engines,
+                        requested=deps.rechecks,
+                        plan=recheck.Reverify(
+                            interval_s=settings.reverify_interval_s,
+                            per_job=settings.reverify_per_job,
+                            sample_fraction=settings.reverify_sample_fraction,
+                        ),
+                        roots=settings.checkpoint_roots,
+                        workers=settings.hash_workers,
+                    ),
                 ),
                 "validator",
             ),
@@ -90,12 +104,12 @@ def create_app(settings: RegistrySettings) -> FastAPI:
     app = FastAPI(title="Reprise checkpoint registry", version="0.2.0", lifespan=lifespan)
     app.state.deps = deps
     app.state.engine = read
-    add_ops_routes(app, checks={"database": db_check(read), "nats": nats_check(bus)})
+    add_ops_routes(app, checks={"database": db_check(read), "nats": nats_check(background)})
     add_error_handlers(app)
     auth.install(app, auth.authority_keys(settings, bus))
-    app.include_router(checkpoint_views.router, dependencies=auth.BY_METHOD)
-    app.include_router(retention_views.router, dependencies=auth.BY_METHOD)
-    app.include_router(advisor_views.router, dependencies=auth.BY_METHOD)
+    app.include_router(checkpoint_views.router, dependencies=auth.BY_METHOD, responses=ERROR_RESPONSES)
+    app.include_router(retention_views.router, dependencies=auth.BY_METHOD, responses=ERROR_RESPONSES)
+    app.include_router(advisor_views.router, dependencies=auth.BY_METHOD, responses=ERROR_RESPONSES)
     return app
 
 

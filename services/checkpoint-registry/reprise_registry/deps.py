@@ -22,6 +22,7 @@ class Deps:
     engines: Engines
     validator_wake: asyncio.Event = field(default_factory=asyncio.Event)
     announcer_wake: asyncio.Event = field(default_factory=asyncio.Event)
+    rechecks: set[int] = field(default_factory=set)  # checkpoints whose load failed: re-hashed in full next pass
     loop: asyncio.AbstractEventLoop | None = None
 
     def wake(self, event: asyncio.Event) -> None:

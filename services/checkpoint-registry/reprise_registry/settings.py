@@ -57,6 +57,11 @@ class RegistrySettings(ServiceSettings, DatabaseSettings, AuthSettings, Checkpoi
     )
     hash_workers: int | None = Field(default=None, ge=1, le=64, description="threads hashing files; none: per core")
     validate_interval_s: float = Field(default=5.0, gt=0, description="how often committed checkpoints are swept")
+    reverify_interval_s: float = Field(
+        default=600.0, gt=0, le=30 * 86400, description="re-verify a recent validated checkpoint this long after"
+    )
+    reverify_per_job: int = Field(default=2, ge=0, le=100, description="the newest N validated of each job; 0: none")
+    reverify_sample_fraction: float = Field(default=1.0, ge=0.0, le=1.0, description="files re-hashed in a sweep")
     announce_interval_s: float = Field(default=2.0, gt=0)
     retention_keep_last: int = Field(default=3, ge=1)
     retention_keep_every: int = Field(default=0, ge=0, description="also keep every Nth validated; 0: none")

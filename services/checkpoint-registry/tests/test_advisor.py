@@ -47,3 +47,16 @@ def test_advisor_api_reports_inputs_and_both_ettrs(sqlite_client: TestClient) ->
     ).json()
     assert observed["failures_per_node_day"] == pytest.approx(0.1) and observed["failure_rate_source"] == "observed"
     assert observed["save_cost_source"] == "default" and observed["ettr_at_current"] is None
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("save_cost_s", 1.49e308), ("failures_per_node_day", 1e-310), ("current_interval_s", "inf")],
+)
+def test_advisor_refuses_inputs_that_would_make_the_advice_infinite(
+    sqlite_client: TestClient, field: str, value: float | str
+) -> None:
+    # Found by the OpenAPI fuzz: √(2δM) overflowed to infinity and the answer said `"young_interval_s": null`.
+    answer = sqlite_client.get("/v1/jobs/job-x/advisor", params={"node_count": 512, field: value})
+    assert answer.status_code == 422, answer.text
+    assert [error["loc"] for error in answer.json()["detail"]] == [["query", field]]

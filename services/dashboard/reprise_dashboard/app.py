@@ -66,7 +66,7 @@ def create_app(
         lifespan=lifespan,
     )
     app.state.runtime = runtime
-    add_ops_routes(app, checks={"nats": nats_check(runtime.bus), "live feed": runtime.feed.following_check})
+    add_ops_routes(app, checks={"nats": nats_check(runtime.background), "live feed": runtime.feed.following_check})
     app.add_exception_handler(NotFoundError, _not_found)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     app.add_api_route(

@@ -13,6 +13,7 @@ from reprise_common.bus import Bus
 from reprise_common.clock import Clock, SystemClock
 from reprise_common.db import db_check, make_engine
 from reprise_common.service import (
+    ERROR_RESPONSES,
     Background,
     add_error_handlers,
     add_ops_routes,
@@ -49,6 +50,8 @@ def build_runtime(settings: DetectorSettings, clock: Clock) -> Runtime:
         rules=load_rules(settings.rules_path),
         window_s=settings.incident_window_s,
         clock=clock,
+        clock_skew_s=settings.event_clock_skew_s,
+        early_exit_grace_s=settings.early_exit_grace_s,
         partition=partition,
         reputation_rules=ReputationRules(
             xid=settings.reputation_xid,
@@ -105,9 +108,9 @@ def create_app(settings: DetectorSettings, *, clock: Clock | None = None) -> Fas
     )
     app.state.runtime = runtime
     add_error_handlers(app)
-    add_ops_routes(app, checks={"nats": nats_check(runtime.bus), "database": db_check(runtime.engine)})
+    add_ops_routes(app, checks={"nats": nats_check(runtime.background), "database": db_check(runtime.engine)})
     auth.install(app, auth.authority_keys(settings, runtime.bus))
-    app.include_router(incident_views.router, dependencies=auth.BY_METHOD)
-    app.include_router(node_views.router, dependencies=auth.BY_METHOD)
-    app.include_router(node_views.jobs_router, dependencies=auth.BY_METHOD)
+    app.include_router(incident_views.router, dependencies=auth.BY_METHOD, responses=ERROR_RESPONSES)
+    app.include_router(node_views.router, dependencies=auth.BY_METHOD, responses=ERROR_RESPONSES)
+    app.include_router(node_views.jobs_router, dependencies=auth.BY_METHOD, responses=ERROR_RESPONSES)
     return app

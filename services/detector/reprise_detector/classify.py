@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from reprise_common.errors import ConfigError
 from reprise_common.events import Category, DependencyFailed, GpuLost, GpuXid, RankExited, RecommendedAction, Severity
-from reprise_detector.derived import JobHung, NodeLost, RankStraggling
+from reprise_detector.derived import JobHung, NodeLost, RankExitedEarly, RankStraggling
 from reprise_detector.observe import SymptomEvent
 
 BUILTIN_RULES = "rules.yaml"
@@ -125,6 +125,7 @@ class RulesFile(BaseModel):
     node_lost: TemplateRule | None = None
     job_hung: TemplateRule | None = None
     rank_straggling: TemplateRule | None = None
+    rank_exited_early: TemplateRule | None = None
 
 
 @dataclass(frozen=True)
@@ -140,6 +141,7 @@ class RuleBook:
     node_lost: TemplateRule
     job_hung: TemplateRule
     rank_straggling: TemplateRule
+    rank_exited_early: TemplateRule
     # The rule each rank exit chose, by what the rules look at: a storm's peers fail alike, so they match once.
     _exit_rules: dict[tuple[bool, str | None, int | None, tuple[str, ...]], ExitRule | None] = field(
         default_factory=dict, init=False, repr=False, compare=False
@@ -158,10 +160,10 @@ class RuleBook:
                 return self.dependency_failed.apply(_Facts.of(event))
             case RankExited():
                 return self._rank_exited(event)
-            case NodeLost() | JobHung() | RankStraggling():
+            case NodeLost() | JobHung() | RankStraggling() | RankExitedEarly():
                 return self._derived(event)
 
-    def _derived(self, event: NodeLost | JobHung | RankStraggling) -> Classification:
+    def _derived(self, event: NodeLost | JobHung | RankStraggling | RankExitedEarly) -> Classification:
         match event:
             case NodeLost():
                 return self.node_lost.apply(_Facts.of(event, silent_s=f"{event.silent_s:.1f}"))
@@ -171,6 +173,8 @@ class RuleBook:
             case RankStraggling():
                 ratio = f"{event.step_time_s / event.median_s:.1f}" if event.median_s > 0 else "?"
                 return self.rank_straggling.apply(_Facts.of(event, ratio=ratio))
+            case RankExitedEarly():
+                return self.rank_exited_early.apply(_Facts.of(event, grace_s=f"{event.grace_s:g}"))
 
     def _xid(self, event: GpuXid) -> Classification:
         rule = self.xids.get(event.xid)
@@ -244,11 +248,12 @@ def load_rules(path: Path | None = None) -> RuleBook:
     node_lost = operator.node_lost or builtin.node_lost
     hung = operator.job_hung or builtin.job_hung
     straggling = operator.rank_straggling or builtin.rank_straggling
-    if None in (unknown, lost, dependency, rendezvous, node_lost, hung, straggling):
+    early = operator.rank_exited_early or builtin.rank_exited_early
+    if None in (unknown, lost, dependency, rendezvous, node_lost, hung, straggling, early):
         raise ConfigError(f"built-in {BUILTIN_RULES} lacks a required section")
-    assert unknown and lost and dependency and rendezvous and node_lost and hung and straggling  # for the type checker
+    assert unknown and lost and dependency and rendezvous and node_lost and hung and straggling and early  # for mypy
     exits = (*operator.rank_exited, *builtin.rank_exited)
-    return RuleBook(xids, unknown, lost, dependency, rendezvous, exits, node_lost, hung, straggling)
+    return RuleBook(xids, unknown, lost, dependency, rendezvous, exits, node_lost, hung, straggling, early)
 
 
 def _read(text: str, where: str) -> RulesFile:

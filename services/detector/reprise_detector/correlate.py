@@ -8,6 +8,7 @@ from enum import StrEnum
 
 from reprise_common.events import CAUSE_DEPTH, Culprit, RankExited, Severity
 from reprise_detector.classify import Classification
+from reprise_detector.derived import RankExitedEarly
 from reprise_detector.incidents.models import Incident
 from reprise_detector.observe import Observation
 from reprise_detector.placements import PlacementMap
@@ -31,19 +32,41 @@ class Target:
     culprit: Culprit
 
 
+class OutOfPlacement(StrEnum):
+    """Why a symptom about a job does not count for it: only the nodes of the job's placement speak for the job."""
+
+    JOB_NOT_PLACED = "job_not_placed"  # the job id has no active placement (never placed, or no longer running)
+    RANK_NOT_ON_NODE = "rank_not_on_node"  # the placement puts that rank elsewhere (or the job has no such rank)
+    JOB_NOT_ON_NODE = "job_not_on_node"  # a job's own dependency, from a node that runs none of the job's ranks
+
+
+def out_of_placement(observation: Observation, placements: PlacementMap) -> OutOfPlacement | None:
+    """Why a symptom naming a job comes from outside that job's placement; None when it may speak for the job (or
+    names no job: node-wide symptoms hit the jobs placed on the node)."""
+    job_id = observation.job_id
+    if job_id is None:
+        return None
+    if not placements.is_placed(job_id):
+        return OutOfPlacement.JOB_NOT_PLACED
+    if observation.rank is not None:
+        placed = placements.has_rank(job_id=job_id, node_id=observation.node_id, rank=observation.rank)
+        return None if placed else OutOfPlacement.RANK_NOT_ON_NODE
+    return None if job_id in placements.jobs_on(observation.node_id) else OutOfPlacement.JOB_NOT_ON_NODE
+
+
 def targets(observation: Observation, placements: PlacementMap) -> list[Target]:
     """The affected jobs: the exiting rank's job, the job a dependency belongs to, or every job placed on the node for
     GPU, node and node-wide dependency symptoms."""
     node_id = observation.node_id
     if observation.job_id is not None and observation.rank is not None:
         gpu = placements.gpu_of(job_id=observation.job_id, node_id=node_id, rank=observation.rank)
-        exited = observation.event if isinstance(observation.event, RankExited) else None
+        event = observation.event
         culprit = Culprit(
             node_id=node_id,
             gpu=gpu,
             rank=observation.rank,
-            exit_code=exited.exit_code if exited else None,
-            restart_epoch=exited.restart_epoch if exited else None,
+            exit_code=event.exit_code if isinstance(event, RankExited) else None,
+            restart_epoch=event.restart_epoch if isinstance(event, RankExited | RankExitedEarly) else None,
         )
         return [Target(observation.job_id, culprit)]
     if observation.job_id is not None:  # a job's own dependency (its rendezvous master): that job only

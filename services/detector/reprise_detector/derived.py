@@ -1,4 +1,5 @@
-"""Symptoms the detector derives itself from node reports (silence, stalled progress, slow ranks).
+"""Symptoms the detector derives itself from node reports and events (silence, stalled progress, slow ranks, a
+rank that left early).
 
 They are not wire events: they never leave the detector except as incidents. Each has a deterministic id built from
 what it observed, so a replica that re-derives the same finding (after a restart, or a second tick) records it once.
@@ -56,4 +57,16 @@ class RankStraggling(Derived):
     reports: int
 
 
-DerivedSymptom = NodeLost | JobHung | RankStraggling
+class RankExitedEarly(Derived):
+    """A rank exited 0 and the rest of its job's launch did not all follow within the grace: the job is a rank short."""
+
+    type: Literal["rank.exited_early"] = "rank.exited_early"
+    job_id: str
+    rank: int
+    restart_epoch: int
+    exited: int  # ranks of the launch that exited 0 within the grace
+    world_size: int  # ranks placed
+    grace_s: float
+
+
+DerivedSymptom = NodeLost | JobHung | RankStraggling | RankExitedEarly

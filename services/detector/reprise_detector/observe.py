@@ -3,18 +3,26 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
+
+from prometheus_client import Counter
 
 from reprise_common import subjects
 from reprise_common.events import DependencyFailed, Event, GpuLost, GpuXid, RankExited
 from reprise_common.logging import get_logger
-from reprise_detector.derived import DerivedSymptom, JobHung, NodeLost, RankStraggling
+from reprise_detector.derived import DerivedSymptom, JobHung, NodeLost, RankExitedEarly, RankStraggling
 
 log = get_logger("reprise.detector.observe")
 
 AgentSymptom = GpuXid | GpuLost | RankExited | DependencyFailed
 SymptomEvent = AgentSymptom | DerivedSymptom
 _LOG_TAIL_LINES = 5
+EVENT_TIMES_BOUNDED = Counter(
+    "reprise_detector_event_times_bounded_total",
+    "Agent events whose time was moved to fit their arrival: `arrival` (sent from a clock ahead of the server's), "
+    "`skew` (more than the skew allowance behind it)",
+    ["bound"],
+)
 
 
 class IngestError(ValueError):
@@ -40,8 +48,30 @@ class Observation:
         return self.event.event_id
 
 
-def observe(event: Event, subject: str) -> Observation | None:
-    """The observation for a symptom event, None for an event the detector does not use; IngestError if unusable."""
+def bounded_time(sent: datetime, *, stored_ns: int, skew_s: float) -> datetime:
+    """An event's time bounded by its arrival: never later than the stream stored it, nor earlier by more than skew_s.
+
+    Agents' clocks are trusted only that far: one running ahead would otherwise date its own crash after a peer's
+    that followed it. stored_ns 0 (unknown arrival) keeps the time as sent.
+    """
+    if not stored_ns:
+        return sent
+    arrived = datetime.fromtimestamp(stored_ns / 1_000_000_000, UTC)
+    if sent > arrived:
+        EVENT_TIMES_BOUNDED.labels("arrival").inc()
+        return arrived
+    earliest = arrived - timedelta(seconds=skew_s)
+    if sent < earliest:
+        EVENT_TIMES_BOUNDED.labels("skew").inc()
+        return earliest
+    return sent
+
+
+def observe(event: Event, subject: str, *, stored_ns: int = 0, skew_s: float = 0.0) -> Observation | None:
+    """The observation for a symptom event, None for an event the detector does not use; IngestError if unusable.
+
+    Its time is bounded by its arrival (stored_ns, see bounded_time).
+    """
     if not isinstance(event, GpuXid | GpuLost | RankExited | DependencyFailed):
         return None
     try:
@@ -63,49 +93,49 @@ def observe(event: Event, subject: str) -> Observation | None:
         case DependencyFailed():
             detail = f"{event.dependency}: {event.detail}"
             job_id = _job_token(event.job_id) if event.job_id is not None else None
+    time = bounded_time(event.time, stored_ns=stored_ns, skew_s=skew_s)
     return Observation(
-        event=event, node_id=node_id, kind=event.type, time=event.time, detail=detail, gpu=gpu, job_id=job_id, rank=rank
+        event=event, node_id=node_id, kind=event.type, time=time, detail=detail, gpu=gpu, job_id=job_id, rank=rank
     )
 
 
 def derived(symptom: DerivedSymptom) -> Observation:
     """The observation for a symptom the detector derived itself (the node id is already trusted)."""
+    if isinstance(symptom, NodeLost):
+        return Observation(
+            event=symptom,
+            node_id=symptom.node_id,
+            kind=symptom.type,
+            time=symptom.time,
+            detail=f"no report for {symptom.silent_s:.1f} s (limit {symptom.limit_s:g} s)",
+        )
+    return Observation(
+        event=symptom,
+        node_id=symptom.node_id,
+        kind=symptom.type,
+        time=symptom.time,
+        detail=_rank_detail(symptom),
+        job_id=symptom.job_id,
+        rank=symptom.rank,
+    )
+
+
+def _rank_detail(symptom: JobHung | RankExitedEarly | RankStraggling) -> str:
     match symptom:
-        case NodeLost():
-            return Observation(
-                event=symptom,
-                node_id=symptom.node_id,
-                kind=symptom.type,
-                time=symptom.time,
-                detail=f"no report for {symptom.silent_s:.1f} s (limit {symptom.limit_s:g} s)",
-            )
         case JobHung():
-            detail = (
+            return (
                 f"no step progress for {symptom.stalled_s:.1f} s "
                 f"(limit {symptom.limit_s:.1f} s, {symptom.limit_reason}); "
                 f"stopped together: ranks {symptom.stalled_ranks}; lagging: ranks {symptom.lagging_ranks}; "
                 f"blamed: rank {symptom.rank} ({symptom.culprit_reason})"
             )
-            return Observation(
-                event=symptom,
-                node_id=symptom.node_id,
-                kind=symptom.type,
-                time=symptom.time,
-                detail=detail,
-                job_id=symptom.job_id,
-                rank=symptom.rank,
+        case RankExitedEarly():
+            return (
+                f"exited 0 in epoch {symptom.restart_epoch}; {symptom.exited} of {symptom.world_size} ranks "
+                f"exited 0 within {symptom.grace_s:g} s"
             )
         case RankStraggling():
-            detail = f"step time {symptom.step_time_s:.3f} s vs job median {symptom.median_s:.3f} s"
-            return Observation(
-                event=symptom,
-                node_id=symptom.node_id,
-                kind=symptom.type,
-                time=symptom.time,
-                detail=detail,
-                job_id=symptom.job_id,
-                rank=symptom.rank,
-            )
+            return f"step time {symptom.step_time_s:.3f} s vs job median {symptom.median_s:.3f} s"
 
 
 def _job_token(job_id: str) -> str:

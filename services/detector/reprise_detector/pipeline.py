@@ -14,20 +14,24 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
+import nats.errors
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlmodel import Session
 
+from reprise_common import subjects
 from reprise_common.bus import Bus, Delivery, Outcome
 from reprise_common.clock import Clock
 from reprise_common.consumer import ACK, Item, Verdict
 from reprise_common.db import session_scope
 from reprise_common.errors import BusError, MalformedEventError
-from reprise_common.events import Event
+from reprise_common.events import Event, RankExited
 from reprise_common.logging import get_logger
 from reprise_detector.classify import Classification, RuleBook
-from reprise_detector.correlate import Decision, Target, decide, is_warning, targets
+from reprise_detector.correlate import Decision, OutOfPlacement, Target, decide, is_warning, out_of_placement, targets
 from reprise_detector.derived import DerivedSymptom
+from reprise_detector.drops import Drops
+from reprise_detector.early_exit import EarlyExits
 from reprise_detector.incidents import service
 from reprise_detector.incidents.flows import PendingChange, pending_change, publish_changes
 from reprise_detector.incidents.models import Incident, IncidentChangeKind, Symptom
@@ -37,6 +41,9 @@ from reprise_detector.partition import Partition
 from reprise_detector.placements import PlacementMap
 
 log = get_logger("reprise.detector.pipeline")
+DEFAULT_CLOCK_SKEW_S = 1.0
+DEFAULT_EARLY_EXIT_GRACE_S = 15.0
+PLACEMENTS_WAIT_S = 2.0  # how long a batch waits for placements published before it (they race on two consumers)
 
 
 @dataclass(frozen=True)
@@ -46,7 +53,8 @@ class Work:
     observation: Observation
     classification: Classification
     targets: list[Target]
-    owned: bool = True  # False: another replica owns it; nothing is recorded here
+    owned: bool = True  # False: another replica owns it, or it is dropped; nothing is recorded here
+    dropped: OutOfPlacement | None = None  # why it does not count for the job it names
 
 
 @dataclass
@@ -110,6 +118,8 @@ class Detector:
         clock: Clock,
         partition: Partition | None = None,
         reputation_rules: reputation.ReputationRules | None = None,
+        clock_skew_s: float = DEFAULT_CLOCK_SKEW_S,
+        early_exit_grace_s: float = DEFAULT_EARLY_EXIT_GRACE_S,
     ) -> None:
         self.engine = engine
         self.bus = bus
@@ -119,8 +129,11 @@ class Detector:
         self.clock = clock
         self.partition = partition or Partition()
         self.reputation_rules = reputation_rules or reputation.ReputationRules()
+        self.clock_skew_s = clock_skew_s  # how far before its arrival an agent event's time may lie
         self._lock = asyncio.Lock()  # the event consumer and the watch loop take turns on the database
         self._quarantines_pending = True  # check once after a start: a recommendation may be unannounced
+        self.drops = Drops(clock)
+        self.early_exits = EarlyExits(clock=clock, placements=placements, grace_s=early_exit_grace_s)
 
     # --- ingest -----------------------------------------------------------------------------------------------
     async def handle(self, event: Event, delivery: Delivery) -> Outcome:
@@ -137,12 +150,20 @@ class Detector:
         work: list[Work] = []
         for index, item in enumerate(items):
             try:
-                observation = observe(item.event, item.delivery.subject) if item.event is not None else None
+                observation = (
+                    observe(
+                        item.event, item.delivery.subject, stored_ns=item.delivery.stored_ns, skew_s=self.clock_skew_s
+                    )
+                    if item.event is not None
+                    else None
+                )
             except IngestError as exc:
                 verdicts[index] = Verdict(Outcome.REJECT, f"unusable: {exc}")
                 continue
             if observation is not None:
                 work.append(self.prepare(observation))
+        if any(w.dropped is not None for w in work):
+            work = await self._again_with_placements(work)
         prepared = self.clock.monotonic()
         outcome = await self.process(work)
         if log.isEnabledFor(logging.DEBUG):
@@ -158,9 +179,24 @@ class Detector:
             )
         return [v if v.outcome is Outcome.REJECT else Verdict(outcome) for v in verdicts]
 
+    async def _again_with_placements(self, work: list[Work]) -> list[Work]:
+        """Prepare the dropped symptoms again once the placements published so far are applied: a job's first events
+        may be read before its placement, which another consumer brings."""
+        try:
+            info = await self.bus.js.stream_info(subjects.PLACEMENTS_STREAM)
+        except (nats.errors.Error, BusError, TimeoutError):
+            return work
+        if self.placements.last_seq >= info.state.last_seq:
+            return work
+        await self.placements.wait_for_seq(info.state.last_seq, timeout=PLACEMENTS_WAIT_S)
+        return [self.prepare(w.observation) if w.dropped is not None else w for w in work]
+
     def prepare(self, observation: Observation) -> Work:
-        """Classify a symptom and find the jobs it hits that this replica owns."""
+        """Classify a symptom and find the jobs it hits that this replica owns (none when it is dropped)."""
         classification = self.rules.classify(observation.event)
+        dropped = out_of_placement(observation, self.placements)
+        if dropped is not None:
+            return Work(observation, classification, [], owned=False, dropped=dropped)
         hit = targets(observation, self.placements)
         if not hit:
             return Work(observation, classification, [], owned=self.partition.owns_node(observation.node_id))
@@ -173,6 +209,12 @@ class Detector:
 
     async def process(self, work: list[Work]) -> Outcome:
         """Persist a batch, then publish its changes; RETRY when the database or the bus is unavailable."""
+        for w in work:
+            job_id = w.observation.job_id
+            if w.dropped is not None and job_id is not None and self.partition.owns_job(job_id):
+                self.drops.note(w.dropped, w.observation)
+            elif w.owned and job_id is not None:
+                self._note_clean_exit(w.observation)
         work = [w for w in work if w.owned]
         if not work:
             return Outcome.ACK
@@ -191,6 +233,13 @@ class Detector:
                 log.warning("could not publish; will retry", extra={"error": str(exc)})
                 return Outcome.RETRY
         return Outcome.ACK
+
+    def _note_clean_exit(self, observation: Observation) -> None:
+        event = observation.event
+        if isinstance(event, RankExited) and event.exit_code == 0 and observation.job_id is not None:
+            self.early_exits.note(
+                job_id=observation.job_id, rank=event.rank, node_id=observation.node_id, time=observation.time
+            )
 
     # --- persist ----------------------------------------------------------------------------------------------
     def persist(self, work: list[Work]) -> list[PendingChange]:

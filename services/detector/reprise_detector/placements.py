@@ -79,6 +79,24 @@ class PlacementMap:
         """Every job with at least one placed rank."""
         return {job_id for job_id, nodes in self._nodes_of.items() if nodes}
 
+    def epoch_of(self, job_id: str) -> int | None:
+        """The restart epoch of the job's active placement; None when the job is not placed (or no longer runs)."""
+        return self._epochs.get(job_id) if self.is_placed(job_id) else None
+
+    def ranks_of(self, job_id: str) -> set[int]:
+        """The ranks the job's active placement has."""
+        return {
+            p.rank for node_id in self._nodes_of.get(job_id, ()) for p in self._by_node[node_id] if p.job_id == job_id
+        }
+
+    def is_placed(self, job_id: str) -> bool:
+        """True when the job has an active placement with at least one rank."""
+        return bool(self._nodes_of.get(job_id))
+
+    def has_rank(self, *, job_id: str, node_id: str, rank: int) -> bool:
+        """True when the job's current placement puts this rank on this node."""
+        return any(p.job_id == job_id and p.rank == rank for p in self._by_node.get(node_id, ()))
+
     def jobs_on(self, node_id: str) -> list[str]:
         """The distinct jobs with a rank on a node, in placement order."""
         return list(dict.fromkeys(placed.job_id for placed in self._by_node.get(node_id, ())))

@@ -22,6 +22,7 @@ from reprise_common.db import REQUEST_SESSIONS, session_scope
 from reprise_common.follow import Follower
 from reprise_common.logging import get_logger
 from reprise_common.service import Background
+from reprise_detector.incidents.mitigation import RecoveryOutcomes
 from reprise_detector.partition import Partition
 from reprise_detector.pipeline import Detector
 from reprise_detector.placements import PlacementMap
@@ -32,8 +33,13 @@ log = get_logger("reprise.detector.runtime")
 
 PLACEMENTS_DURABLE = "detector-placements"
 EVENTS_DURABLE = "detector-events"
+RECOVERIES_DURABLE = "detector-recoveries"
 RETIRED_REPORTS_DURABLE = "detector-reports"  # reports were stored in AGENT until they moved to core NATS
 PLACEMENTS_CATCH_UP_S = 10.0
+# A detector that dies with a batch of agent events in hand leaves it to a restarted or another one after this ack
+# wait; while it works on a batch it tells the server so every EVENTS_PROGRESS_S, so a slow batch is not redelivered.
+EVENTS_ACK_WAIT_S = 5.0
+EVENTS_PROGRESS_S = 1.5
 
 
 @dataclass
@@ -87,6 +93,14 @@ class Runtime:
                 handler=self.detector.handle_batch,
                 batch=self.settings.event_batch,
                 prefetch=True,  # the next batch arrives while this one is in the database
+                ack_wait_s=EVENTS_ACK_WAIT_S,
+                progress_every_s=EVENTS_PROGRESS_S,
+            ),
+            self.bus.consumer(
+                stream=subjects.RECOVERIES_STREAM,
+                durable=self.durable(RECOVERIES_DURABLE),
+                filter_subject=subjects.RECOVERIES_ALL,
+                handler=RecoveryOutcomes(engine=self.engine, clock=self.clock, partition=self.partition).handle,
             ),
         ]
         for consumer in self.consumers:

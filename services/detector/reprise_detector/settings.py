@@ -22,6 +22,18 @@ class DetectorSettings(ServiceSettings, DatabaseSettings, AuthSettings):
         gt=0,
         description="symptoms for a job within this many seconds of an open incident update it, not open a new one",
     )
+    event_clock_skew_s: float = Field(
+        default=1.0,
+        ge=0,
+        description="an agent event's time is bounded by when the stream stored it: never later, and at most this "
+        "many seconds earlier (an agent's clock is trusted only that far)",
+    )
+    early_exit_grace_s: float = Field(
+        default=15.0,
+        gt=0,
+        description="a rank that exits 0 opens an incident unless every rank of its launch exits 0 within this long "
+        "(or the job is stopped or relaunched)",
+    )
     rules_path: Path | None = Field(
         default=None, description="an operator's rules file (YAML) that extends or overrides the built-in rules"
     )

@@ -156,6 +156,7 @@ class Watcher:
             if self.placements.last_seq != self._pruned_at:  # reports add only placed ranks: only a placement prunes
                 self._prune()
             self.pending.extend(self.liveness.check())
+            self.pending.extend(self.detector.early_exits.check())
             now = self.clock.monotonic()
             if now - self._hangs_checked_at >= self.hang_check_interval_s:
                 self._hangs_checked_at = now

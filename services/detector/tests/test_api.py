@@ -63,6 +63,8 @@ BAD_FILTERS: list[dict[str, Any]] = [
     {"offset": -1},
     {"since": "yesterday"},
     {"since": "2026-01-01T00:00:00"},  # no zone
+    {"since": "0.0"},  # a bare number was read as Unix seconds (found by tests/test_fuzz_openapi.py)
+    {"until": "1700000000"},
     {"until": "2026-01-01T00:00:00Z", "since": "2026-01-02T00:00:00Z"},
 ]
 

@@ -83,7 +83,7 @@ def test_an_unknown_xid_is_an_unknown_warning(xid: int) -> None:
         ({"signal": "11"}, APP, RESTART, True, "segmentation fault"),
         ({"exit_code": 139}, APP, RESTART, True, "segmentation fault"),
         ({"exit_code": -11}, APP, RESTART, True, "segmentation fault"),
-        ({"signal": "kill"}, Category.UNKNOWN, RESTART, True, "SIGKILL"),
+        ({"signal": "kill"}, Category.PROCESS_KILLED, RESTART, True, "SIGKILL"),
         ({"exit_code": 1}, APP, RESTART, True, "exit code 1"),
         ({"signal": "SIGABRT"}, APP, RESTART, True, "signal SIGABRT"),
         ({"exit_code": 0}, APP, NONE, False, "cleanly"),

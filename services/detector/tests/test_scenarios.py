@@ -156,7 +156,7 @@ async def flapping_node(w: World) -> None:
 SCENARIOS: list[tuple[Scenario, dict[str, Expect]]] = [
     (
         one_rank_of_64_killed_and_63_peers_fail,
-        {"job-a": Expect(1, "unknown", ("node-2", 1, 17), "SIGKILL", symptoms=64)},
+        {"job-a": Expect(1, "process_killed", ("node-2", 1, 17), "SIGKILL", symptoms=64)},
     ),
     (xid_79_then_crashes_on_that_node, {"job-a": Expect(1, "gpu_hardware", ("node-1", 3, 7), "XID 79", symptoms=5)}),
     (node_lost, {"job-a": Expect(1, "node", ("node-2", None, None), "node-2 lost"), "job-b": Expect(0)}),

@@ -38,7 +38,7 @@ def _detector(database_url: str, clock: ManualClock) -> Detector:
 
 
 async def test_times_come_back_utc_aware(database_url: str) -> None:
-    clock = ManualClock(datetime(2026, 3, 1, 12, 0, tzinfo=UTC))
+    clock = ManualClock(datetime(2026, 3, 1, 12, 1, tzinfo=UTC))  # opened after its first symptom
     detector = _detector(database_url, clock)
     tokyo = timezone(timedelta(hours=9))
     observation = _observation(time=datetime(2026, 3, 1, 21, 0, 5, tzinfo=tokyo))

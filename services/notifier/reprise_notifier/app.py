@@ -14,7 +14,7 @@ from reprise_common import auth
 from reprise_common.bus import Bus
 from reprise_common.clock import Clock, SystemClock
 from reprise_common.db import db_check, make_engine
-from reprise_common.service import Background, add_error_handlers, add_ops_routes, nats_check
+from reprise_common.service import ERROR_RESPONSES, Background, add_error_handlers, add_ops_routes, nats_check
 from reprise_notifier import schema
 from reprise_notifier.deliveries import views as delivery_views
 from reprise_notifier.deliveries.flows import DeliveryPolicy, Worker
@@ -91,10 +91,10 @@ def create_app(
     )
     app.state.runtime = runtime
     add_error_handlers(app)
-    checks = {"nats": nats_check(runtime.bus), "database": db_check(runtime.engine), "consumers": runtime.consuming}
+    checks = {"nats": nats_check(runtime.background), "database": db_check(runtime.engine), "consumers": runtime.consuming}
     add_ops_routes(app, checks=checks)
     auth.install(app, auth.authority_keys(settings, runtime.bus))
-    app.include_router(delivery_views.deliveries_router, dependencies=auth.BY_METHOD)
-    app.include_router(delivery_views.dead_letters_router, dependencies=auth.BY_METHOD)
-    app.include_router(delivery_views.destinations_router, dependencies=auth.BY_METHOD)
+    app.include_router(delivery_views.deliveries_router, dependencies=auth.BY_METHOD, responses=ERROR_RESPONSES)
+    app.include_router(delivery_views.dead_letters_router, dependencies=auth.BY_METHOD, responses=ERROR_RESPONSES)
+    app.include_router(delivery_views.destinations_router, dependencies=auth.BY_METHOD, responses=ERROR_RESPONSES)
     return app

@@ -19,6 +19,7 @@ from reprise_common.errors import BusError
 from reprise_common.events import ComputeSignal
 from reprise_common.logging import get_logger
 from reprise_common.service import (
+    ERROR_RESPONSES,
     Background,
     add_error_handlers,
     add_ops_routes,
@@ -168,7 +169,7 @@ def create_app(settings: OrchestratorSettings) -> FastAPI:
     app.state.reconciler = reconciler
     app.state.runner = runner
     app.state.drills = drills
-    add_ops_routes(app, checks={"nats": nats_check(bus), "redis": _redis_check(redis), "database": db_check(engine)})
+    add_ops_routes(app, checks={"nats": nats_check(background), "redis": _redis_check(redis), "database": db_check(engine)})
     add_error_handlers(app)
     app.add_middleware(AuditMiddleware, engine=engine, clock=deps.clock)
     _mount_routes(app, keys if settings.auth_enabled else None)
@@ -186,5 +187,7 @@ def _mount_routes(app: FastAPI, keys: LocalKeys | None) -> None:
     keys and the audit trail need admin; ops routes and docs stay open."""
     auth.install(app, keys)
     for router in (job_views.router, recovery_views.router, node_views.router, drill_views.router):
-        app.include_router(router, dependencies=auth.BY_METHOD)
-    app.include_router(auth_views.router, dependencies=[Depends(auth.require_scope(auth.Scope.ADMIN))])
+        app.include_router(router, dependencies=auth.BY_METHOD, responses=ERROR_RESPONSES)
+    app.include_router(
+        auth_views.router, dependencies=[Depends(auth.require_scope(auth.Scope.ADMIN))], responses=ERROR_RESPONSES
+    )

@@ -1,13 +1,17 @@
-"""The orchestrator's view of the checkpoint registry: which checkpoint a job should resume from."""
+"""The orchestrator's view of the checkpoint registry: which checkpoint a job should resume from, re-checked."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
 
 import aiohttp
+from pydantic import BaseModel, ValidationError
 
 from reprise_common.errors import RepriseError
+from reprise_common.events import RESUME_FILES_MAX, ResumeFile
+
+M = TypeVar("M", bound=BaseModel)
 
 
 class RegistryUnavailableError(RepriseError):
@@ -16,18 +20,60 @@ class RegistryUnavailableError(RepriseError):
 
 @dataclass(frozen=True)
 class RestorePoint:
-    """A validated checkpoint to resume from."""
+    """A validated checkpoint to resume from, and its files for the ranks to check what they load.
+
+    `files` is None where they are not known here (a recovery resumed past its restore step): ask the registry for
+    them before the launch unless `digests_checked` (the registry re-hashed every file instead).
+    """
 
     checkpoint_id: int
     step: int
     path: str
+    files: tuple[ResumeFile, ...] | None = None
+    digests_checked: bool = False
+
+
+class SkippedCheckpoint(BaseModel):
+    """A newer checkpoint a restore passed over: its re-check failed, and the registry marked it corrupt."""
+
+    id: int
+    step: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class RestorePick:
+    """The registry's answer to "what should this job restore": a checkpoint or none, and what it skipped."""
+
+    point: RestorePoint | None
+    skipped: list[SkippedCheckpoint] = field(default_factory=list)
+
+
+class _Manifest(BaseModel):
+    data: list[ResumeFile]
+
+
+class _Pick(BaseModel):
+    class _Checkpoint(BaseModel):
+        id: int
+        step: int
+        path: str
+
+    checkpoint: _Checkpoint | None
+    files: list[ResumeFile]
+    digests_checked: bool
+    skipped: list[SkippedCheckpoint]
 
 
 class Registry(Protocol):
     """What the orchestrator asks of the checkpoint registry."""
 
-    async def latest_validated(self, job_id: str) -> RestorePoint | None:
-        """The newest validated checkpoint, or None when the job has none yet."""
+    async def restore_point(self, job_id: str) -> RestorePick:
+        """The newest validated checkpoint that passes its re-check now (none when the job has none)."""
+        ...
+
+    async def restore_files(self, checkpoint_id: int) -> tuple[ResumeFile, ...]:
+        """A checkpoint's files with their digests (empty when there are more than a launch carries)."""
         ...
 
     async def pin(self, checkpoint_id: int, *, holder: str, ttl_s: float) -> bool:
@@ -79,14 +125,21 @@ class RegistryClient:
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise RegistryUnavailableError(f"checkpoint registry unreachable: {exc!r}") from exc
 
-    async def latest_validated(self, job_id: str) -> RestorePoint | None:
-        """The newest validated checkpoint, or None when the job has none yet."""
-        status, body = await self._call("GET", f"/v1/jobs/{job_id}/checkpoints/latest")
-        if status == 404:
-            return None
-        if status != 200 or not isinstance(body, dict):
-            raise RegistryUnavailableError(f"checkpoint registry answered {status}")
-        return RestorePoint(checkpoint_id=int(body["id"]), step=int(body["step"]), path=str(body["path"]))
+    async def restore_point(self, job_id: str) -> RestorePick:
+        """The newest validated checkpoint that passes its re-check now, with its files; what it skipped."""
+        status, body = await self._call("POST", f"/v1/jobs/{job_id}/restore-point")
+        pick = _parsed(_Pick, status, body)
+        if pick.checkpoint is None:
+            return RestorePick(point=None, skipped=pick.skipped)
+        c = pick.checkpoint
+        point = RestorePoint(c.id, c.step, c.path, files=tuple(pick.files), digests_checked=pick.digests_checked)
+        return RestorePick(point=point, skipped=pick.skipped)
+
+    async def restore_files(self, checkpoint_id: int) -> tuple[ResumeFile, ...]:
+        """A checkpoint's files with their digests (empty when there are more than a launch carries)."""
+        status, body = await self._call("GET", f"/v1/checkpoints/{checkpoint_id}/files")
+        files = _parsed(_Manifest, status, body).data
+        return tuple(files) if len(files) <= RESUME_FILES_MAX else ()
 
     async def pin(self, checkpoint_id: int, *, holder: str, ttl_s: float) -> bool:
         """Keep retention away from a checkpoint while a recovery uses it; False when the registry refused."""
@@ -118,3 +171,13 @@ class RegistryClient:
         """Close connections."""
         if self._session is not None:
             await self._session.close()
+
+
+def _parsed(model: type[M], status: int, body: object) -> M:
+    """The registry's answer as `model`; RegistryUnavailableError for any other status or shape."""
+    if status != 200:
+        raise RegistryUnavailableError(f"checkpoint registry answered {status}")
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise RegistryUnavailableError(f"checkpoint registry answered an unexpected body: {exc}") from exc

@@ -268,6 +268,10 @@ def test_audit_since_filter(client: TestClient) -> None:
     assert _audit(client, since=(now + timedelta(minutes=5)).isoformat()) == []
     naive = client.get("/v1/audit", params={"since": "2026-01-01T00:00:00"}, headers=_auth(ADMIN_KEY))
     assert naive.status_code == 422
+    # A bare number was read as Unix seconds (found by tests/test_fuzz_openapi.py): ISO 8601 only, as documented.
+    number = client.get("/v1/audit", params={"since": "0.0"}, headers=_auth(ADMIN_KEY))
+    assert number.status_code == 422, number.text
+    assert number.json()["detail"][0]["loc"] == ["query", "since"]
 
 
 def test_no_key_or_body_is_stored(client: TestClient, settings: OrchestratorSettings) -> None:

@@ -8,6 +8,7 @@ keep every new fence above the stored one, so that a claim after the loss is acc
 
 from __future__ import annotations
 
+import os
 import re
 import sqlite3
 import time
@@ -27,10 +28,12 @@ from reprise_common.events import new_id
 
 from .stack_harness import RANK, Cluster, opened, publish
 
-pytestmark = [pytest.mark.stack, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.stack, pytest.mark.chaos, pytest.mark.timeout(180)]
 
 NODES = ("node-1", "node-2")
 LOCK_TTL_S = 3.0
+# How long Redis stays away in test d: 1.5 lease times in `make test`, a minute in `make chaos`.
+REDIS_AWAY_S = float(os.environ.get("REPRISE_CHAOS_REDIS_AWAY_S", str(LOCK_TTL_S * 1.5)))
 TERMINAL = ("running", "failed", "held")
 
 
@@ -216,7 +219,7 @@ def test_d_redis_away_while_a_recovery_renews_its_lease_then_back(stack: StackFa
     assert wait_until(lambda: cluster.stop_arrived(job["id"], 0), timeout_s=15, interval_s=0.02), "no stop arrived"
 
     cluster.redis.stop()
-    time.sleep(LOCK_TTL_S * 1.5)  # Redis stays away for longer than the lease: renewals fail until it is lost
+    time.sleep(REDIS_AWAY_S)  # Redis stays away for longer than the lease: renewals fail until it is lost
     cluster.redis.start()
 
     finished = recoveries_until(cluster, job["id"], ended(1), timeout_s=60)

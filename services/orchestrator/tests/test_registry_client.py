@@ -1,4 +1,4 @@
-"""The orchestrator's registry client against a real registry process: latest validated, pin, unpin."""
+"""The orchestrator's registry client against a real registry process: restore point, files, pin, unpin."""
 
 from __future__ import annotations
 
@@ -72,14 +72,29 @@ def _holders(url: str, checkpoint_id: int) -> list[str]:
 
 async def test_restore_point_is_pinned_for_the_recovery_and_released(registry: str, tmp_path: Path) -> None:
     client = RegistryClient(registry, timeout_s=5, api_key=KEY)
-    assert await client.latest_validated("job-r") is None
+    assert (await client.restore_point("job-r")).point is None
     checkpoint_id = _validated_checkpoint(registry, tmp_path / "ckpt")
-    restore = await client.latest_validated("job-r")
+    restore = (await client.restore_point("job-r")).point
     assert restore is not None and (restore.checkpoint_id, restore.step) == (checkpoint_id, 50)
+    digest = hashlib.sha256(b"weights" * 100).hexdigest()
+    assert [(f.path, f.size_bytes, f.algorithm, f.digest) for f in restore.files or ()] == [
+        ("rank-00000.pt", 700, "sha256", digest)
+    ]
+    assert await client.restore_files(checkpoint_id) == restore.files
 
     assert await client.pin(checkpoint_id, holder="rec-1", ttl_s=60)
     assert await asyncio.to_thread(_holders, registry, checkpoint_id) == ["rec-1"]
     assert await client.unpin(checkpoint_id, holder="rec-1")
     assert await asyncio.to_thread(_holders, registry, checkpoint_id) == []
     assert not await client.pin(999_999, holder="rec-1", ttl_s=60)  # unknown checkpoint: refused, no exception
+    await client.close()
+
+
+async def test_a_checkpoint_that_vanished_is_skipped_and_named(registry: str, tmp_path: Path) -> None:
+    client = RegistryClient(registry, timeout_s=5, api_key=KEY)
+    checkpoint_id = _validated_checkpoint(registry, tmp_path / "ckpt")
+    (tmp_path / "ckpt" / "rank-00000.pt").unlink()
+    pick = await client.restore_point("job-r")
+    assert pick.point is None
+    assert [(s.id, s.step, s.reason.split(":")[0]) for s in pick.skipped] == [(checkpoint_id, 50, "missing_file")]
     await client.close()

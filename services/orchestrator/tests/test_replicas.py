@@ -122,6 +122,7 @@ def _owned_recovery_after_stop(cluster: Cluster, job_id: str) -> dict[str, Any]:
     return recoveries[0]
 
 
+@pytest.mark.chaos
 def test_b_a_killed_owner_is_replaced_within_the_lease(cluster: Cluster) -> None:
     job = cluster.submit(env={"LINGER_S": "1.5"})
     publish(cluster, [opened(job, incident_id=f"inc-{new_id()[:12]}")])

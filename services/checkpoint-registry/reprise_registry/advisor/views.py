@@ -16,6 +16,11 @@ from reprise_registry.deps import DepsDep, ReadSession
 router = APIRouter(prefix="/v1", tags=["advisor"])
 MEASURE_WINDOW = 20  # recent checkpoints used to measure save cost and interval
 DEFAULT_SAVE_COST_S = 60.0  # until the job has committed a checkpoint and none is given
+# Bounds on the inputs keep every interval and ETTR a finite number: unbounded, a save cost of 1e308 s or a failure
+# rate of 1e-310 made √(2δM) infinite, which JSON can only show as null.
+MAX_SECONDS = 30 * 86_400.0  # a save, an interval or a restart longer than 30 days is a typo
+MIN_FAILURES_PER_NODE_DAY = 1e-6  # one failure per node every ~2,700 years
+MAX_OBSERVED_HOURS = 1_000_000.0  # ~114 years
 
 
 class Advice(SQLModel):
@@ -61,12 +66,12 @@ def advise(
     session: ReadSession,
     deps: DepsDep,
     node_count: Annotated[int, Query(ge=1, le=1_000_000)],
-    save_cost_s: Annotated[float | None, Query(gt=0)] = None,
-    current_interval_s: Annotated[float | None, Query(gt=0)] = None,
-    failures_per_node_day: Annotated[float | None, Query(gt=0)] = None,
+    save_cost_s: Annotated[float | None, Query(gt=0, le=MAX_SECONDS)] = None,
+    current_interval_s: Annotated[float | None, Query(gt=0, le=MAX_SECONDS)] = None,
+    failures_per_node_day: Annotated[float | None, Query(ge=MIN_FAILURES_PER_NODE_DAY, le=1_000)] = None,
     observed_failures: Annotated[int | None, Query(ge=0, le=1_000_000_000)] = None,
-    observed_hours: Annotated[float | None, Query(gt=0)] = None,
-    restart_overhead_s: Annotated[float | None, Query(ge=0)] = None,
+    observed_hours: Annotated[float | None, Query(gt=0, le=MAX_OBSERVED_HOURS)] = None,
+    restart_overhead_s: Annotated[float | None, Query(ge=0, le=MAX_SECONDS)] = None,
 ) -> Advice:
     """Young/Daly interval from the job's failure rate and save cost, with expected ETTR now and at the advice."""
     measured_cost, measured_interval = measured(session, job_id)

@@ -178,6 +178,23 @@ class CheckpointFilesPublic(SQLModel):
     count: int
 
 
+class SkippedCheckpoint(SQLModel):
+    """A checkpoint a restore passed over, and why (its re-check found it corrupt)."""
+
+    id: int
+    step: int
+    reason: str
+
+
+class RestorePointPublic(SQLModel):
+    """The checkpoint a restore should use, re-checked just now, and the ones skipped on the way to it."""
+
+    checkpoint: CheckpointPublic | None = Field(description="none: no validated checkpoint passed its re-check")
+    files: list[CheckpointFilePublic] = Field(description="its manifest, for the ranks to check what they load")
+    digests_checked: bool = Field(description="the registry re-hashed every file (the manifest was too large to carry)")
+    skipped: list[SkippedCheckpoint]
+
+
 class CheckpointRank(SQLModel, table=True):
     """A rank that reported its part of a checkpoint (a rank may own no file)."""
 

@@ -1,4 +1,5 @@
-"""REST routes for checkpoints: begin, report a rank's files, commit, validate, look up, report a load failure."""
+"""REST routes for checkpoints: begin, report a rank's files, commit, validate, look up, pick one to restore, report
+a load failure."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from fastapi.exceptions import RequestValidationError
 
 from reprise_common.db import SQL_INT_MAX
 from reprise_common.errors import ConflictError
+from reprise_common.events import RESUME_FILES_MAX
 from reprise_registry.checkpoints import service
 from reprise_registry.checkpoints.models import (
     CheckpointCreate,
@@ -23,9 +25,11 @@ from reprise_registry.checkpoints.models import (
     CommitResult,
     LoadFailure,
     RankReport,
+    RestorePointPublic,
 )
 from reprise_registry.checkpoints.paths import FieldPath, PathRefusedError
 from reprise_registry.deps import DepsDep, ReadSession, WriteSession
+from reprise_registry.validation.recheck import pick_restore_point
 from reprise_registry.validation.service import validate_checkpoint
 
 # Path parameters, bounded so that a number past 64 bits is a 422 naming it, not an overflow in the database (500).
@@ -124,9 +128,44 @@ async def validate_now(
 
 
 @router.post("/checkpoints/{checkpoint_id}/load-failed", response_model=CheckpointPublic)
-def load_failed(checkpoint_id: CheckpointId, body: LoadFailure, session: WriteSession) -> CheckpointPublic:
-    """Report that restoring this checkpoint failed: latest-validated falls back to the previous one."""
-    return _public(service.mark_load_failed(session, checkpoint_id=checkpoint_id, reason=body.reason))
+def load_failed(
+    checkpoint_id: CheckpointId, body: LoadFailure, session: WriteSession, deps: DepsDep
+) -> CheckpointPublic:
+    """Report that restoring this checkpoint failed: latest-validated falls back to the previous one, and every file
+    of it is re-hashed soon (corrupt when one differs)."""
+    checkpoint = service.mark_load_failed(session, checkpoint_id=checkpoint_id, reason=body.reason)
+    if checkpoint.state == CheckpointState.VALIDATED:
+        deps.rechecks.add(checkpoint_id)
+        deps.wake(deps.validator_wake)
+    return _public(checkpoint)
+
+
+@router.post("/jobs/{job_id}/restore-point", response_model=RestorePointPublic)
+async def restore_point(
+    job_id: str,
+    deps: DepsDep,
+    carry_files: Annotated[
+        int, Query(ge=0, le=RESUME_FILES_MAX, description="the most files the caller hands to the ranks to check")
+    ] = RESUME_FILES_MAX,
+) -> RestorePointPublic:
+    """The newest validated checkpoint re-checked now (marker, ranks, file sizes; every digest when its manifest has
+    more than carry_files files), with its manifest; checkpoints that fail are marked corrupt and skipped."""
+    pick = await asyncio.to_thread(
+        pick_restore_point,
+        deps.engines,
+        job_id=job_id,
+        carry_files=carry_files,
+        roots=deps.settings.checkpoint_roots,
+        workers=deps.settings.hash_workers,
+    )
+    if pick.skipped:
+        deps.announcer_wake.set()
+    return RestorePointPublic(
+        checkpoint=_public(pick.checkpoint) if pick.checkpoint is not None else None,
+        files=[CheckpointFilePublic.model_validate(f, from_attributes=True) for f in pick.files],
+        digests_checked=pick.digests_checked,
+        skipped=pick.skipped,
+    )
 
 
 @router.get("/jobs/{job_id}/checkpoints", response_model=CheckpointsPublic)

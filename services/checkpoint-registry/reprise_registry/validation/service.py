@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -165,14 +165,19 @@ async def run_validator(
     workers: int | None,
     interval_s: float,
     roots: Sequence[Path],
+    sweep: Callable[[], int] = lambda: 0,
 ) -> None:
-    """Validate committed checkpoints whenever woken and every interval (level-triggered: survives restarts)."""
+    """Validate committed checkpoints whenever woken and every interval (level-triggered: survives restarts).
+
+    `sweep` runs after each pass that found nothing to validate (the re-verifications); it returns how many it did.
+    """
     while True:
         wake.clear()
         try:
             decided = await asyncio.to_thread(
                 validate_pending, engines, sample_fraction=sample_fraction, workers=workers, roots=roots
             )
+            decided = decided or await asyncio.to_thread(sweep)
         except Exception:  # a database hiccup must not stop validation for good; the next pass retries
             log.exception("validation pass failed")
             decided = 0

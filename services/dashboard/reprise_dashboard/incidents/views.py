@@ -16,7 +16,7 @@ from reprise_dashboard.runtime import RuntimeDep
 from reprise_dashboard.upstreams import Fetched, Service
 
 router = APIRouter(tags=["pages"])
-INCIDENT_STATES = ("open", "acknowledged", "resolved")  # the detector's IncidentState values
+INCIDENT_STATES = ("open", "acknowledged", "mitigated", "resolved")  # the detector's IncidentState values
 LIST_LIMIT = 100
 SUPPRESSED = "suppress"  # the decision of a secondary symptom kept as evidence only
 

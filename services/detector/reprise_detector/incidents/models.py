@@ -17,6 +17,7 @@ class IncidentState(StrEnum):
 
     OPEN = "open"
     ACKNOWLEDGED = "acknowledged"
+    MITIGATED = "mitigated"  # the recovery it caused brought the job back to training; a person may still resolve it
     RESOLVED = "resolved"
 
 

@@ -129,7 +129,8 @@ def create(
     first_symptom_at: datetime,
     now: datetime,
 ) -> Incident:
-    """Open an incident for a job with the given root cause."""
+    """Open an incident for a job with the given root cause (its time, never later than the opening, starts it)."""
+    first_symptom_at = min(first_symptom_at, now)
     incident = Incident(
         job_id=job_id,
         category=classification.category,
@@ -151,7 +152,7 @@ def upgrade(
 ) -> None:
     """Make a more fundamental (or an earlier) cause the incident's root cause."""
     incident.root_cause_at = at
-    incident.first_symptom_at = min(incident.first_symptom_at, at)
+    incident.first_symptom_at = min(incident.first_symptom_at, at, incident.opened_at)
     incident.category = classification.category
     incident.severity = classification.severity
     incident.root_cause = classification.reason
@@ -253,11 +254,14 @@ def insert_symptoms(session: Session, rows: list[dict[str, Any]]) -> None:
 
 
 def adopt(incident: Incident, symptoms: list[Symptom], *, now: datetime) -> None:
-    """Attach symptoms kept on their own to an incident that has just opened (they arrived before their cause)."""
+    """Attach symptoms kept on their own to an incident that has just opened (they arrived before their cause).
+
+    They are evidence, not causes, so they do not move the incident's start: an unrelated warning seconds earlier in
+    the window would otherwise date it back.
+    """
     for symptom in symptoms:
         symptom.incident_id = incident.id
         symptom.decision = "suppress"
-        incident.first_symptom_at = min(incident.first_symptom_at, symptom.time)
     incident.symptom_count += len(symptoms)
     incident.updated_at = now
 
@@ -270,6 +274,15 @@ def acknowledge(session: Session, *, incident_id: str, now: datetime) -> Inciden
     if incident.state == IncidentState.OPEN:
         incident.state = IncidentState.ACKNOWLEDGED
         incident.acknowledged_at = now
+        incident.updated_at = now
+    return incident
+
+
+def mitigate(session: Session, *, incident_id: str, now: datetime) -> Incident | None:
+    """Mark an open or acknowledged incident mitigated; None when there is no such incident (another detector's)."""
+    incident = session.exec(select(Incident).where(Incident.id == incident_id).with_for_update()).first()
+    if incident is not None and incident.state in ACTIVE_STATES:
+        incident.state = IncidentState.MITIGATED
         incident.updated_at = now
     return incident
 

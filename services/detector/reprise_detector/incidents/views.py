@@ -6,11 +6,11 @@ from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Query
 from fastapi.exceptions import RequestValidationError
-from pydantic import AwareDatetime
 
 from reprise_common.db import SQL_INT_MAX
 from reprise_common.errors import BusError
 from reprise_common.events import Category
+from reprise_common.service import IsoDateTime
 from reprise_detector.incidents import flows, service
 from reprise_detector.incidents.models import (
     IncidentDetail,
@@ -32,8 +32,8 @@ def list_incidents(
     node_id: Annotated[str | None, Query(description="culprit node, or any node with a symptom")] = None,
     state: IncidentState | None = None,
     category: Category | None = None,
-    since: Annotated[AwareDatetime | None, Query(description="opened at or after (ISO 8601 with a zone)")] = None,
-    until: Annotated[AwareDatetime | None, Query(description="opened before (ISO 8601 with a zone)")] = None,
+    since: Annotated[IsoDateTime | None, Query(description="opened at or after (ISO 8601 with a zone)")] = None,
+    until: Annotated[IsoDateTime | None, Query(description="opened before (ISO 8601 with a zone)")] = None,
     offset: Annotated[int, Query(ge=0, le=SQL_INT_MAX)] = 0,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
 ) -> IncidentsPublic:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Query
-from pydantic import AwareDatetime
 
+from reprise_common.service import IsoDateTime
 from reprise_orchestrator.auth import service
 from reprise_orchestrator.auth.models import (
     ApiKeyCreate,
@@ -47,7 +47,7 @@ def list_audit(
     session: SessionDep,
     actor: Annotated[str | None, Query(description="a key's name or id, or anonymous")] = None,
     job_id: str | None = None,
-    since: Annotated[AwareDatetime | None, Query(description="at or after (ISO 8601 with a zone)")] = None,
+    since: Annotated[IsoDateTime | None, Query(description="at or after (ISO 8601 with a zone)")] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
 ) -> AuditRecordsPublic:
     """Mutating calls, allowed and refused, newest first, filtered by actor, job and time."""

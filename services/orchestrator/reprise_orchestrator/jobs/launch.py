@@ -105,6 +105,7 @@ async def launch(
         env=spec.env,
         cwd=spec.working_dir,
         resume_checkpoint=restore.path if restore else None,
+        resume_files=list(restore.files or ()) if restore else [],
         ranks=ranks,
     )
     return await backend.launch(LaunchRequest(job_id=job_id, args=args), operation_id=operation_id, fence=fence)

@@ -16,6 +16,7 @@ from reprise_common.events import IncidentChange, RankAssignment
 from reprise_orchestrator.compute.backend import CommandRecord
 from reprise_orchestrator.jobs.placement import PlacementDecision
 from reprise_orchestrator.recoveries.states import Outcome, RecoveryStep
+from reprise_orchestrator.registry_client import SkippedCheckpoint
 
 
 class Then(StrEnum):
@@ -83,10 +84,14 @@ class CheckpointRef(BaseModel):
 
 
 class Restored(StepData):
-    """The checkpoint chosen (pinned while the recovery runs), or none."""
+    """The checkpoint chosen (pinned while the recovery runs), or none, and the newer ones skipped as corrupt."""
 
     checkpoint: CheckpointRef | None = None
     pinned: bool = False
+    skipped: list[SkippedCheckpoint] = Field(default_factory=list)
+    digests_checked: bool = Field(
+        default=False, description="the registry re-hashed every file (too many for the ranks to be handed)"
+    )
     note: str = ""
 
 

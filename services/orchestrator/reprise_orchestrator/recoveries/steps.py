@@ -8,10 +8,12 @@ owner. Whether what follows may happen is for the policy to say (recoveries/rule
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from functools import cached_property
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlmodel import Session
 
@@ -45,6 +47,7 @@ from reprise_orchestrator.recoveries.service import FencedOutError
 from reprise_orchestrator.recoveries.states import Outcome, RecoveryStep
 from reprise_orchestrator.registry_client import RegistryUnavailableError, RestorePoint
 
+T = TypeVar("T")
 log = get_logger("reprise.orchestrator.recovery")
 PIN_TTL_S = 3600.0  # a pin outlives any sane recovery, and expires if its owner dies holding it
 POLL_S = 0.25
@@ -96,7 +99,7 @@ class RecoveryRun:
             self.ranks = list(data.ranks)
         elif isinstance(data, Restored) and data.checkpoint is not None:
             c = data.checkpoint
-            self.restore = RestorePoint(checkpoint_id=c.id, step=c.step, path=c.path)
+            self.restore = RestorePoint(c.id, c.step, c.path, digests_checked=data.digests_checked)
 
     def take_news(self, latest: IncidentChange | None) -> str:
         """What `latest` (the newest version of the incident) knows that the plan did not ("" when nothing); the run
@@ -218,21 +221,33 @@ class RecoverySteps:
         )
 
     async def restore(self, run: RecoveryRun) -> StepResult:
-        """The newest validated checkpoint (the registry skips any that failed to load), pinned for the recovery."""
-        for attempt in range(6):
-            try:
-                run.restore = await self.deps.registry.latest_validated(run.job.id)
-                break
-            except RegistryUnavailableError as exc:
-                if attempt == 5:
-                    return StepResult(Restored(), Then.STOP, Outcome.REGISTRY_UNAVAILABLE, str(exc))
-                await asyncio.sleep(0.5 * 2**attempt)
+        """The newest validated checkpoint that passes the registry's re-check now (it skips any that failed to load
+        and marks corrupt any whose files vanished or changed size), pinned for the recovery."""
+        try:
+            pick = await self._registry(lambda: self.deps.registry.restore_point(run.job.id))
+        except RegistryUnavailableError as exc:
+            return StepResult(Restored(), Then.STOP, Outcome.REGISTRY_UNAVAILABLE, str(exc))
+        run.restore, skipped = pick.point, pick.skipped
         self._count_progress(run)
         if run.restore is None:
-            return StepResult(Restored(note="no validated checkpoint: the job restarts from its start"))
+            note = "no validated checkpoint: the job restarts from its start"
+            return StepResult(Restored(skipped=skipped, note=note))
         pinned = await self.deps.registry.pin(run.restore.checkpoint_id, holder=run.recovery_id, ttl_s=PIN_TTL_S)
         checkpoint = CheckpointRef(id=run.restore.checkpoint_id, step=run.restore.step, path=run.restore.path)
-        return StepResult(Restored(checkpoint=checkpoint, pinned=pinned))
+        checked = run.restore.digests_checked
+        return StepResult(Restored(checkpoint=checkpoint, pinned=pinned, skipped=skipped, digests_checked=checked))
+
+    @staticmethod
+    async def _registry(call: Callable[[], Awaitable[T]]) -> T:
+        """A registry call, retried with backoff over about 15 s; RegistryUnavailableError when it never answers."""
+        for attempt in range(6):
+            try:
+                return await call()
+            except RegistryUnavailableError:
+                if attempt == 5:
+                    raise
+                await asyncio.sleep(0.5 * 2**attempt)
+        raise AssertionError("unreachable")
 
     def _count_progress(self, run: RecoveryRun) -> None:
         """Record on the job whether this recovery restores a newer checkpoint than the one before (idempotent)."""
@@ -258,6 +273,13 @@ class RecoverySteps:
             port_base=self.deps.settings.master_port_base,
             engine=self.deps.engine,
         )
+        restore = run.restore
+        if restore is not None and restore.files is None and not restore.digests_checked:  # resumed past restoring
+            try:
+                files = await self._registry(lambda: self.deps.registry.restore_files(restore.checkpoint_id))
+            except RegistryUnavailableError as exc:
+                return StepResult(Launched(restart_epoch=epoch, error=str(exc)), Then.RETRY, detail=str(exc))
+            run.restore = dataclasses.replace(restore, files=files)
         try:
             answers = await launch(
                 self.deps.bus,

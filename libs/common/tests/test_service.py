@@ -1,0 +1,70 @@
+"""What the shared HTTP machinery documents matches what it answers (found by tests/test_fuzz_openapi.py)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import httpx
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from pydantic import TypeAdapter, ValidationError
+
+from reprise_cli.servers import NatsServer
+from reprise_common.aio import poll_until
+from reprise_common.bus import Bus
+from reprise_common.errors import BusError
+from reprise_common.service import Background, IsoDateTime, Readiness, add_ops_routes, nats_check
+
+
+async def _down() -> bool:
+    return False
+
+
+def test_ops_routes_document_their_content_types_and_the_503() -> None:
+    app = FastAPI()
+    add_ops_routes(app, checks={"nats": _down})
+    paths = app.openapi()["paths"]
+    assert list(paths["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]  # was application/json
+    assert set(paths["/readyz"]["get"]["responses"]) == {"200", "503"}
+    with TestClient(app) as client:
+        answer = client.get("/readyz")
+        metrics = client.get("/metrics")
+    assert answer.status_code == 503
+    assert Readiness.model_validate(answer.json()) == Readiness(status="not ready", checks={"nats": "down"})
+    assert metrics.headers["content-type"].startswith("text/plain")
+
+
+@pytest.mark.parametrize("number", ["0.0", "1700000000", " -1e3 ", 0, 1.5])
+def test_an_iso_time_refuses_a_bare_number(number: object) -> None:
+    with pytest.raises(ValidationError, match="ISO 8601"):
+        TypeAdapter(IsoDateTime).validate_python(number)
+
+
+def test_an_iso_time_takes_iso_8601_with_a_zone() -> None:
+    parsed = TypeAdapter(IsoDateTime).validate_python("2026-12-02T05:00:00Z")
+    assert parsed == datetime(2026, 12, 2, 5, tzinfo=UTC)
+    with pytest.raises(ValidationError):
+        TypeAdapter(IsoDateTime).validate_python("2026-12-02T05:00:00")  # no zone
+
+
+@pytest.mark.parametrize("fails", [False, True])
+async def test_a_service_whose_start_hook_failed_is_not_ready_and_says_why(
+    nats_server: NatsServer, fails: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    bus = Bus(url=nats_server.url, service="test-service")
+    background = Background(bus)
+
+    async def on_connected() -> None:
+        if fails:  # e.g. a durable consumer its NATS identity may not create
+            raise BusError("permissions violation for subscription to $JS.API.CONSUMER.CREATE.RECOVERIES")
+
+    app = FastAPI()
+    add_ops_routes(app, checks={"nats": nats_check(background)})
+    background.start(on_connected)
+    assert await poll_until(lambda: bus.connected and (background.started.is_set() or background.failed), timeout_s=10)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+        answer = await client.get("/readyz")
+    await background.stop()
+    assert answer.status_code == (503 if fails else 200), answer.text
+    assert ("could not start consuming" in caplog.text) is fails
