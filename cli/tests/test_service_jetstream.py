@@ -124,7 +124,9 @@ async def test_each_service_provisions_every_stream_over_an_older_release(
     assert (await js.stream_info(subjects.AGENT_STREAM)).state.messages == 0
 
 
-async def test_detector_reads_agent_events_reports_placements_and_recovery_outcomes(deployment: Deployment, admin: Client) -> None:
+async def test_detector_reads_agent_events_reports_placements_and_recovery_outcomes(
+    deployment: Deployment, admin: Client
+) -> None:
     planner = await _connected(deployment, "orchestrator")
     await planner.publish(subjects.placement("job-1"), _placement())
     bus = await _connected(deployment, "detector")
