@@ -13,7 +13,7 @@ MYPY_TARGETS := libs/common/reprise_common services/agent/reprise_agent services
 NODES ?= 4
 SPARES ?= 1
 
-.PHONY: venv test lint typecheck pytest chaos up demo clean bench-agent bench-sdk bench-registry bench-detector bench-orchestrator \
+.PHONY: venv test lint typecheck pytest chaos soak up demo clean bench-agent bench-sdk bench-registry bench-detector bench-orchestrator \
 	bench-orchestrator-concurrent bench-vs-torchrun
 
 venv: $(STAMP)
@@ -43,6 +43,10 @@ test: lint typecheck pytest
 # killed under load; what held is tabled in docs/reliability.md.
 chaos: $(STAMP)
 	REPRISE_CHAOS_EVENTS=10000 REPRISE_CHAOS_REDIS_AWAY_S=60 $(BIN)/pytest -m chaos -p no:cacheprovider -rA
+
+# The soak (not in CI): 30 minutes, 10 jobs, a random fault every 30 s → bench/results/soak.json (SOAK_ARGS to change)
+soak: $(STAMP)
+	$(BIN)/python -m bench.soak $(SOAK_ARGS)
 
 up: $(STAMP)
 	$(BIN)/reprise up --nodes $(NODES) --spares $(SPARES)

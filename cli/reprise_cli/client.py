@@ -106,6 +106,11 @@ class PlatformClient:
         body: dict[str, Any] = self._orchestrator("GET", f"/v1/drills/{drill_id}")
         return body
 
+    def uncordon(self, node_id: str) -> dict[str, Any]:
+        """Put a node back into service (POST /v1/nodes/{id}/uncordon)."""
+        answer: dict[str, Any] = self._orchestrator("POST", f"/v1/nodes/{node_id}/uncordon")
+        return answer
+
     def recoveries(self, job_id: str) -> list[dict[str, Any]]:
         """A job's recoveries, newest first."""
         return list(self._orchestrator("GET", f"/v1/jobs/{job_id}/recoveries")["data"])

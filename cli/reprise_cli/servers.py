@@ -228,6 +228,10 @@ class _ServerProcess:
             self.stop()
             raise ConfigError(f"{name} server did not become ready on port {port}: {tail.splitlines()[-1:]}")
 
+    def alive(self) -> bool:
+        """True while the server's process runs."""
+        return self.process is not None and self.process.alive()
+
     def crashed(self) -> int | None:
         """The return code of a server that ended without stop() being called (see ManagedProcess.crashed)."""
         return self.process.crashed() if self.process is not None else None

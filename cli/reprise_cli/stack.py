@@ -157,6 +157,10 @@ class Stack:
         """The node's agent stays down once it exits (a simulated node loss): the supervisor does not restart it."""
         self.supervisor.hold(agent_name(node_id))
 
+    def release_node(self, node_id: str) -> None:
+        """A node held down is repaired: its agent is started again (by the supervisor) and supervised as before."""
+        self.supervisor.release(agent_name(node_id))
+
     @property
     def admin_seed(self) -> Path:
         """The NATS identity operators and tools use against this stack: every subject; no service has it."""

@@ -32,6 +32,9 @@ class Supervisable(Protocol):
     def crashed(self) -> int | None:
         """Its return code once it ended without being asked to stop, else None."""
 
+    def alive(self) -> bool:
+        """True while it runs."""
+
 
 class Verdict(StrEnum):
     """What the supervisor does about a crash."""
@@ -113,6 +116,19 @@ class Supervisor:
         """Never restart `name` again: the stack stops it, or lets it die, on purpose (a simulated node loss)."""
         with self._lock:
             self._watches[name].state = WatchState.HELD
+
+    def release(self, name: str) -> None:
+        """Supervise a held process again (the node was repaired): started at once by the supervisor's thread if it
+        is down, watched as before if it still runs."""
+        with self._lock:
+            watch = self._watches[name]
+            if watch.state is not WatchState.HELD:
+                return
+            watch.exit_told, watch.attempt, watch.crashes = False, 0, []
+            if watch.unit.alive():
+                watch.state = WatchState.RUNNING
+            else:
+                watch.state, watch.restart_at = WatchState.BACKOFF, self.clock()
 
     def state(self, name: str) -> WatchState:
         """Where a supervised process stands."""

@@ -110,3 +110,24 @@ def test_a_held_process_and_a_stopped_one_stay_down(supervisor: Supervisor, line
     assert held.pid == first and not held.alive() and supervisor.state("agent-node-2") is WatchState.HELD
     assert not stopped.alive() and supervisor.state("orchestrator") is WatchState.RUNNING  # stopped, not crashed
     assert lines == [told]
+
+
+def test_a_released_process_is_started_again_and_supervised(
+    supervisor: Supervisor, lines: list[str], tmp_path: Path
+) -> None:
+    sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
+    node = ManagedProcess("agent-node-3", sleeper, tmp_path / "node.log")
+    node.start()
+    supervisor.watch(node.name, node)
+    first = node.pid
+    supervisor.hold(node.name)
+    os.killpg(first, signal.SIGKILL)  # the simulated node loss
+    assert wait_until(lambda: any("held down on purpose" in line for line in lines), timeout_s=10), lines
+
+    supervisor.release(node.name)  # the node was repaired
+    assert wait_until(lambda: node.alive() and node.pid != first, timeout_s=10), lines
+    assert supervisor.state(node.name) is WatchState.RUNNING
+    second = node.pid
+    os.killpg(second, signal.SIGKILL)  # supervised again: a crash now is restarted
+    assert wait_until(lambda: node.alive() and node.pid != second, timeout_s=10), lines
+    node.stop()
