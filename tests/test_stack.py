@@ -354,3 +354,31 @@ def test_checkpoint_from_a_real_job_becomes_the_validated_restore_point(stack: S
         assert {f["algorithm"] for f in entries} == {"sha256"}  # the writer's digests, verified by the registry
     finally:
         client.close()
+
+
+@pytest.mark.chaos
+def test_an_agent_killed_9_with_ranks_running_is_recovered_once_when_it_comes_back(stack: Stack) -> None:
+    """kill -9 of a node's agent: its ranks die with it (parent-death signal) and the supervisor brings a fresh agent
+    back within a second, before the node counts as lost. The job must still be recovered, exactly once."""
+    client = stack.client()
+    try:
+        poll(client.nodes, lambda n: len(n) == 3, timeout_s=15)
+        job = client.submit_job(name="agent-killed", node_count=2, ranks_per_node=1)
+        assert job["state"] == "running"
+        victim = next(r["node_id"] for r in job["placement"] if r["rank"] == 1)
+        pids = [r["pid"] for r in httpx.get(stack.url(f"agent-{victim}") + "/v1/status").json()["ranks"]]
+        stack.services[f"agent-{victim}"].signal(signal.SIGKILL)
+
+        recoveries = poll(
+            lambda: client.recoveries(job["id"]),
+            lambda r: bool(r) and all(x["step"] in ("running", "failed", "held") for x in r),
+            timeout_s=60,
+        )
+        assert len(recoveries) == 1, recoveries
+        assert recoveries[0]["outcome"] == "recovered", recoveries[0]
+        assert not any(process_alive(pid) for pid in pids)  # the old ranks died with their agent
+        time.sleep(3)  # nothing else follows
+        assert len(client.recoveries(job["id"])) == 1
+        assert client.job(job["id"])["state"] == "running"
+    finally:
+        client.close()

@@ -19,6 +19,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import AwareDatetime, BaseModel, BeforeValidator
 
 from reprise_common.bus import Bus
+
+try:  # services with a database have the [db] extra
+    from sqlalchemy.exc import OperationalError
+except ImportError:  # pragma: no cover - the agent and dashboard have no database
+    _DATABASE_ERRORS: tuple[type[Exception], ...] = ()
+else:  # a connection refused, broken or timed out, a database locked past its timeout: worth retrying later
+    _DATABASE_ERRORS = (OperationalError,)
 from reprise_common.errors import BusError, ConflictError, NotFoundError, RepriseError, StaleFenceError
 from reprise_common.logging import get_logger
 from reprise_common.settings import ServiceSettings
@@ -143,6 +150,16 @@ def add_error_handlers(app: FastAPI) -> None:
     for kind, _code in _STATUS_BY_ERROR:
         app.add_exception_handler(kind, handle)
     app.add_exception_handler(RequestValidationError, _unprocessable)
+    for database_error in _DATABASE_ERRORS:
+        app.add_exception_handler(database_error, _database_unavailable)
+
+
+async def _database_unavailable(_request: Request, exc: Exception) -> JSONResponse:
+    """The service's database did not answer (refused, gone, locked): 503 naming it, never a 500 (other database
+    errors are bugs, and stay 500s with their traceback in the log)."""
+    cause = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0][:200]
+    log.warning("database unavailable", extra={"error": cause})
+    return JSONResponse({"detail": f"database unavailable: {cause}"}, status_code=503)
 
 
 async def _unprocessable(_request: Request, exc: Exception) -> JSONResponse:

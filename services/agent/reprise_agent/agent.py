@@ -17,7 +17,7 @@ from reprise_agent.gpu.factory import open_backend
 from reprise_agent.gpu.sim import SimulatedGpus
 from reprise_agent.outbox import Outbox
 from reprise_agent.progress import ProgressBook, SdkMessage, SdkServer, default_socket_path
-from reprise_agent.ranks import RankProcess, RankSupervisor
+from reprise_agent.ranks import LostRank, RankProcess, RankSupervisor
 from reprise_agent.settings import AgentSettings
 from reprise_common import subjects
 from reprise_common.bus import Bus
@@ -96,6 +96,8 @@ class Agent:
             asyncio.create_task(self._dependency_loop(), name="dependency-checks"),
         ]
         self._emit_lifecycle("starting")
+        for lost in self.supervisor.orphans():
+            self._report_lost(lost)
 
     async def stop(self) -> None:
         """Stop taking commands, stop the ranks, say goodbye, flush what is queued."""
@@ -232,6 +234,22 @@ class Agent:
             oom_killed=rank.oom_killed,
             log_tail=list(rank.tail),
             restart_epoch=rank.restart_epoch,
+        )
+        self.outbox.put(subjects.node_event(self.node_id, "rank.exited"), event)
+
+    def _report_lost(self, lost: LostRank) -> None:
+        """A rank the previous process of this agent ran died with it: say so, as for any rank killed."""
+        log.warning(
+            "a rank was lost with the agent's previous process", extra={"job_id": lost.job_id, "rank": lost.rank}
+        )
+        event = RankExited(
+            source=self.node_id,
+            node_id=self.node_id,
+            job_id=lost.job_id,
+            rank=lost.rank,
+            signal="SIGKILL",
+            log_tail=[*lost.tail(self.supervisor.tail_lines - 1), "(lost with the agent's previous process)"],
+            restart_epoch=lost.restart_epoch,
         )
         self.outbox.put(subjects.node_event(self.node_id, "rank.exited"), event)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 from collections import deque
@@ -28,6 +29,23 @@ def _killed_by_oom(rank: RankProcess) -> bool:
         return False
     now = oom_kill_count()
     return now is not None and now > rank.oom_baseline
+
+
+@dataclass(frozen=True)
+class LostRank:
+    """A rank of an earlier process of this agent, lost when that process died."""
+
+    job_id: str
+    rank: int
+    restart_epoch: int
+    log_path: Path
+
+    def tail(self, lines: int) -> list[str]:
+        """The last lines it wrote to its log."""
+        try:
+            return self.log_path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:]
+        except OSError:
+            return []
 
 
 @dataclass
@@ -89,6 +107,7 @@ class RankSupervisor:
         self.sdk_socket = sdk_socket
         self.launches: dict[str, LaunchArgs] = {}  # job id → its latest launch on this node
         self.log_dir = state_dir / "ranks"
+        self.ledger = self.log_dir / "live.json"  # the ranks running now, for the next agent if this one dies
         self.on_exit = on_exit
         self.tail_lines = tail_lines
         self._ranks: dict[tuple[str, int], RankProcess] = {}
@@ -114,7 +133,35 @@ class RankSupervisor:
             rank = await self._start(job_id, spec, assignment, resume_files)
             self._ranks[(job_id, assignment.rank)] = rank
             pids.append(rank.proc.pid)
+        self._record()
         return pids
+
+    def _record(self) -> None:
+        """Write the ledger of running ranks (atomically): a rank whose agent dies is not forgotten."""
+        live = [
+            {"job_id": r.job_id, "rank": r.rank, "restart_epoch": r.restart_epoch, "pid": r.proc.pid,
+             "log": str(r.log_path)}
+            for r in self._ranks.values() if r.alive and not r.stopping
+        ]  # fmt: skip
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        partial = self.ledger.with_suffix(".partial")
+        partial.write_text(json.dumps(live), encoding="utf-8")
+        os.replace(partial, self.ledger)
+
+    def orphans(self) -> list[LostRank]:
+        """The ranks an earlier process of this agent left running when it died (killed or crashed): they died with
+        it, or are killed now (nothing supervises them any more); the ledger starts empty."""
+        try:
+            entries = json.loads(self.ledger.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            entries = []
+        lost = []
+        for entry in entries:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(int(entry["pid"]), signal.SIGKILL)  # its own process group (start_new_session)
+            lost.append(LostRank(entry["job_id"], int(entry["rank"]), int(entry["restart_epoch"]), Path(entry["log"])))
+        self._record()
+        return lost
 
     def _write_resume_files(self, job_id: str, spec: LaunchArgs) -> Path | None:
         """The checkpoint's files and the registry's digests, as JSON for the ranks (REPRISE_RESUME_FILES)."""
@@ -193,6 +240,7 @@ class RankSupervisor:
                 "signal": rank.exit_signal,
             },
         )
+        self._record()
         if not rank.stopping:
             await self.on_exit(rank)
 

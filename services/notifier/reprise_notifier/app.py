@@ -91,7 +91,11 @@ def create_app(
     )
     app.state.runtime = runtime
     add_error_handlers(app)
-    checks = {"nats": nats_check(runtime.background), "database": db_check(runtime.engine), "consumers": runtime.consuming}
+    checks = {
+        "nats": nats_check(runtime.background),
+        "database": db_check(runtime.engine),
+        "consumers": runtime.consuming,
+    }
     add_ops_routes(app, checks=checks)
     auth.install(app, auth.authority_keys(settings, runtime.bus))
     app.include_router(delivery_views.deliveries_router, dependencies=auth.BY_METHOD, responses=ERROR_RESPONSES)

@@ -169,7 +169,9 @@ def create_app(settings: OrchestratorSettings) -> FastAPI:
     app.state.reconciler = reconciler
     app.state.runner = runner
     app.state.drills = drills
-    add_ops_routes(app, checks={"nats": nats_check(background), "redis": _redis_check(redis), "database": db_check(engine)})
+    add_ops_routes(
+        app, checks={"nats": nats_check(background), "redis": _redis_check(redis), "database": db_check(engine)}
+    )
     add_error_handlers(app)
     app.add_middleware(AuditMiddleware, engine=engine, clock=deps.clock)
     _mount_routes(app, keys if settings.auth_enabled else None)
