@@ -125,6 +125,8 @@ class Soak:
         recovery = self._recovery_after(job_id, injected, timeout_s=180)
         if recovery is not None:
             record.recovered = recovery.get("outcome") == "recovered"
+            if not record.recovered:
+                record.detail = f"{recovery.get('outcome')}: {recovery.get('detail', '')}"
             ended = recovery.get("finished_at")
             if ended:
                 record.recovery_s = (datetime.fromisoformat(ended) - injected).total_seconds()

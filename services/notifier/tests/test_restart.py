@@ -12,6 +12,7 @@ from collections import Counter
 from pathlib import Path
 
 import httpx
+import pytest
 
 from reprise_cli.servers import ManagedProcess, NatsServer, free_port, wait_until
 from reprise_cli.slack_receiver import SlackReceiver
@@ -40,6 +41,7 @@ def _start(env: dict[str, str], log: Path, port: int) -> ManagedProcess:
     return process
 
 
+@pytest.mark.chaos
 async def test_sigkill_mid_burst_loses_no_alert(
     nats_server: NatsServer,
     receiver: SlackReceiver,

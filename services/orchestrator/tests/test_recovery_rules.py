@@ -8,8 +8,9 @@ from typing import Any
 import pytest
 
 from reprise_common.events import Category, Culprit, IncidentChange, RecommendedAction
+from reprise_orchestrator.compute.backend import NodePool
 from reprise_orchestrator.jobs.models import Job, JobCreate, JobState, RecoveryPolicy
-from reprise_orchestrator.jobs.placement import PlacementDecision, replan
+from reprise_orchestrator.jobs.placement import PlacementDecision, replacements, replan
 from reprise_orchestrator.recoveries import rules
 from reprise_orchestrator.recoveries.records import Baseline
 from reprise_orchestrator.recoveries.rules import CordonFacts, Decision, Proposal, Reason
@@ -277,3 +278,23 @@ def test_backoff_grows_and_is_capped() -> None:
 def test_elastic_bounds_are_checked_against_the_job(policy_fields: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         JobCreate(name="j", node_count=2, command=["true"], policy=RecoveryPolicy.model_validate(policy_fields))
+
+
+def test_idle_workers_take_the_places_of_lost_nodes_once_the_spares_are_used() -> None:
+    pool = NodePool(workers=["a", "c", "idle-1", "idle-2"], spares=["spare-1"])  # "b" was lost; no busy node here
+    candidates = replacements(pool, ["a", "b", "c"])
+    assert candidates == ["spare-1", "idle-1", "idle-2"]  # spares first
+    plan = replan(["a", "b", "c"], usable=pool.usable(), spares=candidates, policy=RecoveryPolicy())
+    assert (plan.decision, plan.nodes, plan.replaced) == (
+        PlacementDecision.SPARES,
+        ["a", "spare-1", "c"],
+        {"b": "spare-1"},
+    )
+    no_spares = NodePool(workers=["a", "c", "idle-1"], spares=[])
+    plan = replan(
+        ["a", "b", "c"],
+        usable=no_spares.usable(),
+        spares=replacements(no_spares, ["a", "b", "c"]),
+        policy=RecoveryPolicy(),
+    )
+    assert (plan.decision, plan.nodes) == (PlacementDecision.SPARES, ["a", "idle-1", "c"])  # was WAIT, then no_capacity

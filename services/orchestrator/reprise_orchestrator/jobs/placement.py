@@ -48,6 +48,13 @@ def replan(current: list[str], *, usable: set[str], spares: list[str], policy: R
     return Replan(PlacementDecision.WAIT, nodes, replaced, dropped)
 
 
+def replacements(pool: NodePool, current: list[str]) -> list[str]:
+    """The nodes that may take the places of a job's unusable ones, in order: its spares, then idle healthy workers
+    (a running job waits for nobody, while a new job can wait for capacity). `pool` holds no busy or cordoned node."""
+    running = set(current)
+    return [*pool.spares, *(node for node in pool.workers if node not in running)]
+
+
 def choose_nodes(spec: JobCreate, pool: NodePool) -> list[str]:
     """The nodes a new job runs on: the ones it names (each must be usable), or the first N usable workers.
 

@@ -24,7 +24,7 @@ from reprise_orchestrator.deps import Deps
 from reprise_orchestrator.jobs import service as jobs
 from reprise_orchestrator.jobs.launch import launch, rendezvous_for
 from reprise_orchestrator.jobs.models import Job, RecoveryPolicy
-from reprise_orchestrator.jobs.placement import PlacementDecision, assign_ranks, replan
+from reprise_orchestrator.jobs.placement import PlacementDecision, assign_ranks, replacements, replan
 from reprise_orchestrator.locks import LockHandle
 from reprise_orchestrator.nodes import flows as node_flows
 from reprise_orchestrator.nodes import service as nodes
@@ -198,7 +198,7 @@ class RecoverySteps:
             with Session(self.deps.engine) as session:
                 unavailable = nodes.cordoned_ids(session) | jobs.busy_nodes(session, except_job=run.job.id)
             pool = self.deps.compute.pool(exclude=unavailable | run.exclude)
-            plan = replan(current, usable=pool.usable(), spares=pool.spares, policy=spec.policy)
+            plan = replan(current, usable=pool.usable(), spares=replacements(pool, current), policy=spec.policy)
             if plan.decision is not PlacementDecision.WAIT:
                 break
             if self.deps.clock.monotonic() > deadline:
