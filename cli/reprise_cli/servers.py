@@ -6,7 +6,6 @@ Ctrl-C nor a crash of the launcher leaves an orphan behind.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import signal
@@ -23,7 +22,7 @@ import httpx
 import redis
 
 from reprise_common.errors import ConfigError
-from reprise_common.procs import die_with_parent
+from reprise_common.procs import die_with_parent, signal_group, start_ticks
 
 
 def deploy_dir() -> Path:
@@ -125,6 +124,7 @@ class ManagedProcess:
     cwd: Path | None = None
     proc: subprocess.Popen[bytes] | None = None
     stop_requested: bool = False  # set by stop(): an exit after it is intended, not a crash
+    started: int | None = None  # start time in clock ticks: the pid may be another process's once this one exited
     _log: IO[bytes] | None = None
 
     def start(self) -> None:
@@ -144,6 +144,7 @@ class ManagedProcess:
             start_new_session=True,
             preexec_fn=die_with_parent(signal.SIGTERM),  # noqa: PLW1509 - the child loads nothing (see procs.py)
         )
+        self.started = start_ticks(self.proc.pid)
 
     @property
     def pid(self) -> int:
@@ -165,8 +166,7 @@ class ManagedProcess:
     def signal(self, sig: int) -> None:
         """Send a signal to the whole process group."""
         if self.alive():
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.pid, sig)
+            signal_group(self.pid, self.started, sig)
 
     def stop(self, grace_s: float = 10.0) -> int | None:
         """SIGTERM the group, wait up to grace_s, then SIGKILL it; returns the exit code (a second stop only that)."""
@@ -180,9 +180,8 @@ class ManagedProcess:
             except subprocess.TimeoutExpired:
                 self.signal(signal.SIGKILL)
                 self.proc.wait(timeout=5)
-        # Anything left in the group (a grandchild) goes too.
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.pid, signal.SIGKILL)
+        # Anything left in the group (a grandchild) goes too; never a later process's group that got the same pid.
+        signal_group(self.pid, self.started, signal.SIGKILL)
         if self._log is not None:
             self._log.close()
             self._log = None

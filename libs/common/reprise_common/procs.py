@@ -73,6 +73,31 @@ def sample_process(pid: int, proc: Path = Path("/proc")) -> ProcessSample | None
         return None
 
 
+def start_ticks(pid: int, proc: Path = Path("/proc")) -> int | None:
+    """When the process started, in clock ticks since boot (it tells a process from a later one given the same pid),
+    or None when it is gone or /proc cannot say."""
+    try:
+        return int((proc / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def signal_group(pgid: int, started: int | None, sig: int, proc: Path = Path("/proc")) -> None:
+    """Signal the process group a process started at `started` (its leader, `pgid`) leads or led, never another one.
+
+    pids are reused (pid_max is 32,768 on many hosts), so a group id recorded earlier may name a stranger's group by
+    now. While the old group has a member the kernel keeps its id reserved; once it is empty, a new process may get
+    that pid and lead a group of its own. So the signal goes only when no process has that pid (the leader is gone,
+    but members may remain) or the process of that pid is the recorded one (same start time; an unknown start time
+    proves nothing).
+    """
+    now = start_ticks(pgid, proc)
+    if now is not None and now != started:
+        return  # the pid belongs to a later process (or cannot be told from one): the recorded group is gone
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
 def process_alive(pid: int) -> bool:
     """True while a process exists and is not a zombie (an exited child its parent has not reaped yet)."""
     try:

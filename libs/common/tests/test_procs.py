@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
 
-from reprise_common.procs import process_alive, sample_process
+from reprise_common.procs import process_alive, sample_process, signal_group, start_ticks
 
 # A parent that starts a sleeping child from a thread (as the launcher's supervisor does), prints its pid, sleeps.
 PARENT = """
@@ -63,3 +64,43 @@ def test_a_child_started_from_a_thread_dies_with_its_parent() -> None:
     finally:
         if process_alive(child):
             os.kill(child, signal.SIGKILL)
+
+
+def test_a_group_is_signalled_only_while_its_pid_still_names_the_process_recorded() -> None:
+    # pids are reused: a group id written down earlier may name a later process's group. That one must survive.
+    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        started = start_ticks(stranger.pid)
+        assert started is not None
+        signal_group(stranger.pid, started - 1, signal.SIGKILL)  # recorded for an earlier process of that pid
+        signal_group(stranger.pid, None, signal.SIGKILL)  # recorded without a start time: proves nothing
+        time.sleep(0.2)
+        assert stranger.poll() is None
+        signal_group(stranger.pid, started, signal.SIGKILL)  # the recorded process itself
+        assert stranger.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
+def test_a_group_whose_leader_has_gone_is_still_signalled() -> None:
+    # The leader exited and was reaped; a member of its group lives on (no process has the leader's pid now).
+    leader = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, sys; print(subprocess.Popen([sys.executable, '-c', "
+         "'import time; time.sleep(60)']).pid, flush=True)"],
+        start_new_session=True, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    started = start_ticks(leader.pid)
+    assert leader.stdout is not None
+    member = int(leader.stdout.readline())
+    leader.wait(timeout=10)
+    try:
+        assert process_alive(member)
+        signal_group(leader.pid, started, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while process_alive(member) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not process_alive(member)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(member, signal.SIGKILL)

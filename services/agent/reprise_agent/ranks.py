@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import signal
@@ -17,7 +16,14 @@ from pydantic import TypeAdapter
 
 from reprise_common.events import LaunchArgs, RankAssignment, RankStatus, ResumeFile
 from reprise_common.logging import get_logger
-from reprise_common.procs import describe_exit, die_with_parent, oom_kill_count, sample_process
+from reprise_common.procs import (
+    describe_exit,
+    die_with_parent,
+    oom_kill_count,
+    sample_process,
+    signal_group,
+    start_ticks,
+)
 
 log = get_logger("reprise.agent.ranks")
 RESUME_FILES = TypeAdapter(list[ResumeFile])
@@ -62,6 +68,7 @@ class RankProcess:
     restart_epoch: int = 0
     stopping: bool = False
     oom_baseline: int | None = None
+    started: int | None = None  # start time in clock ticks: its pid may be another process's once it has exited
     exit_code: int | None = None
     exit_signal: str | None = None
     oom_killed: bool = False
@@ -140,7 +147,7 @@ class RankSupervisor:
         """Write the ledger of running ranks (atomically): a rank whose agent dies is not forgotten."""
         live = [
             {"job_id": r.job_id, "rank": r.rank, "restart_epoch": r.restart_epoch, "pid": r.proc.pid,
-             "log": str(r.log_path)}
+             "started": r.started, "log": str(r.log_path)}
             for r in self._ranks.values() if r.alive and not r.stopping
         ]  # fmt: skip
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -156,9 +163,8 @@ class RankSupervisor:
         except (OSError, ValueError):
             entries = []
         lost = []
-        for entry in entries:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(int(entry["pid"]), signal.SIGKILL)  # its own process group (start_new_session)
+        for entry in entries:  # each its own process group (start_new_session); the pid may be reused by now
+            signal_group(int(entry["pid"]), entry.get("started"), signal.SIGKILL)
             lost.append(LostRank(entry["job_id"], int(entry["rank"]), int(entry["restart_epoch"]), Path(entry["log"])))
         self._record()
         return lost
@@ -216,6 +222,7 @@ class RankSupervisor:
             log_path=log_path,
             tail=deque(maxlen=self.tail_lines),
             restart_epoch=spec.restart_epoch,
+            started=start_ticks(proc.pid),
         )
         task = asyncio.create_task(self._watch(rank), name=f"rank:{job_id}:{assignment.rank}")
         self._tasks.add(task)
@@ -260,8 +267,7 @@ class RankSupervisor:
 
     def kill(self, rank: RankProcess, sig: int = signal.SIGKILL) -> None:
         """Signal a rank's whole process group, as a fault would (the exit is reported)."""
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(rank.proc.pid, sig)
+        signal_group(rank.proc.pid, rank.started, sig)
 
     async def stop(self, job_id: str, *, grace_s: float) -> list[RankProcess]:
         """SIGTERM every rank of the job, wait up to grace_s, then SIGKILL their process groups."""
@@ -279,8 +285,7 @@ class RankSupervisor:
                     self.kill(rank, signal.SIGKILL)
             await asyncio.gather(*(r.done.wait() for r in ranks))
         for rank in ranks:  # nothing of the group may survive the leader
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(rank.proc.pid, signal.SIGKILL)
+            signal_group(rank.proc.pid, rank.started, signal.SIGKILL)
         return ranks
 
     def _forget(self, job_id: str) -> None:

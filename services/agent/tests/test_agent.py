@@ -6,7 +6,9 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
@@ -14,6 +16,7 @@ import pytest
 from pydantic import TypeAdapter
 
 from reprise_agent.agent import Agent
+from reprise_agent.ranks import RankProcess, RankSupervisor
 from reprise_agent.settings import AgentSettings
 from reprise_cli.servers import NatsServer, free_port
 from reprise_common import subjects
@@ -40,7 +43,7 @@ from reprise_common.events import (
     RankExited,
     ResumeFile,
 )
-from reprise_common.procs import process_alive
+from reprise_common.procs import process_alive, start_ticks
 
 COMMANDS: TypeAdapter[AnyCommand] = TypeAdapter(AnyCommand)
 SLEEPER = [sys.executable, "-c", "import time, os; print('rank', os.environ['RANK'], flush=True); time.sleep(600)"]
@@ -385,3 +388,31 @@ async def test_a_rank_restoring_a_checkpoint_is_handed_the_registrys_digests(har
     assert seen["REPRISE_RESUME_CHECKPOINT"] == str(tmp_path / "step-50")
     listed = await asyncio.to_thread(lambda: json.loads(Path(seen["REPRISE_RESUME_FILES"]).read_text()))
     assert listed == [{"path": "rank-00000.pt", "size_bytes": 700, "algorithm": "sha256", "digest": "ab" * 32}]
+
+
+def test_an_agent_restarted_after_its_ranks_died_leaves_a_process_that_reused_their_pid_alone(
+    tmp_path: Path,
+) -> None:
+    # The ledger names a rank that died with the agent; by the time the agent is back, its pid (and group id) may be
+    # another process's. The orphan sweep must not kill that stranger, and still reports the rank as lost.
+    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        started = start_ticks(stranger.pid)
+        assert started is not None
+        ledger = tmp_path / "ranks" / "live.json"
+        ledger.parent.mkdir(parents=True)
+        entry = {"job_id": "job-1", "rank": 0, "restart_epoch": 2, "pid": stranger.pid, "started": started - 5,
+                 "log": str(tmp_path / "rank-0.log")}  # fmt: skip
+        ledger.write_text(json.dumps([entry]))
+
+        async def on_exit(rank: RankProcess) -> None:
+            raise AssertionError("no rank ran")
+
+        lost = RankSupervisor(node_id="node-a", state_dir=tmp_path, on_exit=on_exit).orphans()
+        assert [(r.job_id, r.rank, r.restart_epoch) for r in lost] == [("job-1", 0, 2)]
+        time.sleep(0.2)
+        assert stranger.poll() is None
+        assert json.loads(ledger.read_text()) == []
+    finally:
+        stranger.kill()
+        stranger.wait()
