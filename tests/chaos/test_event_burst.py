@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import nats.errors
 import pytest
 
 from reprise_cli.servers import ManagedProcess, NatsCluster, NatsServer, free_port, wait_until
@@ -227,8 +228,16 @@ def test_one_server_of_a_3_server_nats_cluster_killed_9_mid_burst_loses_nothing(
 async def replicas_of_agent_stream(nats_url: str) -> int:
     bus = Bus(url=nats_url, service="chaos-check", provision=False)
     await bus.connect(attempts=20)
+    deadline = time.monotonic() + 60
     try:
-        info = await bus.js.stream_info(subjects.AGENT_STREAM)
-        return int(info.config.num_replicas or 1)
+        while True:  # the JetStream API may not answer while the restarted member rejoins (a leader election)
+            try:
+                info = await bus.js.stream_info(subjects.AGENT_STREAM)
+            except (TimeoutError, nats.errors.Error):
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(1.0)
+                continue
+            return int(info.config.num_replicas or 1)
     finally:
         await bus.close()
