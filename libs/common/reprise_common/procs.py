@@ -64,12 +64,20 @@ class ProcessSample:
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
+def _stat_fields(pid: int, proc: Path = Path("/proc")) -> list[str]:
+    """The fields of /proc/<pid>/stat after the command name (the state first), or none when the process is gone."""
+    try:
+        return (proc / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
 def sample_process(pid: int, proc: Path = Path("/proc")) -> ProcessSample | None:
     """The process's scheduler state and CPU time, or None when it is gone or /proc cannot say."""
+    fields = _stat_fields(pid, proc)
     try:
-        fields = (proc / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
         return ProcessSample(state=fields[0], cpu_s=(int(fields[11]) + int(fields[12])) / _CLOCK_TICKS)
-    except (OSError, IndexError, ValueError):
+    except (IndexError, ValueError):
         return None
 
 
@@ -77,8 +85,8 @@ def start_ticks(pid: int, proc: Path = Path("/proc")) -> int | None:
     """When the process started, in clock ticks since boot (it tells a process from a later one given the same pid),
     or None when it is gone or /proc cannot say."""
     try:
-        return int((proc / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
+        return int(_stat_fields(pid, proc)[19])
+    except (IndexError, ValueError):
         return None
 
 
@@ -100,8 +108,5 @@ def signal_group(pgid: int, started: int | None, sig: int, proc: Path = Path("/p
 
 def process_alive(pid: int) -> bool:
     """True while a process exists and is not a zombie (an exited child its parent has not reaped yet)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+    fields = _stat_fields(pid)
+    return bool(fields) and fields[0] != "Z"
