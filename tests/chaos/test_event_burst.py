@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-import nats.errors
 import pytest
+from nats.errors import Error as NatsError
 
 from reprise_cli.servers import ManagedProcess, NatsCluster, NatsServer, free_port, wait_until
 from reprise_common import subjects
@@ -233,7 +233,7 @@ async def replicas_of_agent_stream(nats_url: str) -> int:
         while True:  # the JetStream API may not answer while the restarted member rejoins (a leader election)
             try:
                 info = await bus.js.stream_info(subjects.AGENT_STREAM)
-            except (TimeoutError, nats.errors.Error):
+            except (TimeoutError, NatsError):
                 if time.monotonic() > deadline:
                     raise
                 await asyncio.sleep(1.0)
