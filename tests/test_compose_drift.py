@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from reprise_cli.servers import redis_acl_args
+from reprise_cli.servers import REDIS_ACL_FILE, redis_acl
 from reprise_cli.topology import DEFAULT_PORTS, ServiceSpec, StackConfig, build_services
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -337,17 +337,31 @@ def test_redis_matches_the_launcher(services: dict[str, dict[str, Any]]) -> None
     assert published == {DEFAULT_PORTS["redis"]: REDIS_PORT}, (
         f"redis publishes {published} (host: container), expected {{{DEFAULT_PORTS['redis']}: {REDIS_PORT}}}"
     )
-    command = _command(redis)
+    wrapper = _command(redis)
+    assert wrapper[:2] == ["sh", "-c"] and len(wrapper) == 3, f"redis must run one `sh -c` script, not {wrapper}"
+    password = _env(_service(services, "orchestrator"))["REPRISE_REDIS_PASSWORD"]
+    assert password not in wrapper[2] and "${REPRISE_REDIS_PASSWORD" not in wrapper[2], (
+        "compose must not put the Redis password on redis's command line (any local user reads it)"
+    )
+    script = wrapper[2].replace("$$", "$")  # what the container's shell runs: compose unescapes $$
+    assert _env(redis).get("REPRISE_REDIS_PASSWORD") == password, "redis must get the orchestrator's password"
+    acl = redis_acl("%s").replace("\n", "\\n")  # the launcher's ACL file, as the printf template that writes it
+    assert f"printf '{acl}'" in script, f"redis must write the launcher's ACL file {redis_acl('<sha256>')!r}"
+    assert '"$(printf %s "$REPRISE_REDIS_PASSWORD" | sha256sum | cut -d \' \' -f 1)"' in script, (
+        "the ACL file must hold the SHA-256 of the orchestrator's password"
+    )
+    command = shlex.split(script.rsplit("exec ", 1)[1])
     config = command[1] if len(command) > 1 and not command[1].startswith("-") else None
     mounts = _mounts(redis)
-    assert config is not None and mounts.get(config) == str(REDIS_CONF), (
+    assert command[0] == "redis-server" and config is not None and mounts.get(config) == str(REDIS_CONF), (
         f"redis runs {command} with mounts {mounts}; it must read deploy/redis/redis.conf, mounted"
     )
     data = command[command.index("--dir") + 1] if "--dir" in command else "/data"
     assert data in mounts, f"redis keeps its append-only file in {data!r}, which is not a mounted volume"
-    password = _env(_service(services, "orchestrator"))["REPRISE_REDIS_PASSWORD"]
-    acl = redis_acl_args(password)
-    assert command[-len(acl) :] == acl, f"redis must run the launcher's ACL {acl} with the orchestrator's password"
+    aclfile = command[command.index("--aclfile") + 1] if "--aclfile" in command else None
+    assert aclfile == f"{data}/{REDIS_ACL_FILE}" and f"> {aclfile} &&" in script, (
+        f"redis must read the ACL file the script writes ({data}/{REDIS_ACL_FILE}), not {aclfile!r}"
+    )
 
 
 def test_postgres_has_the_database_the_services_use(services: dict[str, dict[str, Any]]) -> None:

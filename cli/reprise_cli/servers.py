@@ -6,6 +6,7 @@ Ctrl-C nor a crash of the launcher leaves an orphan behind.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import signal
@@ -334,17 +335,21 @@ class NatsCluster:
             server.stop()
 
 
-def redis_acl_args(password: str, *, user: str = REDIS_USER) -> list[str]:
-    """Command-line ACL of the platform's Redis: the default user off, one user that may reach only Reprise's keys
-    (`reprise:*`) and no admin or dangerous command (no FLUSHALL, CONFIG, DEBUG, ...). docker-compose runs the same."""
-    return ["--user", "default", "off", "--user", user, "on", f">{password}", "~reprise:*", "+@all", "-@admin",
-            "-@dangerous"]  # fmt: skip
+REDIS_RULES = "~reprise:* +@all -@admin -@dangerous"  # Reprise's keys only; no FLUSHALL, CONFIG, DEBUG, ACL, ...
+REDIS_ACL_FILE = "users.acl"  # in the server's data directory
+
+
+def redis_acl(password_sha256: str, *, user: str = REDIS_USER) -> str:
+    """The platform's Redis ACL file: the default user off, one user that may reach only Reprise's keys and no admin
+    or dangerous command. It holds the SHA-256 of the password, never the password, which therefore appears on no
+    command line (any local user can read those) and in no file of the server. docker-compose writes the same."""
+    return f"user default off\nuser {user} on #{password_sha256} {REDIS_RULES}\n"
 
 
 @dataclass
 class RedisServer(_ServerProcess):
     """A real Redis-compatible server with append-only persistence in a directory of ours; with a password, only
-    the ACL user `reprise` may connect (`redis_acl_args`)."""
+    the ACL user `reprise` may connect (`redis_acl`)."""
 
     port: int
     data_dir: Path
@@ -369,8 +374,17 @@ class RedisServer(_ServerProcess):
             "--dir", str(self.data_dir),
         ]  # fmt: skip
         if self.password is not None:
-            argv += redis_acl_args(self.password)
+            argv += ["--aclfile", str(self._write_acl(self.password))]
         self._launch("redis", argv, port=self.port, timeout_s=timeout_s)
+
+    def _write_acl(self, password: str) -> Path:
+        path = self.data_dir / REDIS_ACL_FILE
+        draft = path.with_name(f".{path.name}.{os.getpid()}")
+        fd = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as sink:
+            sink.write(redis_acl(hashlib.sha256(password.encode()).hexdigest()))
+        draft.replace(path)
+        return path
 
     def ready(self) -> bool:
         """The server answers PING."""
