@@ -41,7 +41,7 @@ import httpx
 
 from bench.common import write_result
 from bench.orchestrator_concurrent import JOB_TIMEOUT_S, REPETITIONS, run_concurrent
-from bench.orchestrator_fleet import node_names
+from bench.orchestrator_fleet import RANK_START_S, node_names
 from bench.orchestrator_stack import (
     FLEET_PROCESSES,
     OrchestratorStack,
@@ -244,7 +244,11 @@ def main() -> None:
     )
     args = parser.parse_args()
     full = vars(args) == vars(parser.parse_args([]))
-    figures: dict[str, Any] = {"ranks_per_node": args.ranks_per_node, "fleet_processes": args.fleet_processes}
+    figures: dict[str, Any] = {
+        "ranks_per_node": args.ranks_per_node,
+        "fleet_processes": args.fleet_processes,
+        "rank_start_s": RANK_START_S,
+    }
     api_key = secrets.token_urlsafe(32)
     if args.scenario in ("sizes", "all"):
         figures |= run_sizes(args, api_key)

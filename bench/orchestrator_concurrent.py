@@ -6,15 +6,16 @@ them in turn), a fleet of as many nodes as the largest round's jobs use plus SPA
 at once (the time from the first incident's timestamp to the last publish acknowledged is kept as the spread), waits
 for every recovery (up to a timeout per job, counted from the publish), waits SETTLE_S more, and cancels the jobs.
 The 1-job round runs REPETITIONS times (after one warm-up round); its median is the reference of every round on the
-same stack (a 1-job recovery waits for the node's next report, 0 to 2 s away in the fleet: a few repetitions would
-make a noisy reference). Per round count:
+same stack. The fleet's ranks take their first step `rank_start_s` after their launch (bench/orchestrator_fleet.py)
+and their node reports it at once, as agents do: incident → running is the orchestrator's work plus that start.
+Per round count:
 
   incident_to_running       incident published → the recovery's finished_at (GET /v1/jobs/{id}/recoveries), per job
   incident_to_claimed       incident published → the end of the recovery's `locked` step (the wait for a consumer)
   incident_to_launched      incident published → the last of the job's nodes acknowledged the new epoch's launch (the
-                            orchestrator's own part, before `verifying` waits for the nodes' next reports)
+                            orchestrator's own part, before `verifying` waits for the ranks' first step)
   slowest_launched_to_single_median  the same ratio for incident_to_launched: how much of the orchestrator's work the
-                            jobs wait for one another, without the fleet's report phase
+                            jobs wait for one another, without the ranks' start
   slowest_to_single_median  the slowest job's incident_to_running / the 1-job median; target ≤ 2 at 50 jobs
   recoveries_per_job        how many recoveries each job got (exactly one expected)
   steps                     each recovery step's duration over the round's jobs (median, max), from the claim on
@@ -48,7 +49,7 @@ from reprise_common.bus import Bus
 from reprise_common.errors import BusError, ConfigError
 
 SPARE_NODES = 4
-REPETITIONS = 11  # the 1-job time spreads 0.3-2 s with the fleet's report phase: a median of 5 moved 2.5x
+REPETITIONS = 11  # the 1-job reference: a median of 11 rounds
 JOB_TIMEOUT_S = 240.0
 SETTLE_S = 3.0  # after the last recovery ended: a second recovery or a repeated launch would show by then
 EXPECTED_LAUNCHES = {0: 1, 1: 1}  # once at submit, once for the recovery

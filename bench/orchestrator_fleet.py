@@ -2,8 +2,10 @@
 
 For each node id it publishes NodeReports (every 1 to 2 s, phases spread) and answers ``reprise.cmd.<node>`` through the
 agent's real CommandBook (fence check, at-most-once per command id, highest fence kept in a state file per node).
-Its executor starts no process: a launch is recorded, the launched ranks appear in the node's next reports (with
-their restart epoch and step = resume step + 1, so the orchestrator can verify the recovery), and the time each
+Its executor starts no process: a launch is recorded and the launched ranks appear in the node's reports, first in
+their startup phase; ``--rank-start-s`` (default 1 s, what an in-place restart takes; a cold start of a PyTorch rank
+takes several seconds) after the launch they take their first step (step = resume step + 1, so the orchestrator can
+verify the recovery) and the node reports at once, as a real agent does at a rank's first heartbeat; the time each
 node acknowledged each launch is kept, and how many launch commands each node executed per job and restart epoch
 (repeats of a command id answered from the CommandBook are not executions). The benchmark asks for both on
 ``bench.fleet.launch-acks.<shard>``.
@@ -55,6 +57,7 @@ from reprise_common.logging import configure_logging, get_logger
 
 log = get_logger("bench.fleet")
 REPORT_TICK_S = 0.1
+RANK_START_S = 1.0  # launch → a simulated rank's first heartbeat (an in-place restart's figure)
 
 
 def node_names(count: int) -> list[str]:
@@ -112,9 +115,18 @@ class Fleet:
     """N simulated agents on one NATS connection."""
 
     def __init__(
-        self, bus: Bus, node_ids: list[str], *, state_dir: Path, gpus: int, shard: int = 0, seed: int = 1
+        self,
+        bus: Bus,
+        node_ids: list[str],
+        *,
+        state_dir: Path,
+        gpus: int,
+        shard: int = 0,
+        seed: int = 1,
+        rank_start_s: float = RANK_START_S,
     ) -> None:
         self.bus = bus
+        self.rank_start_s = rank_start_s
         self.shard = shard
         self.gpus = [GpuStatus(index=g, uuid=f"GPU-sim-{g}", temperature_c=55.0) for g in range(gpus)]
         self.nodes = {
@@ -126,6 +138,7 @@ class Fleet:
         self._launches: dict[str, dict[str, dict[int, int]]] = {}  # job → node → restart epoch → executed
         self._acked = asyncio.Condition()
         self._tasks: list[asyncio.Task[None]] = []
+        self._starting: set[asyncio.Task[None]] = set()  # launched ranks waiting to take their first step
 
     async def start(self) -> None:
         """Answer every node's commands and the benchmark's queries, then start reporting."""
@@ -136,9 +149,10 @@ class Fleet:
 
     async def stop(self) -> None:
         """Stop reporting."""
-        for task in self._tasks:
+        tasks = [*self._tasks, *self._starting]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def _answerer(self, node: SimNode) -> Callable[[bytes], Awaitable[Wire]]:
         async def on_command(data: bytes) -> Wire:
@@ -168,13 +182,13 @@ class Fleet:
                     rank=a.rank,
                     restart_epoch=epoch,
                     gpu=a.gpu,
-                    step=resume_step + 1,
-                    phase="training",
-                    heartbeat_age_s=0.1,
                 )
                 for a in command.args.ranks
             }
             node.report = None
+            start = asyncio.create_task(self._first_step(node, command.job_id, epoch, resume_step + 1))
+            self._starting.add(start)
+            start.add_done_callback(self._starting.discard)
             data: dict[str, object] = {"pids": [0] * len(node.ranks)}
         elif isinstance(command, StopCommand):
             stopped = [key for key in node.ranks if key[0] == command.job_id]
@@ -185,6 +199,18 @@ class Fleet:
         else:
             data = {"ranks": len(node.ranks), "spare": False}
         return CommandReply(command_id=command.command_id, node_id=node.node_id, result=CommandResult.DONE, data=data)
+
+    async def _first_step(self, node: SimNode, job_id: str, epoch: int, step: int) -> None:
+        """The launched ranks take their first step after the start time, and the node reports at once."""
+        await asyncio.sleep(self.rank_start_s)
+        launched = {key: rank for key, rank in node.ranks.items() if key[0] == job_id and rank.restart_epoch == epoch}
+        if not launched:  # stopped or relaunched meanwhile
+            return
+        for key, rank in launched.items():
+            node.ranks[key] = rank.model_copy(update={"step": step, "phase": "training", "heartbeat_age_s": 0.0})
+        node.report = None
+        await self._publish_report(node)
+        node.report_due = time.monotonic() + self.random.uniform(1.0, 2.0)
 
     async def _on_query(self, data: bytes) -> Wire:
         query = LaunchAcksQuery.model_validate_json(data)
@@ -255,11 +281,13 @@ _SENTINEL_ID = b"f" * 32
 _SENTINEL_TIME = _json_time(SENTINEL_TIME)
 
 
-async def run(nats_url: str, node_ids: list[str], state_dir: Path, gpus: int, shard: int) -> None:
+async def run(
+    nats_url: str, node_ids: list[str], state_dir: Path, *, gpus: int, shard: int, rank_start_s: float
+) -> None:
     """Be the fleet (or one shard of it) until SIGTERM."""
     bus = Bus(url=nats_url, service=f"bench-fleet-{shard}", provision=False)
     await bus.connect(attempts=40)
-    fleet = Fleet(bus, node_ids, state_dir=state_dir, gpus=gpus, shard=shard)
+    fleet = Fleet(bus, node_ids, state_dir=state_dir, gpus=gpus, shard=shard, rank_start_s=rank_start_s)
     await fleet.start()
     # A real agent's heap is small; one process holding N agents would pause for full collections N times larger.
     gc.collect()
@@ -283,10 +311,13 @@ def main() -> None:
     parser.add_argument("--gpus", type=int, default=8)
     parser.add_argument("--shards", type=int, default=1, help="processes the fleet is split into")
     parser.add_argument("--shard", type=int, default=0, help="which of them this is (0-based)")
+    parser.add_argument("--rank-start-s", type=float, default=RANK_START_S, help="launch → a rank's first step")
     args = parser.parse_args()
     configure_logging("bench-fleet", level="WARNING", fmt="text")
     node_ids = shard_nodes(args.nodes, shard=args.shard, shards=args.shards)
-    asyncio.run(run(args.nats_url, node_ids, args.state_dir, args.gpus, args.shard))
+    asyncio.run(
+        run(args.nats_url, node_ids, args.state_dir, gpus=args.gpus, shard=args.shard, rank_start_s=args.rank_start_s)
+    )
 
 
 if __name__ == "__main__":

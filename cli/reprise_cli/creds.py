@@ -123,13 +123,19 @@ def ensure_redis_password(state_dir: Path) -> str:
     return _ensure_key(redis_password_file(state_dir), "")
 
 
+def private_draft(path: Path, text: str) -> Path:
+    """Write `text` to a draft beside `path` that only its owner may read (0600); the caller links or moves it."""
+    draft = path.with_name(f".{path.name}.{os.getpid()}")
+    fd = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as sink:
+        sink.write(text)
+    return draft
+
+
 def _ensure_key(path: Path, prefix: str) -> str:
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        draft = path.with_name(f".{path.name}.{os.getpid()}")
-        fd = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as sink:
-            sink.write(f"{prefix}{secrets.token_urlsafe(32)}\n")
+        draft = private_draft(path, f"{prefix}{secrets.token_urlsafe(32)}\n")
         try:  # link, not rename: it fails if another process got there first, and nobody sees a half-written key
             with contextlib.suppress(FileExistsError):
                 os.link(draft, path)

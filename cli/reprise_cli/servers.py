@@ -22,6 +22,7 @@ from typing import IO
 import httpx
 import redis
 
+from reprise_cli.creds import private_draft
 from reprise_common.errors import ConfigError
 from reprise_common.procs import die_with_parent, signal_group, start_ticks
 
@@ -379,11 +380,7 @@ class RedisServer(_ServerProcess):
 
     def _write_acl(self, password: str) -> Path:
         path = self.data_dir / REDIS_ACL_FILE
-        draft = path.with_name(f".{path.name}.{os.getpid()}")
-        fd = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as sink:
-            sink.write(redis_acl(hashlib.sha256(password.encode()).hexdigest()))
-        draft.replace(path)
+        private_draft(path, redis_acl(hashlib.sha256(password.encode()).hexdigest())).replace(path)
         return path
 
     def ready(self) -> bool:

@@ -48,6 +48,8 @@ from reprise_common.events import (
 from reprise_common.logging import get_logger
 
 log = get_logger("reprise.agent")
+# After a rank's first heartbeat, how long its node's report waits for its peers' (and so at most 20 extra reports a s)
+EARLY_REPORT_GATHER_S = 0.05
 
 
 class Agent:
@@ -61,6 +63,7 @@ class Agent:
         self.progress = ProgressBook(SystemClock())
         self.progress.on_checkpoint_saved(self._on_checkpoint_saved)
         self.progress.on_first_heartbeat(self._on_job_training)
+        self.progress.on_rank_training(self._on_rank_training)
         sdk_path = settings.sdk_socket.absolute() if settings.sdk_socket else default_socket_path(settings.state_dir)
         self.sdk = SdkServer(sdk_path, self.progress)
         self.supervisor = RankSupervisor(
@@ -80,6 +83,8 @@ class Agent:
             rendezvous_grace_s=settings.rendezvous_grace_s,
         )
         self.reports_skipped = 0
+        self.early_reports = 0  # reports sent ahead of the interval because a rank of a launch began training
+        self._report_soon = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._subscriptions: list[Any] = []
 
@@ -169,13 +174,22 @@ class Agent:
         if spec is not None:
             self.depchecks.set_rendezvous(job_id, spec.master_addr, spec.master_port)
 
+    def _on_rank_training(self, _job_id: str, _rank: int) -> None:
+        # A rank of a launch took its first step: the recovery that launched it is waiting for exactly this.
+        self._report_soon.set()
+
     async def _report_loop(self) -> None:
         while not self.node_lost:
             try:  # core NATS, fire and forget: a lost report is replaced by the next one
                 await self.bus.publish_snapshot(subjects.node_report(self.node_id), await self.report())
             except BusError:  # not connected: skipped, as a stale snapshot is worth nothing later
                 self.reports_skipped += 1
-            await asyncio.sleep(self.settings.report_interval_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._report_soon.wait(), self.settings.report_interval_s)
+                # The ranks of one launch start together: a moment's wait lets them ride in one report.
+                await asyncio.sleep(EARLY_REPORT_GATHER_S)
+                self.early_reports += 1
+            self._report_soon.clear()
 
     async def _gpu_loop(self) -> None:
         while True:

@@ -196,6 +196,11 @@ class ProgressBook:
         self._checkpoint_callbacks: list[CheckpointCallback] = []
         self._training_callbacks: list[Callable[[str], None]] = []
         self._training_jobs: set[str] = set()
+        self._rank_callbacks: list[Callable[[str, int], None]] = []
+
+    def on_rank_training(self, callback: Callable[[str, int], None]) -> None:
+        """Call `callback(job_id, rank)` at each rank's first heartbeat of a launch (its restart epoch)."""
+        self._rank_callbacks.append(callback)
 
     def on_first_heartbeat(self, callback: Callable[[str], None]) -> None:
         """Call `callback(job_id)` once when a job's first heartbeat arrives (it is past its rendezvous)."""
@@ -265,6 +270,7 @@ class ProgressBook:
     def _heartbeat(self, progress: RankProgress, message: SdkMessage, now: float) -> None:
         step = message.step
         assert step is not None
+        first_of_rank = progress.beat_at is None
         if step != progress.step:
             previous = progress.step
             if previous is not None and step > previous and progress.step_base_ns is not None:
@@ -282,6 +288,12 @@ class ProgressBook:
             progress.step_base_at = now
         progress.beat_at = now
         self._phase(progress, message.phase or "training", now)
+        if first_of_rank:
+            for rank_callback in self._rank_callbacks:
+                try:
+                    rank_callback(message.job_id, message.rank)
+                except Exception:  # a failing consumer must not stop the datagram reader
+                    log.exception("rank-training callback failed", extra={"job_id": message.job_id})
         if message.job_id not in self._training_jobs:
             self._training_jobs.add(message.job_id)
             for callback in self._training_callbacks:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -73,17 +74,25 @@ class Harness:
         cmd = COMMANDS.validate_python(fields)
         return await self.client.request(subjects.node_command("n1"), cmd, CommandReply, timeout=15)
 
-    async def launch(self, *, fence: int, command_id: str, gpus: tuple[int, ...] = (0, 1)) -> CommandReply:
+    async def launch(
+        self,
+        *,
+        fence: int,
+        command_id: str,
+        gpus: tuple[int, ...] = (0, 1),
+        command: list[str] = SLEEPER,
+        restart_epoch: int = 0,
+    ) -> CommandReply:
         ranks = [{"rank": i, "node_id": "n1", "gpu": gpu, "local_rank": i} for i, gpu in enumerate(gpus)]
         return await self.command(
             CommandAction.LAUNCH,
             fence=fence,
             command_id=command_id,
-            restart_epoch=0,
+            restart_epoch=restart_epoch,
             world_size=len(gpus),
             master_addr="127.0.0.1",
             master_port=29500,
-            command=SLEEPER,
+            command=command,
             ranks=ranks,
         )
 
@@ -93,9 +102,15 @@ class Harness:
 
 @pytest.fixture
 async def harness(nats_server: NatsServer, tmp_path: Path) -> AsyncIterator[Harness]:
+    async with running_agent(nats_server, tmp_path, report_interval_s=0.1) as h:
+        yield h
+
+
+@contextlib.asynccontextmanager
+async def running_agent(nats_server: NatsServer, tmp_path: Path, *, report_interval_s: float) -> AsyncIterator[Harness]:
     settings = AgentSettings(
-        node_id="n1", nats_url=nats_server.url, state_dir=tmp_path / "agent", gpu_count=4, report_interval_s=0.1,
-        stop_grace_s=2.0,
+        node_id="n1", nats_url=nats_server.url, state_dir=tmp_path / "agent", gpu_count=4,
+        report_interval_s=report_interval_s, stop_grace_s=2.0,
     )  # fmt: skip
     bus = Bus(url=nats_server.url, service="agent-n1")
     await bus.connect(attempts=10)
@@ -303,11 +318,7 @@ TRAINER = [
 
 
 async def test_sdk_progress_reaches_the_report_and_checkpoints_become_events(harness: Harness) -> None:
-    ranks = [{"rank": i, "node_id": "n1", "gpu": i, "local_rank": i} for i in range(2)]
-    reply = await harness.command(
-        CommandAction.LAUNCH, fence=1, command_id="sdk", restart_epoch=3, world_size=2,
-        master_addr="127.0.0.1", master_port=29500, command=TRAINER, ranks=ranks,
-    )  # fmt: skip
+    reply = await harness.launch(fence=1, command_id="sdk", command=TRAINER, restart_epoch=3)
     assert reply.result is CommandResult.DONE, reply.detail
     assert harness.agent.depchecks.watched_rendezvous() == []  # not before the job proves it is past rendezvous
 
@@ -334,6 +345,24 @@ async def test_sdk_progress_reaches_the_report_and_checkpoints_become_events(har
         (0, 30, "/ckpt/30", 3, ["/ckpt/30/r.pt"], 2),
         (1, 30, "/ckpt/30", 3, ["/ckpt/30/r.pt"], 2),
     ]
+
+
+async def test_a_rank_of_a_new_launch_is_reported_at_its_first_heartbeat_not_at_the_next_interval(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    """The recovery that launched a rank waits for its first step: the node reports it then, not 60 s later."""
+    async with running_agent(nats_server, tmp_path, report_interval_s=60.0) as harness:
+        reply = await harness.launch(fence=1, command_id="early", command=TRAINER, restart_epoch=4)
+        assert reply.result is CommandResult.DONE, reply.detail
+
+        def stepping() -> list[NodeReport]:
+            reports = [e for e in harness.of_type(NodeReport) if isinstance(e, NodeReport)]
+            return [r for r in reports if r.ranks and any(s.step is not None for s in r.ranks)]
+
+        assert await wait_for(stepping, timeout_s=30)
+        first = stepping()[0]
+        assert {(s.rank, s.restart_epoch) for s in first.ranks} == {(0, 4), (1, 4)}
+        assert harness.agent.early_reports >= 1
 
 
 async def test_stopped_rank_shows_a_growing_heartbeat_age(harness: Harness) -> None:

@@ -209,6 +209,24 @@ def test_a_newer_epoch_without_begin_also_starts_afresh() -> None:
     assert book.restart_epoch("job-1", 0) == 1
 
 
+def test_each_rank_of_each_launch_is_announced_once_at_its_first_heartbeat() -> None:
+    book = ProgressBook(ManualClock())
+    started: list[tuple[str, int]] = []
+    book.on_rank_training(lambda job, rank: started.append((job, rank)))
+    book.begin("job-1", 0, restart_epoch=0)
+    book.record(phase_change("loading", 0.5))
+    assert started == []  # a phase is no step
+    book.record(epoch_beat(1, 0))
+    book.record(epoch_beat(2, 0))
+    book.record(SdkMessage(MessageKind.HEARTBEAT, "job-1", 1, 0, SECOND_NS, 1))
+    assert started == [("job-1", 0), ("job-1", 1)]
+    book.begin("job-1", 0, restart_epoch=1)  # relaunched
+    book.record(epoch_beat(3, 0))  # the old incarnation: stale, not announced
+    book.record(epoch_beat(1, 1))
+    book.record(epoch_beat(2, 1))
+    assert started == [("job-1", 0), ("job-1", 1), ("job-1", 0)]
+
+
 def test_checkpoint_callbacks_fire_and_one_failing_does_not_stop_the_others() -> None:
     book = ProgressBook(ManualClock())
     seen: list[tuple[str, int, int, str, list[str]]] = []

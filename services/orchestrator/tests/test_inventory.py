@@ -3,6 +3,7 @@ and reports arrive on a NATS connection other than the one that carries commands
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import httpx
@@ -87,6 +88,28 @@ async def test_reports_followed_on_the_wire_keep_each_nodes_newest_and_skip_a_ba
     assert await poll_until(lambda: inventory.known() == 3, timeout_s=10)
     assert list(inventory.ranks_of("job-a", restart_epoch=3)) == [0, 1]  # node-2's last good report still counts
     assert [n.node_id for n in inventory.public({"node-3": "maintenance"}) if n.cordoned] == ["node-3"]
+    await agents.close()
+    await inventory.stop()
+
+
+async def test_a_waiter_wakes_when_reports_land_not_at_its_timeout(nats_server: NatsServer) -> None:
+    inventory = Inventory(clock=SystemClock(), stale_s=30.0)
+    await inventory.start(Bus(url=nats_server.url, service="test-inventory", provision=False))
+    agents = Bus(url=nats_server.url, service="test-agents", provision=False)
+    await agents.connect(attempts=5)
+    assert not await inventory.next_reports(0.05)  # nothing arrived: the wait ends at its timeout, saying so
+
+    waiter = asyncio.create_task(inventory.next_reports(60.0))
+    await asyncio.sleep(0.05)
+    assert not waiter.done()
+    await agents.nc.publish(subjects.node_report("node-1"), _report("node-1", _rank("job-a", 0, 1, step=5)).to_bytes())
+    assert await asyncio.wait_for(waiter, 10.0)
+    assert inventory.ranks_of("job-a", restart_epoch=1)[0].step == 5
+
+    waiter = asyncio.create_task(inventory.next_reports(60.0))
+    await asyncio.sleep(0)
+    inventory.observe("node-2", _report("node-2"))  # a report recorded directly wakes waiters too
+    assert await asyncio.wait_for(waiter, 1.0)
     await agents.close()
     await inventory.stop()
 

@@ -9,6 +9,8 @@ following a job's ranks costs the ranks of that job, not a scan of every node.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Set
 from dataclasses import dataclass
 from datetime import datetime
@@ -84,6 +86,7 @@ class Inventory:
         self._unread: dict[str, tuple[bytes, float]] = {}  # node → its newest report not parsed yet, and its arrival
         self._ranks: dict[RankKey, dict[str, list[RankSeen]]] = {}  # (job, epoch) → node → its ranks there
         self._bus: Bus | None = None
+        self._arrival = asyncio.Event()  # set (and replaced) whenever reports arrive
 
     async def start(self, bus: Bus) -> None:
         """Connect `bus` (the inventory's own) and follow every node's reports (only the latest of each counts)."""
@@ -97,6 +100,7 @@ class Inventory:
                     log.warning("ignoring a report on a bad subject", extra={"subject": subject, "error": str(exc)})
                     continue
                 self._unread[node_id] = (data, arrived)
+            self._arrived()
 
         await bus.connect()
         self._bus = bus
@@ -111,6 +115,22 @@ class Inventory:
         """Record a report under the node id the subject names."""
         self._unread.pop(node_id, None)
         self._store(node_id, read_report(report.to_bytes()), self.clock.monotonic())
+        self._arrived()
+
+    def _arrived(self) -> None:
+        arrival, self._arrival = self._arrival, asyncio.Event()
+        arrival.set()
+
+    async def next_reports(self, timeout_s: float) -> bool:
+        """Wait until the next reports arrive, at most `timeout_s`; True when they did.
+
+        Whoever waits for a job's ranks (a recovery's verifying step) looks again as soon as a report lands, not on
+        a timer: agents report at once when a rank of a new launch first heartbeats.
+        """
+        arrival = self._arrival
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(arrival.wait(), timeout_s)
+        return arrival.is_set()
 
     def _absorb(self) -> None:
         """Parse the newest unread report of each node."""

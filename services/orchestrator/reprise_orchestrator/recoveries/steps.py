@@ -347,7 +347,7 @@ class RecoverySteps:
                 missing = sorted(wanted - set(ready))
                 detail = f"ranks {missing} did not pass step {target} within {timeout:g} s"
                 return StepResult(Verified(target_step=target, missing=missing), Then.RETRY, detail=detail)
-            await asyncio.sleep(POLL_S)
+            await self.deps.inventory.next_reports(POLL_S)  # at once when a report lands, at the latest after POLL_S
 
     async def _verify_failed(self, run: RecoveryRun, dead: list[int], seen: dict[int, Any], target: int) -> StepResult:
         data = Verified(target_step=target, dead_ranks=dead)
