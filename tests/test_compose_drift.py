@@ -37,6 +37,7 @@ ADAPTED_ENV = {
     "REPRISE_STATE_DIR",
     "REPRISE_ADVERTISE_ADDR",
     "REPRISE_NATS_NKEY_SEED_FILE",
+    "REPRISE_NODE_KEYS_FILE",  # the detector's: public keys only
     "REPRISE_NOTIFIER_SLACK_URL",  # the launcher's local Slack receiver; compose takes a real one from the shell
     "REPRISE_ORCHESTRATOR_URL",  # the dashboard's sources
     "REPRISE_DETECTOR_URL",
@@ -217,8 +218,12 @@ def test_same_env_values_where_not_host_specific(services: dict[str, dict[str, A
         mounts = _mounts(_service(services, spec.name))
         seed = Path(env["REPRISE_NATS_NKEY_SEED_FILE"])
         assert seed.name == identity, f"{spec.name}: uses NATS identity {seed.name}, the launcher {identity}"
-        assert _credentials_mounted(mounts) == {str(seed): str(CREDS_DIR / identity)}, (
-            f"{spec.name}: must mount deploy/creds/{identity} at {seed} and nothing else of deploy/creds ({mounts})"
+        expected = {str(seed): str(CREDS_DIR / identity)}
+        if "REPRISE_NODE_KEYS_FILE" in spec.env:  # the agents' public keys (no secret), where the launcher has them
+            keys = Path(spec.env["REPRISE_NODE_KEYS_FILE"]).name
+            expected[env.get("REPRISE_NODE_KEYS_FILE", "(not set)")] = str(CREDS_DIR / keys)
+        assert _credentials_mounted(mounts) == expected, (
+            f"{spec.name}: must mount {expected} of deploy/creds and nothing else of it ({mounts})"
         )
     if "REPRISE_ADVERTISE_ADDR" in env:
         assert env["REPRISE_ADVERTISE_ADDR"] == spec.name, (

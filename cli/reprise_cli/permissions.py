@@ -57,7 +57,7 @@ SERVICES: dict[str, Grant] = {
     ),
     "detector": Grant(
         publish=(subjects.INCIDENTS_ALL, subjects.NODE_QUARANTINE_ALL, subjects.dead_letter("detector"), KEY_CHECKS),
-        subscribe=(subjects.AGENT_REPORTS,),
+        subscribe=(subjects.AGENT_REPORTS, *subjects.CLIENT_EVENTS),  # reports; agents' connections (alone)
         durables=(
             Durable(subjects.PLACEMENTS_STREAM, "*", deleted_at_start=True),
             Durable(subjects.AGENT_STREAM, "*", deleted_at_start=True),  # it also drops its retired reports consumer

@@ -257,6 +257,11 @@ class NatsServer(_ServerProcess):
     cluster_port: int | None = None  # a member of a cluster (NatsCluster): its route port, and its peers' below
     peer_cluster_ports: tuple[int, ...] = ()
 
+    @classmethod
+    def on_free_ports(cls, directory: Path, *, config: Path | None = None) -> NatsServer:
+        """A server on free ports with its store and log under `directory` (`config`: e.g. `reprise creds`')."""
+        return cls(free_port(), free_port(), directory / "store", directory / "nats.log", config=config)
+
     @property
     def url(self) -> str:
         """The client URL."""

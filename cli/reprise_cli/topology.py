@@ -8,7 +8,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from reprise_cli.creds import ensure_admin_api_key, ensure_read_api_key, ensure_redis_password, seed_file
+from reprise_cli.creds import (
+    ensure_admin_api_key,
+    ensure_read_api_key,
+    ensure_redis_password,
+    node_keys_file,
+    seed_file,
+)
 from reprise_cli.servers import REDIS_USER
 
 DEFAULT_PORTS: dict[str, int] = {
@@ -116,7 +122,11 @@ def build_services(config: StackConfig) -> list[ServiceSpec]:
             name="detector",
             role="detector",
             command=ROLE_COMMANDS["detector"],
-            env={**base("detector", ports["detector"]), "REPRISE_DATABASE_URL": f"sqlite:///{state / 'detector.db'}"},
+            env={
+                **base("detector", ports["detector"]),
+                "REPRISE_DATABASE_URL": f"sqlite:///{state / 'detector.db'}",
+                "REPRISE_NODE_KEYS_FILE": str(node_keys_file(creds)),  # agents' closed connections, seen at once
+            },
             http_port=ports["detector"],
         ),
         ServiceSpec(

@@ -12,7 +12,7 @@ import pytest
 from nats.aio.client import Client
 
 from reprise_cli.creds import ADMIN, init_credentials, seed_file
-from reprise_cli.servers import NatsServer, deploy_dir, free_port
+from reprise_cli.servers import NatsServer, deploy_dir
 from reprise_cli.topology import StackConfig, build_services, node_ids
 from reprise_common import subjects
 from reprise_common.bus import Bus
@@ -77,13 +77,7 @@ def deployment(tmp_path: Path) -> Iterator[Deployment]:
         for spec in build_services(config)
     }
     assert set(seeds) == {*SERVICES, *NODES}
-    server = NatsServer(
-        port=free_port(),
-        monitor_port=free_port(),
-        store_dir=tmp_path / "store",
-        log_path=tmp_path / "nats.log",
-        config=config.creds_dir / "nats.conf",
-    )
+    server = NatsServer.on_free_ports(tmp_path, config=config.creds_dir / "nats.conf")
     server.start()
     yield Deployment(server=server, seeds=seeds, admin_seed=seed_file(config.creds_dir, ADMIN))
     server.stop()

@@ -13,7 +13,7 @@ import nats
 import pytest
 
 from reprise_cli.creds import Credentials, Identity, init_credentials
-from reprise_cli.servers import NatsServer, deploy_dir, free_port
+from reprise_cli.servers import NatsServer, deploy_dir
 from reprise_common import subjects
 from reprise_common.aio import poll_until
 from reprise_common.bus import Bus, Delivery, Outcome
@@ -30,13 +30,7 @@ def identities(tmp_path: Path) -> Credentials:
 
 @pytest.fixture
 def secured_nats(tmp_path: Path, identities: Credentials) -> Iterator[NatsServer]:
-    server = NatsServer(
-        port=free_port(),
-        monitor_port=free_port(),
-        store_dir=tmp_path / "store",
-        log_path=tmp_path / "nats.log",
-        config=tmp_path / "creds" / "nats.conf",
-    )
+    server = NatsServer.on_free_ports(tmp_path, config=identities.server_config)
     server.start()
     yield server
     server.stop()

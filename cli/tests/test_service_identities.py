@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from pathlib import Path
 
 import nats
@@ -13,10 +14,11 @@ import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from reprise_cli.creds import init_credentials
+from reprise_cli.creds import init_credentials, node_keys_file
 from reprise_cli.servers import deploy_dir
 from reprise_cli.topology import StackConfig, build_services
 from reprise_common import subjects
+from reprise_common.advisories import ClientAdvisory, read_advisory
 from reprise_common.aio import poll_until
 from reprise_common.auth import KeyCheck, KeyCheckAnswer, Scope
 from reprise_common.errors import BusError
@@ -53,6 +55,8 @@ PUBLISHERS: dict[str, frozenset[str]] = {
     subjects.node_report("node-1"): frozenset({"node-1"}),
     subjects.node_event("node-1", "gpu.xid"): frozenset({"node-1"}),
     subjects.node_event("node-2", "checkpoint.saved"): frozenset({"node-2"}),
+    subjects.CLIENT_DISCONNECTED: frozenset(),  # the server's own advisory: a forged one could fake a node loss
+    subjects.CLIENT_CONNECTED: frozenset(),
 }
 
 # Who may receive each subject on core NATS (stored subjects are read through durable consumers instead).
@@ -65,6 +69,8 @@ RECEIVERS: dict[str, frozenset[str]] = {
     subjects.recovery("job-1", "started"): frozenset({"dashboard"}),
     subjects.node_event("node-1", "gpu.xid"): frozenset(),
     subjects.placement("job-1"): frozenset(),
+    subjects.CLIENT_DISCONNECTED: DETECTOR,  # agents' connections, for node loss at once
+    subjects.CLIENT_CONNECTED: DETECTOR,
 }
 SETTLE_S = 0.3  # how long a message that should not arrive is waited for, once all that should have
 
@@ -132,7 +138,8 @@ async def test_publishes_only_its_own_subjects(deployment: Deployment, admin: Cl
         f"refused where it must not be: {sorted(allowed - got)}"
     )
     for subject in set(PUBLISHERS) - allowed:
-        assert f'publish to "{subject}"' in _refused(errors), f"{identity}: no violation for {subject}: {errors}"
+        refused = f'publish to "{subject.lower()}"'  # the server's error names the subject in lower case
+        assert refused in _refused(errors), f"{identity}: no violation for {subject}: {errors}"
     await client.close()
 
 
@@ -152,8 +159,34 @@ async def test_receives_only_its_own_subjects(deployment: Deployment, admin: Cli
         f"missed what it must receive: {sorted(allowed - got)}"
     )
     for subject in set(RECEIVERS) - allowed:
-        assert f'subscription to "{subject}"' in _refused(errors), f"{identity}: no violation for {subject}: {errors}"
+        refused = f'subscription to "{subject.lower()}"'
+        assert refused in _refused(errors), f"{identity}: no violation for {subject}: {errors}"
     await client.close()
+
+
+async def test_the_detector_hears_of_an_agents_connection_by_its_key_as_the_server_says(
+    deployment: Deployment,
+) -> None:
+    errors: list[Exception] = []
+    detector = await deployment.client("detector", errors)
+    advisories: list[ClientAdvisory] = []
+
+    async def record(msg: Msg) -> None:
+        advisories.append(read_advisory(msg.data))
+
+    for subject in subjects.CLIENT_EVENTS:
+        await detector.subscribe(subject, cb=record)
+    await detector.flush()
+    keys = json.loads(node_keys_file(deployment.seeds["node-2"].parent).read_text())
+    agent = await deployment.client("node-2", errors)
+    assert await poll_until(lambda: any(not a.disconnected for a in advisories), timeout_s=5)
+    await agent.close()
+    assert await poll_until(lambda: any(a.disconnected for a in advisories), timeout_s=5)
+    connected, closed = advisories[0], advisories[-1]
+    assert keys[connected.client.user] == keys[closed.client.user] == "node-2"
+    assert connected.client.id == closed.client.id and closed.reason == "Client Closed"
+    assert not errors
+    await detector.close()
 
 
 @pytest.mark.parametrize("forger", [name for name in IDENTITIES if name != "orchestrator"])

@@ -44,6 +44,14 @@ def node_from_agent_subject(subject: str) -> str:
     return token(parts[2])
 
 
+# --- the NATS server's own events (system account, imported into Reprise's account) ----------------------------
+NATS_ACCOUNT = "REPRISE"  # the server account every Reprise identity belongs to (with credentials)
+NATS_SYSTEM_ACCOUNT = "SYS"
+CLIENT_CONNECTED = f"$SYS.ACCOUNT.{NATS_ACCOUNT}.CONNECT"  # the server's advisory: a client of the account connected
+CLIENT_DISCONNECTED = f"$SYS.ACCOUNT.{NATS_ACCOUNT}.DISCONNECT"  # ... its connection closed, and why
+CLIENT_EVENTS = (CLIENT_CONNECTED, CLIENT_DISCONNECTED)
+
+
 # --- platform -> agents (core NATS request/reply; not stored) -------------------------------------------------
 def node_command(node_id: str) -> str:
     """Fenced commands for one node's agent (launch, stop, ping); the agent replies to each."""

@@ -71,7 +71,9 @@ def build_runtime(settings: DetectorSettings, clock: Clock) -> Runtime:
         detector=detector,
         placements=placements,
         partition=partition,
-        liveness=Liveness(clock=clock, lost_after_s=settings.node_lost_after_s),
+        liveness=Liveness(
+            clock=clock, lost_after_s=settings.node_lost_after_s, reconnect_grace_s=settings.reconnect_grace_s
+        ),
         book=book,
         hangs=HangWatch(clock=clock, book=book, defaults=limits),
         stragglers=StragglerWatch(
@@ -81,6 +83,7 @@ def build_runtime(settings: DetectorSettings, clock: Clock) -> Runtime:
         clock=clock,
         hang_check_interval_s=settings.hang_check_interval_s,
     )
+    detector.on_lifecycle = watcher.agent_lifecycle
     return Runtime(settings, engine, bus, clock, placements, detector, Background(bus), partition, watcher)
 
 

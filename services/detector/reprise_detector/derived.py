@@ -23,11 +23,13 @@ class Derived(BaseModel):
 
 
 class NodeLost(Derived):
-    """A node that used to report has been silent for longer than the limit."""
+    """A node that used to report is silent for longer than the limit, or its agent's connection closed and did not
+    come back within the grace (`limit_s` is the one that applied)."""
 
     type: Literal["node.lost"] = "node.lost"
     silent_s: float
     limit_s: float
+    how: str = Field(max_length=512)  # what showed it, for the incident's reason
 
 
 class JobHung(Derived):

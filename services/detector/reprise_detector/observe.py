@@ -107,7 +107,7 @@ def derived(symptom: DerivedSymptom) -> Observation:
             node_id=symptom.node_id,
             kind=symptom.type,
             time=symptom.time,
-            detail=f"no report for {symptom.silent_s:.1f} s (limit {symptom.limit_s:g} s)",
+            detail=f"{symptom.how} (limit {symptom.limit_s:g} s)",
         )
     return Observation(
         event=symptom,

@@ -23,6 +23,7 @@ from reprise_common.follow import Follower
 from reprise_common.logging import get_logger
 from reprise_common.service import Background
 from reprise_detector.incidents.mitigation import RecoveryOutcomes
+from reprise_detector.nodes.connections import Connections
 from reprise_detector.partition import Partition
 from reprise_detector.pipeline import Detector
 from reprise_detector.placements import PlacementMap
@@ -114,6 +115,15 @@ class Runtime:
             linger_s=self.settings.report_linger_s,
         )
         await self.reports.open()
+        if self.settings.node_keys_file is not None:  # agents' closed connections, at once (nodes/connections.py)
+            connections = Connections(
+                liveness=self.watcher.liveness,
+                keys_file=self.settings.node_keys_file,
+                clock=self.clock,
+                wake=self.watcher.wake,
+            )
+            for subject in subjects.CLIENT_EVENTS:
+                await self.bus.nc.subscribe(subject, cb=connections.on_message)
         self.tasks.append(
             asyncio.create_task(self.watcher.run(self.settings.watch_interval_s, self.stopping), name="watch")
         )

@@ -41,6 +41,19 @@ class DetectorSettings(ServiceSettings, DatabaseSettings, AuthSettings):
     node_lost_after_s: float = Field(
         default=5.0, gt=0, description="a node that has reported is lost after this many seconds without a report"
     )
+    node_keys_file: Path | None = Field(
+        default=None,
+        description="the agents' public NATS keys → node ids (`reprise creds` writes credentials/node-keys.json); "
+        "with it, an agent's closed connection is seen at once (the server's client advisories), without it only "
+        "missing reports show a lost node",
+    )
+    reconnect_grace_s: float = Field(
+        default=0.3,
+        gt=0,
+        le=60,
+        description="a node whose agent's connection closed is lost unless the agent connects or reports again "
+        "within this many seconds",
+    )
     watch_interval_s: float = Field(default=0.5, gt=0, description="how often node loss is checked")
     hang_check_interval_s: float = Field(
         default=0.5,

@@ -10,7 +10,6 @@ interval later.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import zlib
 from collections import deque
 from dataclasses import replace
@@ -81,6 +80,7 @@ class Watcher:
         self._tick_lock = asyncio.Lock()
         self._here: dict[str, frozenset[RankKey]] = {}  # node -> the ranks of this replica's jobs placed on it
         self._here_version = -1  # the placement map's version _here was derived from
+        self._woken = asyncio.Event()  # a node became suspect: its grace may end before the next tick
 
     # --- reports ----------------------------------------------------------------------------------------------
     async def handle_reports(self, reports: dict[str, bytes]) -> None:
@@ -206,13 +206,39 @@ class Watcher:
             for row in rows
         }
 
+    def wake(self) -> None:
+        """A node became suspect: tick when its grace ends rather than at the next interval."""
+        self._woken.set()
+
+    def agent_lifecycle(self, node_id: str, state: str) -> None:
+        """An agent said it is starting or stopping (its closed connection is then expected)."""
+        if state == "stopping":
+            self.liveness.leaving(node_id)
+        else:
+            self.liveness.connected(node_id)
+
     async def run(self, interval_s: float, stopping: asyncio.Event) -> None:
-        """Tick every interval until stopped; a failing tick is logged and the next one tries again."""
+        """Tick every interval, and when a suspect node's grace ends, until stopped; a failing tick is logged and the
+        next one tries again."""
+        next_tick = self.clock.monotonic() + interval_s
         while not stopping.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stopping.wait(), timeout=interval_s)
+            due = self.liveness.next_due()
+            until = next_tick if due is None else min(next_tick, due)
+            woken = asyncio.ensure_future(self._woken.wait())
+            stop = asyncio.ensure_future(stopping.wait())
+            done, _ = await asyncio.wait(
+                {woken, stop}, timeout=max(0.0, until - self.clock.monotonic()), return_when=asyncio.FIRST_COMPLETED
+            )
+            woken.cancel()
+            stop.cancel()
             if stopping.is_set():
                 break
+            if woken in done:  # a new suspicion: wait again, until the nearer of its grace and the next tick
+                self._woken.clear()
+                continue
+            now = self.clock.monotonic()
+            if now >= next_tick:  # the interval's tick (else a grace ended first: the interval's tick stays due)
+                next_tick = now + interval_s
             try:
                 await self.tick()
             except Exception:  # the watch must outlive a bad tick (a database hiccup, a bug in one stage)

@@ -49,6 +49,46 @@ def test_a_silent_node_is_lost_once_and_a_flapping_node_gets_a_new_id_per_silenc
     assert [n.event_id for n in live.check()] == ["node-lost:node-1:s9"]
 
 
+def test_a_closed_connection_makes_a_node_lost_after_the_grace_unless_it_comes_back() -> None:
+    clock = ManualClock(T0)
+    live = Liveness(clock=clock, lost_after_s=60, reconnect_grace_s=0.3)
+    for node in ("node-1", "node-2", "node-3", "node-4"):
+        live.saw(node, f"r-{node}")
+    assert not live.dropped("node-9", advisory_id="a0", reason="Client Closed")  # never reported: not known
+    assert live.next_due() is None
+    clock.advance(1.0)
+    assert live.dropped("node-1", advisory_id="a1", reason="Client Closed")
+    assert not live.dropped("node-1", advisory_id="a1b", reason="Client Closed")  # the first drop counts
+    assert live.dropped("node-2", advisory_id="a2", reason="Stale Connection")
+    live.leaving("node-4")  # its agent said it is stopping: a graceful restart
+    assert not live.dropped("node-4", advisory_id="a4", reason="Client Closed")
+    assert live.next_due() == clock.monotonic() + 0.3
+    clock.advance(0.2)
+    assert live.dropped("node-3", advisory_id="a3", reason="Client Closed")
+    clock.advance(0.05)
+    live.saw("node-3", "r-late")  # sent before its connection closed: no sign of life
+    live.connected("node-2")  # reconnected (a network blip, a NATS restart)
+    assert live.check() == []
+    clock.advance(0.15)
+    [lost] = live.check()
+    assert (lost.node_id, lost.event_id, lost.limit_s) == ("node-1", "node-lost:node-1:a1", 0.3)
+    assert lost.how == "its connection closed (Client Closed) and did not come back within 0.4 s"
+    assert lost.time == T0 + timedelta(seconds=1.0)  # when the connection closed
+    assert live.nodes["node-3"].state is NodeState.ALIVE  # dropped at 1.2 s: its grace ends at 1.5 s
+    clock.advance(0.15)
+    assert [n.node_id for n in live.check()] == ["node-3"]
+    assert live.next_due() is None
+    clock.advance(0.2)
+    live.saw("node-2", "r-2b")
+    assert live.check() == []  # node-2 and node-4 are alive; node-1 and node-3 are reported once
+    live.saw("node-1", "r-back")  # back, reporting: a new drop counts again
+    assert live.dropped("node-1", advisory_id="a5", reason="Client Closed")
+    clock.advance(0.2)
+    live.saw("node-1", "r-after")  # a report well after the drop: it reconnected, the advisory was missed
+    clock.advance(0.2)
+    assert live.check() == []
+
+
 # --- hangs --------------------------------------------------------------------------------------------------------
 def _status(rank: int, step: int | None, phase: str = "training", **extra: float | str | None) -> RankStatus:
     return RankStatus(job_id="job-a", rank=rank, step=step, phase=phase, heartbeat_age_s=0.0, **extra)  # type: ignore[arg-type]

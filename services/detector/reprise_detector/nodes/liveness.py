@@ -1,4 +1,11 @@
-"""Node liveness: when each node last reported (the detector's clock), and which nodes went silent."""
+"""Node liveness: when each node last reported (the detector's clock), and which nodes went silent or dropped their
+connection.
+
+Two kinds of evidence make a node lost. Its reports stop for longer than the limit (a frozen host, a cut network: the
+fallback, seconds). Or the NATS server says the agent's connection closed (a killed agent or host: the server knows at
+once) and, within a short grace, the agent neither connected again nor reported: a reconnect (after a NATS restart, a
+network blip) is no loss. An agent that said it is stopping (a graceful restart) is judged by its reports alone.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +17,8 @@ import msgspec
 from reprise_common.clock import Clock
 from reprise_common.report_view import GpuSeen
 from reprise_detector.derived import NodeLost
+
+REPORT_IN_FLIGHT_S = 0.1  # a report arriving this soon after a dropped connection may have been sent before it
 
 
 class NodeState(StrEnum):
@@ -26,6 +35,10 @@ class NodeSeen(msgspec.Struct, gc=False):
     last_report_id: str
     state: NodeState = NodeState.ALIVE
     gpus: tuple[GpuSeen, ...] = ()
+    dropped_at: float | None = None  # when the server said its agent's connection closed (not reconnected since)
+    dropped_id: str = ""  # that advisory's id
+    dropped_reason: str = ""
+    leaving: bool = False  # its agent said it is stopping: a closed connection is expected
 
 
 class Liveness:
@@ -36,9 +49,10 @@ class Liveness:
     report differs) and joins the job's incident within the window instead of opening another one.
     """
 
-    def __init__(self, *, clock: Clock, lost_after_s: float) -> None:
+    def __init__(self, *, clock: Clock, lost_after_s: float, reconnect_grace_s: float = 0.3) -> None:
         self.clock = clock
         self.lost_after_s = lost_after_s
+        self.reconnect_grace_s = reconnect_grace_s
         self.nodes: dict[str, NodeSeen] = {}
 
     def saw(self, node_id: str, report_id: str, gpus: tuple[GpuSeen, ...] | None = None) -> None:
@@ -49,16 +63,56 @@ class Liveness:
             self.nodes[node_id] = NodeSeen(now, report_id, gpus=gpus or ())
             return
         seen.last_seen, seen.last_report_id, seen.state = now, report_id, NodeState.ALIVE
+        if seen.dropped_at is not None and now - seen.dropped_at > REPORT_IN_FLIGHT_S:
+            seen.dropped_at = None  # reporting again: it reconnected (the advisory may have been missed)
         if gpus is not None:
             seen.gpus = gpus
+
+    def dropped(self, node_id: str, *, advisory_id: str, reason: str) -> bool:
+        """The server closed the connection of the node's agent; True when that makes the node suspect.
+
+        Not for a node that never reported, one already lost, or one whose agent said it is stopping.
+        """
+        seen = self.nodes.get(node_id)
+        if seen is None or seen.state is NodeState.LOST or seen.leaving or seen.dropped_at is not None:
+            return False
+        seen.dropped_at, seen.dropped_id, seen.dropped_reason = self.clock.monotonic(), advisory_id, reason
+        return True
+
+    def connected(self, node_id: str) -> None:
+        """The node's agent connected (again): no suspicion stands, and a stopping agent is back."""
+        seen = self.nodes.get(node_id)
+        if seen is not None:
+            seen.dropped_at, seen.leaving = None, False
+
+    def leaving(self, node_id: str) -> None:
+        """The node's agent said it is stopping: its closed connection is no evidence (its reports still are)."""
+        seen = self.nodes.get(node_id)
+        if seen is not None:
+            seen.leaving, seen.dropped_at = True, None
 
     def check(self) -> list[NodeLost]:
         """Nodes that just crossed the limit (each silence is reported once)."""
         now, wall = self.clock.monotonic(), self.clock.now()
         lost: list[NodeLost] = []
         for node_id, seen in self.nodes.items():
+            if seen.state is not NodeState.ALIVE:
+                continue
             silent = now - seen.last_seen
-            if seen.state is NodeState.ALIVE and silent > self.lost_after_s:
+            if seen.dropped_at is not None and now - seen.dropped_at >= self.reconnect_grace_s:
+                seen.state, gone = NodeState.LOST, now - seen.dropped_at
+                how = f"its connection closed ({seen.dropped_reason}) and did not come back within {gone:.1f} s"
+                lost.append(
+                    NodeLost(
+                        event_id=f"node-lost:{node_id}:{seen.dropped_id}"[:128],
+                        time=wall - timedelta(seconds=gone),
+                        node_id=node_id,
+                        silent_s=silent,
+                        limit_s=self.reconnect_grace_s,
+                        how=how,
+                    )
+                )
+            elif silent > self.lost_after_s:
                 seen.state = NodeState.LOST
                 lost.append(
                     NodeLost(
@@ -67,9 +121,17 @@ class Liveness:
                         node_id=node_id,
                         silent_s=silent,
                         limit_s=self.lost_after_s,
+                        how=f"no report for {silent:.1f} s",
                     )
                 )
+            if seen.state is NodeState.LOST:
+                seen.dropped_at = None
         return lost
+
+    def next_due(self) -> float | None:
+        """The monotonic time the earliest suspicion's grace ends; None when no node is suspect."""
+        due = [s.dropped_at for s in self.nodes.values() if s.dropped_at is not None and s.state is NodeState.ALIVE]
+        return min(due) + self.reconnect_grace_s if due else None
 
     def age(self, node_id: str) -> float | None:
         """Seconds since the node's last report; None if it never reported."""

@@ -1,0 +1,202 @@
+"""Node loss from the NATS server's client advisories, on a real secured nats-server with real agent processes: a
+killed agent's node is lost at once (no report limit involved), a reconnect or a graceful restart is no loss."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import AsyncExitStack
+from pathlib import Path
+
+import httpx
+import pytest
+
+from reprise_cli.creds import Credentials, init_credentials
+from reprise_cli.servers import NatsServer, deploy_dir
+from reprise_common.bus import Bus
+from reprise_common.clock import SystemClock
+from reprise_detector.app import create_app
+from reprise_detector.settings import DetectorSettings
+
+from .conftest import ADMIN_KEY, Harness, Published, wait_until
+
+NODES = ("node-1", "node-2")
+GRACE_S = 0.3
+SETTLE_S = 2.0  # well past the grace: a wrong loss would have been decided by then
+
+# An agent as the detector sees it: it reports every 0.2 s on its node's subject with its node's identity; on SIGTERM
+# it says it is stopping (an agent.lifecycle event) and closes its connection.
+AGENT = """
+import asyncio, signal, sys
+from pathlib import Path
+from reprise_common import subjects
+from reprise_common.bus import Bus
+from reprise_common.events import AgentLifecycle, NodeReport
+
+async def main(url: str, seed: str, node: str) -> None:
+    inbox = subjects.node_inbox_prefix(node)
+    bus = Bus(url=url, service=f"agent-{node}", nkey_seed_file=Path(seed), inbox_prefix=inbox, provision=False)
+    await bus.connect(attempts=40)
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    print("connected", flush=True)
+    while not stop.is_set():
+        report = NodeReport(source=node, node_id=node, interval_s=0.2, gpu_backend="sim")
+        try:
+            await bus.publish_snapshot(subjects.node_report(node), report)
+        except Exception:
+            pass  # not connected: the next one
+        try:
+            await asyncio.wait_for(stop.wait(), 0.2)
+        except TimeoutError:
+            pass
+    bye = AgentLifecycle(source=node, node_id=node, state="stopping")
+    await bus.publish(subjects.node_event(node, bye.type), bye)
+    await bus.close()
+
+asyncio.run(main(*sys.argv[1:]))
+"""
+
+
+@pytest.fixture
+def creds(tmp_path: Path) -> Credentials:
+    return init_credentials(tmp_path / "creds", nodes=list(NODES), base_config=deploy_dir() / "nats" / "nats.conf")
+
+
+@pytest.fixture
+def secured(tmp_path: Path, creds: Credentials) -> Iterator[NatsServer]:
+    server = NatsServer.on_free_ports(tmp_path, config=creds.server_config)
+    server.start()
+    yield server
+    server.stop()
+
+
+class Agents:
+    """Agent processes, one per node, started and signalled by the test."""
+
+    def __init__(self, server: NatsServer, creds: Credentials) -> None:
+        self.server, self.creds = server, creds
+        self.processes: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(self, node: str) -> None:
+        seed = str(self.creds.agents[node].seed_file)
+        process = subprocess.Popen([sys.executable, "-c", AGENT, self.server.url, seed, node], stdout=subprocess.PIPE)
+        assert process.stdout is not None and process.stdout.readline().strip() == b"connected"
+        self.processes[node] = process
+
+    def signal(self, node: str, sig: signal.Signals) -> None:
+        os.kill(self.processes[node].pid, sig)
+        if sig in (signal.SIGKILL, signal.SIGTERM):
+            self.processes.pop(node).wait(timeout=10)
+
+    def stop_all(self) -> None:
+        for process in self.processes.values():
+            process.kill()
+            process.wait(timeout=10)
+
+
+@pytest.fixture
+def agents(secured: NatsServer, creds: Credentials) -> Iterator[Agents]:
+    started = Agents(secured, creds)
+    yield started
+    started.stop_all()
+
+
+@pytest.fixture
+async def harness(secured: NatsServer, creds: Credentials, sqlite_url: str) -> AsyncIterator[Harness]:
+    """A detector with its own identity and the node keys; reports never time out here (only connections count)."""
+    async with AsyncExitStack() as stack:
+        admin = Bus(url=secured.url, service="test-orchestrator", nkey_seed_file=creds.admin.seed_file)
+        await admin.connect(attempts=20)
+        stack.push_async_callback(admin.close)
+        settings = DetectorSettings(
+            nats_url=secured.url,
+            nats_nkey_seed_file=creds.services["detector"].seed_file,
+            node_keys_file=creds.node_keys,
+            database_url=sqlite_url,
+            admin_api_key=ADMIN_KEY,
+            node_lost_after_s=3600,
+            reconnect_grace_s=GRACE_S,
+            watch_interval_s=0.5,
+        )
+        app = create_app(settings, clock=SystemClock())
+        await stack.enter_async_context(app.router.lifespan_context(app))
+        client = await stack.enter_async_context(
+            httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=app),
+                base_url="http://detector",
+                headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+            )
+        )
+        h = Harness(app=app, client=client, agents=admin, stack=stack, published=Published(), reports_before=0)
+        await h.runtime.wait_started(timeout=15)
+        yield h
+
+
+async def _known(h: Harness, *nodes: str) -> bool:
+    return all(n in h.runtime.watcher.liveness.nodes for n in nodes)
+
+
+async def test_a_killed_agents_node_is_lost_from_its_closed_connection(harness: Harness, agents: Agents) -> None:
+    await harness.place("job-a", [(0, "node-1", 0), (1, "node-2", 0)])
+    for node in NODES:
+        agents.start(node)
+    assert await wait_until(lambda: _known(harness, *NODES))
+    killed = time.monotonic()
+    agents.signal("node-2", signal.SIGKILL)
+
+    async def opened() -> bool:
+        return bool(await harness.open_incidents("job-a"))
+
+    assert await wait_until(opened, timeout=10)
+    seen_after_s = time.monotonic() - killed
+    [incident] = await harness.open_incidents("job-a")
+    assert incident["category"] == "node", incident
+    assert incident["culprit_node_id"] == "node-2", incident
+    assert "node-2 lost: its connection closed (Client Closed)" in incident["root_cause"], incident
+    print(f"node loss decided {seen_after_s:.2f} s after the SIGKILL (grace {GRACE_S} s)")
+
+
+async def test_a_nats_restart_or_a_graceful_agent_restart_loses_no_node(
+    harness: Harness, agents: Agents, secured: NatsServer
+) -> None:
+    await harness.place("job-a", [(0, "node-1", 0), (1, "node-2", 0)])
+    for node in NODES:
+        agents.start(node)
+    assert await wait_until(lambda: _known(harness, *NODES))
+
+    secured.stop()  # every connection drops; agents and the detector reconnect to the restarted server
+    secured.start()
+    assert await wait_until(lambda: _reconnected(harness), timeout=20)
+
+    agents.signal("node-1", signal.SIGTERM)  # a graceful restart: it says it is stopping, then closes
+    agents.start("node-1")
+    await asyncio.sleep(SETTLE_S)
+    assert await harness.open_incidents("job-a") == []
+    assert all(s.dropped_at is None for s in harness.runtime.watcher.liveness.nodes.values())
+
+
+async def test_a_frozen_agent_still_connected_is_found_by_its_missing_reports(harness: Harness, agents: Agents) -> None:
+    harness.runtime.watcher.liveness.lost_after_s = 2.0
+    await harness.place("job-a", [(0, "node-1", 0), (1, "node-2", 0)])
+    for node in NODES:
+        agents.start(node)
+    assert await wait_until(lambda: _known(harness, *NODES))
+    agents.signal("node-2", signal.SIGSTOP)  # the connection stays open: no advisory
+
+    async def opened() -> bool:
+        return bool(await harness.open_incidents("job-a"))
+
+    assert await wait_until(opened, timeout=15)
+    [incident] = await harness.open_incidents("job-a")
+    assert "node-2 lost: no report for" in incident["root_cause"], incident
+    agents.signal("node-2", signal.SIGCONT)
+
+
+async def _reconnected(h: Harness) -> bool:
+    return h.runtime.bus.connected and h.runtime.bus.generation > 1
