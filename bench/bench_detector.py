@@ -25,8 +25,13 @@ figures and saves bench/results/detector.json:
                            that time and the 1-minute load average before and during (the machine may be shared);
                            five storms, each on a fresh detector: the run with the median decision time is kept,
                            with every run's time in `all_symptoms_decided_s_each`
+  node_loss                real agent processes on a nats-server with the stack's credentials: agent SIGKILLed →
+                           the job's incident opened (median, p99 over ``--kills``, default 30; target median ≤ 1 s),
+                           and the incidents opened over ``--restarts`` graceful agent restarts and as many
+                           nats-server restarts (0 expected); bench/detector_node_loss.py says how
 
-``--only latency ingest storm`` runs some parts; their figures replace those of the same name in the saved results.
+``--only latency ingest storm node-loss`` runs some parts; their figures replace those of the same name in the saved
+results.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ from typing import Any
 from sqlmodel import Session, func, select
 
 from bench.common import RESULTS_DIR, process_cpu_s, write_result
+from bench.detector_node_loss import node_loss
 from reprise_cli.servers import NatsServer, free_port
 from reprise_common import subjects
 from reprise_common.bus import Bus
@@ -60,7 +66,7 @@ from reprise_detector.runtime import EVENTS_DURABLE, Runtime
 from reprise_detector.settings import DetectorSettings
 
 RANKS_PER_NODE = 8
-PARTS = ("latency", "ingest", "storm")
+PARTS = ("latency", "ingest", "storm", "node-loss")
 GLOO = "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.7]:29500"
 
 
@@ -455,6 +461,11 @@ async def main(args: argparse.Namespace) -> None:
         decided = sorted(r["all_symptoms_decided_s"] for r in runs)
         median_run = min(runs, key=lambda r: abs(r["all_symptoms_decided_s"] - statistics.median(decided)))
         figures["storm"] = median_run | {"runs": len(runs), "all_symptoms_decided_s_each": decided}
+    if "node-loss" in parts:
+        with tempfile.TemporaryDirectory(prefix="reprise-bench-node-loss-") as tmp:
+            figures["node_loss"] = await node_loss(
+                Path(tmp), nodes=args.node_loss_nodes, kills=args.kills, restarts=args.restarts
+            )
     if args.only:  # a partial run replaces only its own figures in the saved results
         saved = RESULTS_DIR / "detector.json"
         figures = (json.loads(saved.read_text(encoding="utf-8"))["figures"] if saved.exists() else {}) | figures
@@ -476,5 +487,8 @@ if __name__ == "__main__":
     parser.add_argument("--generators", type=int, default=2)
     parser.add_argument("--storm-ranks", type=int, default=16384)
     parser.add_argument("--storm-runs", type=int, default=5, help="storms on fresh detectors; the median is kept")
+    parser.add_argument("--node-loss-nodes", type=int, default=4, help="agents of the node-loss part")
+    parser.add_argument("--kills", type=int, default=30, help="agents killed in the node-loss part")
+    parser.add_argument("--restarts", type=int, default=30, help="graceful agent and nats-server restarts, each")
     parser.add_argument("--only", nargs="+", choices=PARTS, help="run only these parts (default: all)")
     asyncio.run(main(parser.parse_args()))

@@ -154,6 +154,9 @@ class NodeReport(Event):
     ranks: list[RankStatus] = Field(default_factory=list)
     spare: bool = False
     cordoned: bool = False
+    stopping: bool = Field(
+        default=False, description="the agent is stopping (a graceful restart): its connection closes next, expected"
+    )
 
 
 class GpuXid(Event):

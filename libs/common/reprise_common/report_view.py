@@ -57,6 +57,7 @@ class ReportSeen(msgspec.Struct, frozen=True, gc=False):
     spare: bool = False
     gpus: tuple[GpuSeen, ...] = ()
     ranks: tuple[RankSeen, ...] = ()
+    stopping: bool = False  # the agent's last report before a graceful stop
 
 
 _DECODER = msgspec.json.Decoder(ReportSeen)

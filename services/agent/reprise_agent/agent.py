@@ -8,6 +8,7 @@ import os
 from signal import SIGKILL, SIGSTOP
 from typing import Any
 
+import nats.errors
 from pydantic import ValidationError
 
 from reprise_agent.commands import CommandBook
@@ -75,6 +76,7 @@ class Agent:
         )
         self.book = CommandBook(node_id=self.node_id, state_file=settings.state_dir / "fences.json")
         self.node_lost = False  # set by an injected node loss: from then on the agent publishes nothing
+        self.stopping = False  # set by stop(): the last report says so, and then the connection closes
         self.outbox = Outbox(bus, capacity=settings.outbox_capacity)
         self.depchecks = DependencyChecker(
             settings.dependency_checks,
@@ -111,12 +113,25 @@ class Agent:
                 await sub.unsubscribe()
         await self.supervisor.stop_all(grace_s=self.settings.stop_grace_s)
         self.sdk.close()
+        await self._say_stopping()
         self._emit_lifecycle("stopping")
         await self.outbox.flush(timeout_s=2.0)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self.gpus.close()
+
+    async def _say_stopping(self) -> None:
+        """A last report that says the agent is stopping, sent on the connection before it closes: the server
+        delivers it ahead of its advisory of the closed connection, so the detector does not call the node lost."""
+        self.stopping = True
+        if self.node_lost:
+            return
+        try:
+            await self.bus.publish_snapshot(subjects.node_report(self.node_id), await self.report())
+            await self.bus.nc.flush(timeout=1)
+        except (BusError, nats.errors.Error, TimeoutError):
+            log.warning("the stopping report was not sent: the node may be called lost")
 
     def _emit_lifecycle(self, state: str) -> None:
         event = AgentLifecycle(
@@ -138,6 +153,7 @@ class Agent:
             gpus=gpus,
             ranks=[self._rank_status(rank) for rank in self.supervisor.ranks()],
             spare=self.settings.spare,
+            stopping=self.stopping,
         )
 
     def _rank_status(self, rank: RankProcess) -> RankStatus:

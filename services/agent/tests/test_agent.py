@@ -365,6 +365,20 @@ async def test_a_rank_of_a_new_launch_is_reported_at_its_first_heartbeat_not_at_
         assert harness.agent.early_reports >= 1
 
 
+async def test_a_stopping_agent_says_so_in_its_last_report_before_its_connection_closes(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    """The detector sees the closed connection of an agent at once: a graceful stop must not read as a node loss."""
+    async with running_agent(nats_server, tmp_path, report_interval_s=60.0) as harness:
+        await harness.agent.stop()
+
+        def stopping() -> list[NodeReport]:
+            return [e for e in harness.of_type(NodeReport) if isinstance(e, NodeReport) and e.stopping]
+
+        assert await wait_for(stopping)
+        assert harness.agent.bus.connected  # said before the connection closes (the stack closes it after)
+
+
 async def test_stopped_rank_shows_a_growing_heartbeat_age(harness: Harness) -> None:
     ranks = [{"rank": 0, "node_id": "n1", "gpu": 0, "local_rank": 0}]
     reply = await harness.command(

@@ -83,7 +83,6 @@ def build_runtime(settings: DetectorSettings, clock: Clock) -> Runtime:
         clock=clock,
         hang_check_interval_s=settings.hang_check_interval_s,
     )
-    detector.on_lifecycle = watcher.agent_lifecycle
     return Runtime(settings, engine, bus, clock, placements, detector, Background(bus), partition, watcher)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
@@ -25,7 +25,7 @@ from reprise_common.clock import Clock
 from reprise_common.consumer import ACK, Item, Verdict
 from reprise_common.db import session_scope
 from reprise_common.errors import BusError, MalformedEventError
-from reprise_common.events import AgentLifecycle, Event, RankExited
+from reprise_common.events import Event, RankExited
 from reprise_common.logging import get_logger
 from reprise_detector.classify import Classification, RuleBook
 from reprise_detector.correlate import Decision, OutOfPlacement, Target, decide, is_warning, out_of_placement, targets
@@ -134,7 +134,6 @@ class Detector:
         self._quarantines_pending = True  # check once after a start: a recommendation may be unannounced
         self.drops = Drops(clock)
         self.early_exits = EarlyExits(clock=clock, placements=placements, grace_s=early_exit_grace_s)
-        self.on_lifecycle: Callable[[str, str], None] | None = None  # (node, "starting" | "stopping") of an agent
 
     # --- ingest -----------------------------------------------------------------------------------------------
     async def handle(self, event: Event, delivery: Delivery) -> Outcome:
@@ -162,8 +161,6 @@ class Detector:
                 verdicts[index] = Verdict(Outcome.REJECT, f"unusable: {exc}")
                 continue
             if observation is not None:
-                if isinstance(observation.event, AgentLifecycle) and self.on_lifecycle is not None:
-                    self.on_lifecycle(observation.node_id, observation.event.state)
                 work.append(self.prepare(observation))
         if any(w.dropped is not None for w in work):
             work = await self._again_with_placements(work)

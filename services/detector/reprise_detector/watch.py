@@ -108,7 +108,7 @@ class Watcher:
                 self._malformed(node_id, str(exc))
                 continue
             self.reports_parsed += 1
-            self.liveness.saw(node_id, report_id, report.gpus)
+            self.liveness.saw(node_id, report_id, report.gpus, stopping=report.stopping)
             if here:
                 found.extend(self._progress(node_id, report.ranks, here))
             self.lag_s.append((self.clock.now() - report.time).total_seconds())
@@ -209,13 +209,6 @@ class Watcher:
     def wake(self) -> None:
         """A node became suspect: tick when its grace ends rather than at the next interval."""
         self._woken.set()
-
-    def agent_lifecycle(self, node_id: str, state: str) -> None:
-        """An agent said it is starting or stopping (its closed connection is then expected)."""
-        if state == "stopping":
-            self.liveness.leaving(node_id)
-        else:
-            self.liveness.connected(node_id)
 
     async def run(self, interval_s: float, stopping: asyncio.Event) -> None:
         """Tick every interval, and when a suspect node's grace ends, until stopped; a failing tick is logged and the

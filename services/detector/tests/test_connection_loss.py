@@ -30,13 +30,13 @@ GRACE_S = 0.3
 SETTLE_S = 2.0  # well past the grace: a wrong loss would have been decided by then
 
 # An agent as the detector sees it: it reports every 0.2 s on its node's subject with its node's identity; on SIGTERM
-# it says it is stopping (an agent.lifecycle event) and closes its connection.
+# its last report says it is stopping, as the agent's does (services/agent), and it closes its connection.
 AGENT = """
 import asyncio, signal, sys
 from pathlib import Path
 from reprise_common import subjects
 from reprise_common.bus import Bus
-from reprise_common.events import AgentLifecycle, NodeReport
+from reprise_common.events import NodeReport
 
 async def main(url: str, seed: str, node: str) -> None:
     inbox = subjects.node_inbox_prefix(node)
@@ -55,8 +55,8 @@ async def main(url: str, seed: str, node: str) -> None:
             await asyncio.wait_for(stop.wait(), 0.2)
         except TimeoutError:
             pass
-    bye = AgentLifecycle(source=node, node_id=node, state="stopping")
-    await bus.publish(subjects.node_event(node, bye.type), bye)
+    bye = NodeReport(source=node, node_id=node, interval_s=0.2, gpu_backend="sim", stopping=True)
+    await bus.publish_snapshot(subjects.node_report(node), bye)
     await bus.close()
 
 asyncio.run(main(*sys.argv[1:]))

@@ -4,7 +4,8 @@ connection.
 Two kinds of evidence make a node lost. Its reports stop for longer than the limit (a frozen host, a cut network: the
 fallback, seconds). Or the NATS server says the agent's connection closed (a killed agent or host: the server knows at
 once) and, within a short grace, the agent neither connected again nor reported: a reconnect (after a NATS restart, a
-network blip) is no loss. An agent that said it is stopping (a graceful restart) is judged by its reports alone.
+network blip) is no loss. An agent whose last report said it is stopping (a graceful restart) is judged by its reports
+alone.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class NodeSeen(msgspec.Struct, gc=False):
     dropped_at: float | None = None  # when the server said its agent's connection closed (not reconnected since)
     dropped_id: str = ""  # that advisory's id
     dropped_reason: str = ""
-    leaving: bool = False  # its agent said it is stopping: a closed connection is expected
+    leaving: bool = False  # its agent's last report said it is stopping: a closed connection is expected
 
 
 class Liveness:
@@ -55,14 +56,20 @@ class Liveness:
         self.reconnect_grace_s = reconnect_grace_s
         self.nodes: dict[str, NodeSeen] = {}
 
-    def saw(self, node_id: str, report_id: str, gpus: tuple[GpuSeen, ...] | None = None) -> None:
-        """Record a report from a node (identity from the subject)."""
+    def saw(
+        self, node_id: str, report_id: str, gpus: tuple[GpuSeen, ...] | None = None, *, stopping: bool = False
+    ) -> None:
+        """Record a report from a node (identity from the subject); `stopping`: its agent's last before a graceful
+        stop, so the connection that closes next is no evidence (gpus given: the report was read, it is not)."""
         seen = self.nodes.get(node_id)
         now = self.clock.monotonic()
         if seen is None:
-            self.nodes[node_id] = NodeSeen(now, report_id, gpus=gpus or ())
-            return
+            seen = self.nodes[node_id] = NodeSeen(now, report_id, gpus=gpus or ())
         seen.last_seen, seen.last_report_id, seen.state = now, report_id, NodeState.ALIVE
+        if stopping:
+            seen.leaving, seen.dropped_at = True, None
+        elif gpus is not None:
+            seen.leaving = False  # a running agent's report (a new one after a graceful restart)
         if seen.dropped_at is not None and now - seen.dropped_at > REPORT_IN_FLIGHT_S:
             seen.dropped_at = None  # reporting again: it reconnected (the advisory may have been missed)
         if gpus is not None:
@@ -84,12 +91,6 @@ class Liveness:
         seen = self.nodes.get(node_id)
         if seen is not None:
             seen.dropped_at, seen.leaving = None, False
-
-    def leaving(self, node_id: str) -> None:
-        """The node's agent said it is stopping: its closed connection is no evidence (its reports still are)."""
-        seen = self.nodes.get(node_id)
-        if seen is not None:
-            seen.leaving, seen.dropped_at = True, None
 
     def check(self) -> list[NodeLost]:
         """Nodes that just crossed the limit (each silence is reported once)."""
