@@ -384,7 +384,7 @@ class RedisServer(_ServerProcess):
         self._launch("redis", argv, port=self.port, timeout_s=timeout_s)
 
     def _write_acl(self, password: str) -> Path:
-        path = self.data_dir / REDIS_ACL_FILE
+        path = (self.data_dir / REDIS_ACL_FILE).absolute()  # the server resolves it in its data dir (--dir)
         private_draft(path, redis_acl(hashlib.sha256(password.encode()).hexdigest())).replace(path)
         return path
 

@@ -34,6 +34,20 @@ def test_the_password_is_on_no_command_line_and_in_no_file_of_the_server(server:
     assert (server.data_dir / REDIS_ACL_FILE).stat().st_mode & 0o077 == 0
 
 
+def test_a_relative_data_dir_works_as_the_demo_gives_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # the server runs in its data dir: a relative ACL path would point elsewhere
+    started = RedisServer(
+        port=free_port(), data_dir=Path(".state/redis"), log_path=Path(".state/redis.log"), password=PASSWORD
+    )
+    started.start()
+    try:
+        client = redis.Redis(port=started.port, username=REDIS_USER, password=PASSWORD, socket_timeout=2)
+        assert client.ping()
+        client.close()
+    finally:
+        started.stop()
+
+
 def test_only_the_reprise_user_reaches_only_reprise_keys(server: RedisServer) -> None:
     client = redis.Redis(port=server.port, username=REDIS_USER, password=PASSWORD, socket_timeout=2)
     try:
