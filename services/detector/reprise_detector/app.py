@@ -82,6 +82,7 @@ def build_runtime(settings: DetectorSettings, clock: Clock) -> Runtime:
         engine=engine,
         clock=clock,
         hang_check_interval_s=settings.hang_check_interval_s,
+        bus=bus,
     )
     return Runtime(settings, engine, bus, clock, placements, detector, Background(bus), partition, watcher)
 

@@ -19,7 +19,7 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
 from reprise_common import subjects
-from reprise_common.bus import Outcome
+from reprise_common.bus import Bus, Outcome
 from reprise_common.clock import Clock
 from reprise_common.errors import MalformedEventError
 from reprise_common.logging import get_logger
@@ -37,6 +37,9 @@ RankKey = tuple[str, int]  # (job, rank)
 log = get_logger("reprise.detector.watch")
 LAG_SAMPLES = 100_000
 MALFORMED_LOG_EVERY_S = 60.0
+# After the detector's own connection came back, nothing is judged until every node had time to report again (agents
+# report every second): a rank's last step seen is from before the outage, which was no stall of its own.
+REHEAR_S = 2.5
 MALFORMED_REPORTS = Counter(
     "reprise_detector_reports_malformed_total", "Node reports ignored because their subject or payload is unusable"
 )
@@ -58,6 +61,7 @@ class Watcher:
         engine: Engine,
         clock: Clock,
         hang_check_interval_s: float,
+        bus: Bus | None = None,
     ) -> None:
         self.detector = detector
         self.placements = placements
@@ -69,6 +73,9 @@ class Watcher:
         self.engine = engine
         self.clock = clock
         self.hang_check_interval_s = hang_check_interval_s
+        self.bus = bus  # the connection reports arrive on: while it is down, silence is the detector's own
+        self._generation = bus.generation if bus is not None else 0
+        self._judge_from = float("-inf")  # monotonic: after a reconnect, hangs wait for the reports to come back
         self.pending: list[DerivedSymptom] = []
         self.reports_seen = 0
         self.reports_parsed = 0
@@ -155,6 +162,9 @@ class Watcher:
         async with self._tick_lock:
             if self.placements.last_seq != self._pruned_at:  # reports add only placed ranks: only a placement prunes
                 self._prune()
+            if not self._hearing():
+                await self.flush()
+                return
             self.pending.extend(self.liveness.check())
             self.pending.extend(self.detector.early_exits.check())
             now = self.clock.monotonic()
@@ -163,6 +173,23 @@ class Watcher:
                 overrides = await self.overrides() if self.book.jobs else {}
                 self.pending.extend(self.hangs.check(overrides))
             await self.flush()
+
+    def _hearing(self) -> bool:
+        """False while the detector's own connection is down, and for REHEAR_S after it came back: no report could
+        arrive, so no silence is a node's and no stall a rank's. Silences count from the reconnect (a NATS restart
+        is no node loss)."""
+        if self.bus is None:
+            return True
+        if not self.bus.connected:
+            return False
+        if self.bus.generation != self._generation:
+            reconnected = self._generation > 0  # not the first connection: reports were missed meanwhile
+            self._generation = self.bus.generation
+            if reconnected:
+                now = self.clock.monotonic()
+                self.liveness.heard_all(now)
+                self._judge_from = now + REHEAR_S
+        return self.clock.monotonic() >= self._judge_from
 
     def _prune(self) -> None:
         """Forget the jobs that ended and the ranks a relaunch moved or dropped (a shrink): they stop counting."""

@@ -4,6 +4,7 @@ killed agent's node is lost at once (no report limit involved), a reconnect or a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -14,12 +15,15 @@ from contextlib import AsyncExitStack
 from pathlib import Path
 
 import httpx
+import nats.errors
 import pytest
 
 from reprise_cli.creds import Credentials, init_credentials
 from reprise_cli.servers import NatsServer, deploy_dir
 from reprise_common.bus import Bus
 from reprise_common.clock import SystemClock
+from reprise_common.errors import BusError
+from reprise_common.events import RankStatus
 from reprise_detector.app import create_app
 from reprise_detector.settings import DetectorSettings
 
@@ -196,6 +200,37 @@ async def test_a_frozen_agent_still_connected_is_found_by_its_missing_reports(ha
     [incident] = await harness.open_incidents("job-a")
     assert "node-2 lost: no report for" in incident["root_cause"], incident
     agents.signal("node-2", signal.SIGCONT)
+
+
+async def test_a_nats_outage_longer_than_every_limit_calls_no_node_lost_and_no_job_hung(
+    harness: Harness, secured: NatsServer
+) -> None:
+    """While the detector's own connection is down it hears nobody: that silence is neither a lost node nor a hang."""
+    harness.runtime.watcher.liveness.lost_after_s = 5.0
+    await harness.place("job-a", [(0, "node-1", 0), (1, "node-2", 0)], hang_timeout_s=2.0)
+    step = 0
+
+    async def training() -> None:  # both ranks step every 0.2 s, as reports show; nothing while NATS is away
+        nonlocal step
+        while True:
+            step += 1
+            for rank, node in enumerate(NODES):
+                status = RankStatus(job_id="job-a", rank=rank, step=step, phase="training", heartbeat_age_s=0.0)
+                with contextlib.suppress(BusError, nats.errors.Error):
+                    await harness.report(node, [status])
+            await asyncio.sleep(0.2)
+
+    reporting = asyncio.create_task(training())
+    try:
+        assert await wait_until(lambda: _known(harness, *NODES))
+        secured.stop()
+        await asyncio.sleep(6.0)  # longer than the report limit (5 s) and the job's hang limit (2 s)
+        secured.start()
+        assert await wait_until(lambda: _reconnected(harness), timeout=20)
+        await asyncio.sleep(SETTLE_S + 1.0)
+        assert await harness.open_incidents("job-a") == []
+    finally:
+        reporting.cancel()
 
 
 async def _reconnected(h: Harness) -> bool:

@@ -129,6 +129,11 @@ class Liveness:
                 seen.dropped_at = None
         return lost
 
+    def heard_all(self, now: float) -> None:
+        """The detector could not hear any node until `now` (its own connection was down): silences count from now."""
+        for seen in self.nodes.values():
+            seen.last_seen = max(seen.last_seen, now)
+
     def next_due(self) -> float | None:
         """The monotonic time the earliest suspicion's grace ends; None when no node is suspect."""
         due = [s.dropped_at for s in self.nodes.values() if s.dropped_at is not None and s.state is NodeState.ALIVE]
