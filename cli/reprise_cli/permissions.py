@@ -16,7 +16,6 @@ from typing import Any
 from reprise_common import subjects
 
 JS_API = "$JS.API"
-INBOX = "_INBOX.>"  # nats-py's reply inbox: JetStream API answers, publish acks, pull batches, command replies
 COMMANDS_ALL = f"{subjects.PREFIX}.cmd.*"
 INJECTS_ALL = f"{subjects.PREFIX}.inject.*"
 
@@ -124,7 +123,9 @@ def service_permissions(service: str) -> dict[str, Any]:
     publish = [*grant.publish, *provisioning(), *(f"{JS_API}.STREAM.INFO.{name}" for name in grant.stream_info)]
     for durable in grant.durables:
         publish += consumer_subjects(durable)
-    permissions: dict[str, Any] = {"publish": {"allow": publish}, "subscribe": {"allow": [*grant.subscribe, INBOX]}}
+    # Its own reply inbox only: JetStream API answers, publish acks, pull batches, command replies, key checks
+    inbox = f"{subjects.inbox_prefix(service)}.>"
+    permissions: dict[str, Any] = {"publish": {"allow": publish}, "subscribe": {"allow": [*grant.subscribe, inbox]}}
     if grant.answers:
         permissions["allow_responses"] = True
     return permissions
@@ -138,7 +139,7 @@ def agent_permissions(node_id: str) -> dict[str, Any]:
             "allow": [
                 subjects.node_command(node_id),
                 subjects.node_inject(node_id),
-                f"{subjects.node_inbox_prefix(node_id)}.>",
+                f"{subjects.inbox_prefix(node_id)}.>",
             ]
         },
         "allow_responses": True,

@@ -41,10 +41,12 @@ class Deployment:
                 url=self.url,
                 service=f"agent-{name}",
                 nkey_seed_file=self.seeds[name],
-                inbox_prefix=subjects.node_inbox_prefix(name),
+                inbox_prefix=subjects.inbox_prefix(name),
                 provision=False,
             )
-        return Bus(url=self.url, service=name, nkey_seed_file=self.seeds[name])
+        return Bus(
+            url=self.url, service=name, nkey_seed_file=self.seeds[name], inbox_prefix=subjects.inbox_prefix(name)
+        )
 
     async def client(self, name: str, errors: list[Exception]) -> Client:
         """A plain client with the identity of a service or an agent; the server's refusals land in errors."""
@@ -55,7 +57,7 @@ class Deployment:
         return await nats.connect(
             self.url,
             nkeys_seed=str(self.seeds[name]),
-            inbox_prefix=subjects.node_inbox_prefix(name) if name in NODES else "_INBOX",
+            inbox_prefix=subjects.inbox_prefix(name),
             error_cb=on_error,
             allow_reconnect=False,
         )

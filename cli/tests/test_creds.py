@@ -49,7 +49,7 @@ def _agent_bus(server: NatsServer, ident: Identity, node: str) -> Bus:
         url=server.url,
         service=f"agent-{node}",
         nkey_seed_file=ident.seed_file,
-        inbox_prefix=subjects.node_inbox_prefix(node),
+        inbox_prefix=subjects.inbox_prefix(node),
         provision=False,
     )
 
@@ -112,7 +112,7 @@ async def test_node_a_cannot_read_node_b_commands(secured_nats: NatsServer, iden
     nc = await nats.connect(
         secured_nats.url,
         nkeys_seed=str(identities.agents["node-a"].seed_file),
-        inbox_prefix=subjects.node_inbox_prefix("node-a"),
+        inbox_prefix=subjects.inbox_prefix("node-a"),
         error_cb=on_error,
     )
     await nc.subscribe(subjects.node_command("node-b"))

@@ -71,6 +71,11 @@ RECEIVERS: dict[str, frozenset[str]] = {
     subjects.placement("job-1"): frozenset(),
     subjects.CLIENT_DISCONNECTED: DETECTOR,  # agents' connections, for node loss at once
     subjects.CLIENT_CONNECTED: DETECTOR,
+    # Replies: each identity only its own inbox (the orchestrator's holds agents' answers and key-check verdicts)
+    f"{subjects.inbox_prefix('orchestrator')}.reply": ORCHESTRATOR,
+    f"{subjects.inbox_prefix('checkpoint-registry')}.reply": frozenset({"checkpoint-registry"}),
+    f"{subjects.inbox_prefix('node-2')}.reply": frozenset({"node-2"}),
+    "_INBOX.reply": frozenset(),  # the shared default prefix: nobody's
 }
 SETTLE_S = 0.3  # how long a message that should not arrive is waited for, once all that should have
 

@@ -41,7 +41,7 @@ from reprise_common.metrics import (
     subject_kind,
 )
 from reprise_common.settings import ServiceSettings
-from reprise_common.subjects import STREAMS, StreamSpec, dead_letter
+from reprise_common.subjects import STREAMS, StreamSpec, dead_letter, inbox_prefix
 
 __all__ = ["Bus", "Consumer", "Delivery", "Handler", "Outcome", "stream_config"]
 log = get_logger("reprise.bus")
@@ -70,14 +70,18 @@ class Bus:
     """One connection to NATS for one service; safe to use from many tasks."""
 
     @classmethod
-    def for_service(cls, settings: ServiceSettings, service: str, *, provision: bool = True) -> Bus:
-        """The bus of a platform service, with its NATS identity from its settings."""
+    def for_service(
+        cls, settings: ServiceSettings, service: str, *, provision: bool = True, identity: str | None = None
+    ) -> Bus:
+        """The bus of a platform service, with its NATS identity from its settings and that identity's own reply
+        inbox (`identity`: the service whose identity it is, when a second connection of it has another name)."""
         return cls(
             url=settings.nats_url,
             service=service,
             nkey_seed_file=settings.nats_nkey_seed_file,
             provision=provision,
             replicas=settings.nats_stream_replicas,
+            inbox_prefix=inbox_prefix(identity or service),
         )
 
     def __init__(

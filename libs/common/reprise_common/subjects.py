@@ -58,9 +58,10 @@ def node_command(node_id: str) -> str:
     return f"{PREFIX}.cmd.{token(node_id)}"
 
 
-def node_inbox_prefix(node_id: str) -> str:
-    """The reply-inbox prefix of one node's agent, so its permissions can confine it to its own replies."""
-    return f"_INBOX_{token(node_id)}"
+def inbox_prefix(identity: str) -> str:
+    """The reply-inbox prefix of one NATS identity (a service, or a node's agent), so that its permissions confine it
+    to its own replies: no one reads the answers meant for another (node ids may not be service names)."""
+    return f"_INBOX_{token(identity)}"
 
 
 def node_inject(node_id: str) -> str:

@@ -21,7 +21,7 @@ def create_app(settings: AgentSettings) -> FastAPI:
         url=settings.nats_url,
         service=f"agent-{settings.node_id}",
         nkey_seed_file=settings.nats_nkey_seed_file,
-        inbox_prefix=subjects.node_inbox_prefix(settings.node_id),
+        inbox_prefix=subjects.inbox_prefix(settings.node_id),
         provision=False,
     )
     agent = Agent(settings, bus)

@@ -43,7 +43,7 @@ from reprise_common.bus import Bus
 from reprise_common.events import NodeReport
 
 async def main(url: str, seed: str, node: str) -> None:
-    inbox = subjects.node_inbox_prefix(node)
+    inbox = subjects.inbox_prefix(node)
     bus = Bus(url=url, service=f"agent-{node}", nkey_seed_file=Path(seed), inbox_prefix=inbox, provision=False)
     await bus.connect(attempts=40)
     stop = asyncio.Event()

@@ -121,7 +121,9 @@ def create_app(settings: OrchestratorSettings) -> FastAPI:
 
     async def on_connected() -> None:
         await bus.serve(subjects.AUTH_VERIFY, keys.answer, queue=subjects.AUTH_VERIFY_QUEUE)  # the key authority
-        await deps.inventory.start(Bus.for_service(settings, "orchestrator-reports", provision=False))
+        await deps.inventory.start(
+            Bus.for_service(settings, "orchestrator-reports", provision=False, identity="orchestrator")
+        )
         for durable, subject, handler in (
             (INCIDENTS_DURABLE, subjects.INCIDENTS_OPENED, claims.on_opened),
             (INCIDENT_UPDATES_DURABLE, subjects.INCIDENTS_UPDATED, claims.on_updated),
