@@ -4,8 +4,9 @@ Each service gets only the subjects its code uses: only the orchestrator command
 `reprise.inject.*`) and answers API key checks, only the detector opens incidents and recommends quarantines, each
 agent uses only its own node's subjects. JetStream is reached through `$JS.API.*` subjects: each service may manage
 only its own durable consumers (info, create, pull, ack) and, because every service's bus provisions every stream
-when it connects (the first to start creates them, a newer release updates them), create and update Reprise's
-streams by name. Nothing but the admin identity (operator tools, tests) may use every subject.
+when it connects (the first to start creates them), create Reprise's streams by name; only the streams' owner (the
+orchestrator) may update one (a newer release's configuration). Nothing but the admin identity (operator tools,
+tests) may use every subject.
 """
 
 from __future__ import annotations
@@ -92,14 +93,16 @@ SERVICES: dict[str, Grant] = {
 }
 
 
-def provisioning() -> list[str]:
-    """The API subjects that create or update each stream (and purge what an older release stored under a retired
-    subject), by name: no other stream, and no stream deletion."""
+def provisioning(*, owner: bool) -> list[str]:
+    """The API subjects that create each stream, by name, and for the streams' owner (subjects.STREAMS_OWNER) also
+    update it (and purge what an older release stored under a retired subject): no other stream, and no deletion."""
     allowed: list[str] = []
     for spec in subjects.STREAMS:
-        allowed += [f"{JS_API}.STREAM.CREATE.{spec.name}", f"{JS_API}.STREAM.UPDATE.{spec.name}"]
-        if spec.retired_subjects:
-            allowed.append(f"{JS_API}.STREAM.PURGE.{spec.name}")
+        allowed.append(f"{JS_API}.STREAM.CREATE.{spec.name}")
+        if owner:
+            allowed.append(f"{JS_API}.STREAM.UPDATE.{spec.name}")
+            if spec.retired_subjects:
+                allowed.append(f"{JS_API}.STREAM.PURGE.{spec.name}")
     return allowed
 
 
@@ -120,7 +123,12 @@ def consumer_subjects(durable: Durable) -> list[str]:
 def service_permissions(service: str) -> dict[str, Any]:
     """The server permissions of one platform service's identity; KeyError for a name that is not a service."""
     grant = SERVICES[service]
-    publish = [*grant.publish, *provisioning(), *(f"{JS_API}.STREAM.INFO.{name}" for name in grant.stream_info)]
+    owner = service == subjects.STREAMS_OWNER
+    publish = [
+        *grant.publish,
+        *provisioning(owner=owner),
+        *(f"{JS_API}.STREAM.INFO.{name}" for name in grant.stream_info),
+    ]
     for durable in grant.durables:
         publish += consumer_subjects(durable)
     # Its own reply inbox only: JetStream API answers, publish acks, pull batches, command replies, key checks

@@ -45,7 +45,11 @@ class Deployment:
                 provision=False,
             )
         return Bus(
-            url=self.url, service=name, nkey_seed_file=self.seeds[name], inbox_prefix=subjects.inbox_prefix(name)
+            url=self.url,
+            service=name,
+            nkey_seed_file=self.seeds[name],
+            inbox_prefix=subjects.inbox_prefix(name),
+            updates_streams=name == subjects.STREAMS_OWNER,  # as Bus.for_service gives it
         )
 
     async def client(self, name: str, errors: list[Exception]) -> Client:

@@ -107,7 +107,7 @@ async def _acknowledged(js: JetStreamContext, stream: str, durable: str, count: 
 
 
 @pytest.mark.parametrize("service", SERVICES)
-async def test_each_service_provisions_every_stream_over_an_older_release(
+async def test_each_service_provisions_every_stream_and_only_the_owner_updates_an_older_release(
     deployment: Deployment, admin: Client, service: str
 ) -> None:
     js = admin.jetstream()
@@ -119,9 +119,13 @@ async def test_each_service_provisions_every_stream_over_an_older_release(
         bus = await _connected(deployment, service)
         await bus.close()
     for spec in subjects.STREAMS:
-        info = await js.stream_info(spec.name)
-        assert info.config.subjects == list(spec.subjects), spec.name
-    assert (await js.stream_info(subjects.AGENT_STREAM)).state.messages == 0
+        if spec.name != subjects.AGENT_STREAM:  # created by whichever service came first
+            assert (await js.stream_info(spec.name)).config.subjects == list(spec.subjects), spec.name
+    agent = await js.stream_info(subjects.AGENT_STREAM)
+    if service == subjects.STREAMS_OWNER:
+        assert (agent.config.subjects, agent.state.messages) == (list(agent_spec.subjects), 0)
+    else:  # left as it was, for the owner to update
+        assert (agent.config.subjects, agent.state.messages) == (older.subjects, 1)
 
 
 async def test_detector_reads_agent_events_reports_placements_and_recovery_outcomes(
@@ -316,8 +320,14 @@ async def test_no_identity_reads_another_services_consumer_or_deletes_a_stream(
         await js.add_consumer(stream, durable_name=durable, filter_subject=_subjects_of(stream)[0])
     with pytest.raises(nats.errors.TimeoutError):
         await js.delete_stream(stream)
+    forbidden = [f"consumer.durable.create.{stream}.{durable}", f"stream.delete.{stream}"]
+    if identity != subjects.STREAMS_OWNER:  # e.g. a longer max age, or no limits at all
+        spec = next(s for s in subjects.STREAMS if s.name == stream)
+        with pytest.raises(nats.errors.TimeoutError):
+            await js.update_stream(dataclasses.replace(stream_config(spec), max_age=None))
+        forbidden.append(f"stream.update.{stream}")
     refused = " ".join(str(exc) for exc in errors).lower()  # the server's message, as nats-py hands it over
-    for subject in (f"consumer.durable.create.{stream}.{durable}", f"stream.delete.{stream}"):
+    for subject in forbidden:
         assert f'"$js.api.{subject.lower()}"' in refused, errors
     await client.close()
     await owner.close()

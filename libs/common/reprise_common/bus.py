@@ -41,7 +41,7 @@ from reprise_common.metrics import (
     subject_kind,
 )
 from reprise_common.settings import ServiceSettings
-from reprise_common.subjects import STREAMS, StreamSpec, dead_letter, inbox_prefix
+from reprise_common.subjects import STREAMS, STREAMS_OWNER, StreamSpec, dead_letter, inbox_prefix
 
 __all__ = ["Bus", "Consumer", "Delivery", "Handler", "Outcome", "stream_config"]
 log = get_logger("reprise.bus")
@@ -82,6 +82,7 @@ class Bus:
             provision=provision,
             replicas=settings.nats_stream_replicas,
             inbox_prefix=inbox_prefix(identity or service),
+            updates_streams=(identity or service) == STREAMS_OWNER,
         )
 
     def __init__(
@@ -94,6 +95,7 @@ class Bus:
         inbox_prefix: str | None = None,
         provision: bool = True,
         replicas: int = 1,
+        updates_streams: bool = True,
     ) -> None:
         self.url = url  # one server, or a cluster's members comma-separated
         self.replicas = replicas
@@ -102,6 +104,7 @@ class Bus:
         self.nkey_seed_file = nkey_seed_file
         self.inbox_prefix = inbox_prefix
         self.provision = provision  # agents publish only: their permissions do not allow managing streams
+        self.updates_streams = updates_streams  # else it creates a missing stream, and leaves one that exists alone
         self._nc: Client | None = None
         self._js: JetStreamContext | None = None
         self._consumers: list[Consumer] = []
@@ -214,10 +217,13 @@ class Bus:
             log.warning("slow consumer: dropping messages", extra={"subject": exc.subject, "kind": kind})
 
     async def ensure_streams(self) -> None:
-        """Create each stream, or update it to the wanted configuration; safe to call any number of times.
+        """Create each stream, or (the streams' owner only) update it to the wanted configuration; safe to call any
+        number of times.
 
         An update also purges what an older release stored under subjects the stream no longer takes (node reports
-        in AGENT): they would otherwise hold the server's disk until they age out.
+        in AGENT): they would otherwise hold the server's disk until they age out. Any other service leaves a stream
+        that exists as it is (its permissions allow no update, so no service but the owner can change a stream's
+        retention, limits or subjects).
         """
         for spec in self.streams:
             config = stream_config(spec, replicas=self.replicas)
@@ -226,6 +232,9 @@ class Bus:
             except nats.js.errors.BadRequestError as exc:
                 if exc.err_code != _STREAM_EXISTS_DIFFERENTLY:
                     raise BusError(f"cannot provision stream {spec.name}: {exc}") from exc
+                if not self.updates_streams:
+                    log.info("stream differs from this release's; its owner updates it", extra={"stream": spec.name})
+                    continue
                 await self.js.update_stream(config)
                 for subject in spec.retired_subjects:
                     await self.js.purge_stream(spec.name, subject=subject)

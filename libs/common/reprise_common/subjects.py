@@ -45,6 +45,7 @@ def node_from_agent_subject(subject: str) -> str:
 
 
 # --- the NATS server's own events (system account, imported into Reprise's account) ----------------------------
+STREAMS_OWNER = "orchestrator"  # the one identity that updates the streams' configuration; others only create
 NATS_ACCOUNT = "REPRISE"  # the server account every Reprise identity belongs to (with credentials)
 NATS_SYSTEM_ACCOUNT = "SYS"
 CLIENT_CONNECTED = f"$SYS.ACCOUNT.{NATS_ACCOUNT}.CONNECT"  # the server's advisory: a client of the account connected
