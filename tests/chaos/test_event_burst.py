@@ -11,6 +11,7 @@ that were never acknowledged may be missing, nothing else may appear. The burst 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import secrets
 import signal
@@ -197,6 +198,65 @@ def test_registry_killed_9_mid_burst_loses_no_acknowledged_event(
 
     burst = asyncio.run(publish_burst(nats.url, tmp_path / "ckpt", on_half=kill_and_restart))
     check(settle(registry, burst, timeout_s=300), burst)
+
+
+VALIDATED_SIZE = 2 * 1024**3  # a sparse file: reading it costs no disk, hashing it a few seconds of CPU
+
+
+def _read_bytes(pid: int) -> int:
+    """Bytes the process has read so far (/proc/<pid>/io rchar)."""
+    for line in Path(f"/proc/{pid}/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no rchar in /proc/{pid}/io")
+
+
+def test_registry_killed_9_mid_validation_validates_the_checkpoint_once_after_restart(
+    nats: NatsServer, registry: Registry, tmp_path: Path
+) -> None:
+    """Validation is level-triggered: a checkpoint whose hashing the kill cut short is still committed, and the
+    restarted registry validates it (once), instead of leaving it neither validated nor corrupt."""
+    directory = tmp_path / "ckpt" / "chaos-validate" / "step-00000007"
+    directory.mkdir(parents=True)
+    with (directory / "rank-00000.pt").open("wb") as sink:
+        sink.truncate(VALIDATED_SIZE)
+    (directory / "COMMITTED").write_text("")
+    digest = hashlib.sha256()
+    with (directory / "rank-00000.pt").open("rb") as source:
+        while chunk := source.read(16 * 1024 * 1024):
+            digest.update(chunk)
+    api = httpx.Client(base_url=registry.url + "/v1", headers=AUTH, timeout=30)
+    begun = api.post(
+        "/checkpoints", json={"job_id": "chaos-validate", "step": 7, "path": str(directory), "world_size": 1}
+    )
+    begun.raise_for_status()
+    checkpoint_id = begun.json()["id"]
+    files = [
+        {"path": "rank-00000.pt", "size_bytes": VALIDATED_SIZE, "digest": digest.hexdigest(), "algorithm": "sha256"}
+    ]
+    api.put(f"/checkpoints/{checkpoint_id}/ranks/0", json={"files": files}).raise_for_status()
+    before = _read_bytes(registry.process.pid)
+    api.post(f"/checkpoints/{checkpoint_id}/commit").raise_for_status()
+
+    def hashing() -> bool:  # a quarter of the file read: the validator is in the middle of it
+        return _read_bytes(registry.process.pid) - before > VALIDATED_SIZE // 4
+
+    assert wait_until(hashing, timeout_s=60, interval_s=0.01), registry.process.log_tail()
+    assert api.get(f"/checkpoints/{checkpoint_id}").json()["state"] == "committed"  # not decided yet
+    registry.process.signal(signal.SIGKILL)
+    registry.process.proc.wait(timeout=10)  # type: ignore[union-attr]
+    registry.start()
+
+    def decided() -> bool:
+        return api.get(f"/checkpoints/{checkpoint_id}").json()["state"] != "committed"
+
+    assert wait_until(decided, timeout_s=120, interval_s=0.2), registry.process.log_tail()
+    checkpoint = api.get(f"/checkpoints/{checkpoint_id}").json()
+    assert checkpoint["state"] == "validated", checkpoint
+    listed = api.get("/jobs/chaos-validate/checkpoints").json()["data"]
+    assert [(row["id"], row["state"]) for row in listed] == [(checkpoint_id, "validated")]
+    assert api.get("/jobs/chaos-validate/checkpoints/latest").json()["id"] == checkpoint_id
+    api.close()
 
 
 def test_one_server_of_a_3_server_nats_cluster_killed_9_mid_burst_loses_nothing(tmp_path: Path) -> None:

@@ -28,6 +28,7 @@ from nats.js.api import DEFAULT_PREFIX, Header, StatusCode
 from reprise_common.errors import BusError
 
 EXPIRY_GRACE_S = 1.0  # a request unanswered this long after it expired was lost (e.g. with a server restart)
+LOST_LIMIT = 2  # requests lost in a row before the inbox gives up (its caller subscribes again, with a new inbox)
 
 
 class PullInbox:
@@ -54,6 +55,7 @@ class PullInbox:
         self._open_until: float | None = None  # monotonic time the open request is given up at; None: none open
         self._owed = 0  # messages the open request may still deliver
         self._conflict = ""  # a 409's description: the consumer is gone or refuses requests
+        self._lost = 0  # requests in a row that expired without their end (no last message, no status) arriving
 
     async def open(self) -> None:
         """Subscribe to the inbox (the server has the subscription before a request is sent)."""
@@ -96,8 +98,15 @@ class PullInbox:
         return [self._waiting.popleft() for _ in range(count)]
 
     async def _request(self, batch: int, expires_s: float, now: float) -> None:
-        if self._open_until is not None and now < self._open_until:
-            return  # the open request still delivers what arrives
+        if self._open_until is not None:
+            if now < self._open_until:
+                return  # the open request still delivers what arrives
+            # Its end never came: lost on its way to the consumer's leader, or its answer on the way back (seen in a
+            # cluster after a member's restart, where every later request was lost too). A new inbox and a fresh
+            # look at the consumer (the caller's resubscription) get past it; waiting does not.
+            self._lost += 1
+            if self._lost >= LOST_LIMIT:
+                raise BusError(f"{self._lost} pull requests in a row went unanswered")
         self._open_until, self._owed, self._conflict = now + expires_s + EXPIRY_GRACE_S, batch, ""
         request = {"batch": batch, "expires": int(expires_s * 1e9)}
         await self.nc.publish(self.next_subject, json.dumps(request).encode(), reply=self._inbox)
@@ -108,9 +117,9 @@ class PullInbox:
             self._waiting.append(msg)
             self._owed -= 1
             if self._owed <= 0:
-                self._open_until = None
+                self._open_until, self._lost = None, 0
         elif status != StatusCode.CONTROL_MESSAGE:  # 404, 408, 409: the request is over
-            self._open_until = None
+            self._open_until, self._lost = None, 0
             if status == StatusCode.CONFLICT:
                 self._conflict = msg.headers.get(Header.DESCRIPTION, "conflict") if msg.headers else "conflict"
         self._arrived.set()

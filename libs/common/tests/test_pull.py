@@ -14,7 +14,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
 
 from reprise_cli.servers import NatsServer
 from reprise_common.errors import BusError
-from reprise_common.pull import PullInbox
+from reprise_common.pull import EXPIRY_GRACE_S, LOST_LIMIT, PullInbox
 
 STREAM, DURABLE = "PULLTEST", "reader"
 
@@ -87,4 +87,38 @@ async def test_a_deleted_consumer_is_an_error_not_a_silent_wait(nc: Client) -> N
     await nc.jetstream().delete_consumer(STREAM, DURABLE)
     with pytest.raises(BusError, match="refused"):
         await asyncio.wait_for(waiting, 5)
+    await inbox.close()
+
+
+async def test_requests_that_go_unanswered_are_an_error_not_an_endless_wait(nc: Client) -> None:
+    """A request whose end never comes was lost (after a cluster member's restart, every later one was too): after
+    LOST_LIMIT of them the fetch fails, so the consumer subscribes again instead of waiting for good."""
+    inbox = await _inbox(nc)
+    inbox.next_subject = "pulltest-black.hole"  # requests that reach no consumer: no messages, no status
+
+    async def swallow(_msg: Msg) -> None:  # a subscriber that never answers (else the server says no responders)
+        return None
+
+    await nc.subscribe(inbox.next_subject, cb=swallow)
+    refused = None
+    for _ in range(LOST_LIMIT + 2):
+        try:
+            await inbox.fetch(10, timeout=0.1, linger=0.05)
+        except TimeoutError:
+            await asyncio.sleep(EXPIRY_GRACE_S + 0.2)  # the request is given up once its grace has passed
+        except BusError as exc:
+            refused = exc
+            break
+    assert refused is not None and "unanswered" in str(refused)
+    await inbox.close()
+
+
+async def test_requests_answered_by_their_expiry_are_no_loss(nc: Client) -> None:
+    inbox = await _inbox(nc)
+    for _ in range(LOST_LIMIT + 2):  # nothing pending: each request ends with a 408 when it expires
+        with pytest.raises(TimeoutError):
+            await inbox.fetch(10, timeout=0.1, linger=0.05)
+        await asyncio.sleep(EXPIRY_GRACE_S + 0.2)
+    await _publish(nc, 0, 3)
+    assert _numbers(await inbox.fetch(10, timeout=2, linger=0.05)) == [0, 1, 2]
     await inbox.close()
