@@ -8,12 +8,13 @@ from __future__ import annotations
 import os
 import secrets
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psycopg
 import pytest
 
+from reprise_cli.creds import Credentials
 from reprise_cli.servers import NatsServer, RedisServer, free_port
 from reprise_orchestrator.settings import OrchestratorSettings
 
@@ -32,6 +33,23 @@ def nats_server(tmp_path: Path) -> Iterator[NatsServer]:
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture
+def start_secured_nats(tmp_path: Path) -> Iterator[Callable[[Credentials], NatsServer]]:
+    """Start a nats-server admitting the identities `reprise creds` made (its accounts and permissions); each one
+    started is stopped at the end of the test."""
+    started: list[NatsServer] = []
+
+    def start(creds: Credentials) -> NatsServer:
+        server = NatsServer.on_free_ports(tmp_path / f"secured-nats-{len(started)}", config=creds.server_config)
+        server.start()
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.stop()
 
 
 @pytest.fixture

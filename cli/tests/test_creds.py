@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import stat
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import nats
@@ -29,11 +29,8 @@ def identities(tmp_path: Path) -> Credentials:
 
 
 @pytest.fixture
-def secured_nats(tmp_path: Path, identities: Credentials) -> Iterator[NatsServer]:
-    server = NatsServer.on_free_ports(tmp_path, config=identities.server_config)
-    server.start()
-    yield server
-    server.stop()
+def secured_nats(identities: Credentials, start_secured_nats: Callable[[Credentials], NatsServer]) -> NatsServer:
+    return start_secured_nats(identities)
 
 
 @pytest.fixture

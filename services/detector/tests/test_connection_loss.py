@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AsyncExitStack
 from pathlib import Path
 
@@ -73,11 +73,8 @@ def creds(tmp_path: Path) -> Credentials:
 
 
 @pytest.fixture
-def secured(tmp_path: Path, creds: Credentials) -> Iterator[NatsServer]:
-    server = NatsServer.on_free_ports(tmp_path, config=creds.server_config)
-    server.start()
-    yield server
-    server.stop()
+def secured(creds: Credentials, start_secured_nats: Callable[[Credentials], NatsServer]) -> NatsServer:
+    return start_secured_nats(creds)
 
 
 class Agents:
