@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -380,5 +381,87 @@ def test_an_agent_killed_9_with_ranks_running_is_recovered_once_when_it_comes_ba
         time.sleep(3)  # nothing else follows
         assert len(client.recoveries(job["id"])) == 1
         assert client.job(job["id"])["state"] == "running"
+    finally:
+        client.close()
+
+
+GLOO_JOB = """
+import os, time
+import torch
+import torch.distributed as dist
+import reprise_sdk
+
+STUCK = os.environ.get("STUCK_RANK") == os.environ["RANK"] and os.environ["REPRISE_RESTART_EPOCH"] == "0"
+
+
+def load_batch(step):
+    while STUCK and step >= 5:  # a data loader that never returns, outside any collective
+        time.sleep(0.05)
+    return torch.ones(4)
+
+
+dist.init_process_group("gloo", init_method="env://")
+step = 0
+while True:
+    step += 1
+    batch = load_batch(step)
+    dist.all_reduce(batch)
+    reprise_sdk.heartbeat(step)
+    time.sleep(0.1)
+"""
+
+
+def test_a_hung_gloo_job_leaves_every_ranks_stack_on_its_incident_naming_the_culprit(
+    stack: Stack, tmp_path: Path
+) -> None:
+    script = tmp_path / "gloo_job.py"
+    script.write_text(GLOO_JOB)
+    client = stack.client()
+
+    def hung_and_recovered(job: dict[str, Any]) -> dict[str, Any]:
+        def stacked() -> dict[str, Any] | None:
+            found = client.incidents(job["id"])
+            if not found:
+                return None
+            detail: dict[str, Any] = client.http.get(f"{client.detector}/v1/incidents/{found[0]['id']}").json()
+            return detail if len(detail["stacks"]) == 2 and detail["stacks_verdict"] else None
+
+        detail = poll(stacked, bool, timeout_s=60)
+        assert detail is not None, client.incidents(job["id"])
+        recovered = poll(lambda: client.recoveries(job["id"]), lambda r: r and r[0]["step"] == "running", timeout_s=90)
+        assert recovered and recovered[0]["step"] == "running", recovered
+        return detail
+
+    def training(job_id: str) -> bool:
+        ranks = [httpx.get(stack.url(f"agent-{n}") + "/v1/status").json()["ranks"] for n in ("node-1", "node-2")]
+        return all(any(r["job_id"] == job_id and (r["step"] or 0) >= 3 for r in found) for found in ranks)
+
+    try:
+        poll(client.nodes, lambda n: len(n) == 3, timeout_s=15)
+        spec = {
+            "node_count": 2,
+            "ranks_per_node": 1,
+            "command": [sys.executable, str(script)],
+            "policy": {"hang_timeout_s": 3, "recovery_time_objective_s": 120},
+        }
+        frozen = client.submit({**spec, "name": "frozen"})
+        assert poll(lambda: training(frozen["id"]), bool, timeout_s=60), "the job never trained"
+        reply = client.inject(InjectFault(kind=FaultKind.RANK_HANG, rank=1, job_id=frozen["id"]), node_id="node-2")
+        assert reply.accepted, reply.detail
+        detail = hung_and_recovered(frozen)
+        assert detail["category"] == "hang"
+        assert (detail["culprit_node_id"], detail["culprit_rank"]) == ("node-2", 1)
+        by_rank = {s["rank"]: s for s in detail["stacks"]}
+        assert [by_rank[r]["node_id"] for r in (0, 1)] == ["node-1", "node-2"]
+        assert by_rank[1]["proc_state"] == "T" and by_rank[0]["waits_in"] == "all_reduce"
+        assert all(s["error"] == "" and s["threads"][0]["frames"] for s in detail["stacks"])
+        assert detail["stacks_verdict"].startswith("rank 1 on node-2: its process is stopped")
+        client.cancel(frozen["id"])
+
+        stuck = client.submit({**spec, "name": "stuck", "env": {"STUCK_RANK": "0"}})
+        detail = hung_and_recovered(stuck)
+        assert (detail["culprit_node_id"], detail["culprit_rank"]) == ("node-1", 0)
+        assert detail["stacks_verdict"].startswith("rank 0 on node-1: its stack is at load_batch (gloo_job.py:")
+        assert "not in all_reduce, where ranks [1] wait" in detail["stacks_verdict"]
     finally:
         client.close()

@@ -47,6 +47,10 @@ def step_lines(recovery: dict[str, Any], origin: datetime, printed: set[tuple[in
     return lines
 
 
+def _stopping(data: dict[str, Any]) -> str:
+    return ": the ranks' Python stacks captured first (a hang)" if data.get("stacks_for") else ""
+
+
 def _isolating(data: dict[str, Any]) -> str:
     if data.get("cordoned"):
         return f": cordoned {data['cordoned']}"
@@ -84,6 +88,7 @@ def _verifying(data: dict[str, Any]) -> str:
 
 
 _DETAILS: dict[str, Callable[[dict[str, Any]], str]] = {
+    "stopping_ranks": _stopping,
     "isolating": _isolating,
     "placing": _placing,
     "restoring": _restoring,

@@ -201,8 +201,10 @@ class Scenario:
             time.sleep(POLL_S)
         if fault.recovery is None or fault.recovery["step"] not in TERMINAL:
             raise DemoFailure(f"no recovery of the {fault.plan.fault} ended within {self.timeout_s:g} s")
-        if fault.incident is None or fault.incident["id"] != fault.recovery.get("incident_id"):
-            fault.incident = self._incident(fault.recovery.get("incident_id")) or fault.incident
+        fault.incident = self._incident(fault.recovery.get("incident_id")) or fault.incident  # as it ended up
+        verdict = (fault.incident or {}).get("stacks_verdict")
+        if verdict:
+            self.say(f"  the ranks' stacks name {verdict}")
         self._after_recovery(fault)
 
     def _after_recovery(self, fault: FaultRun) -> None:

@@ -192,6 +192,43 @@ class RankExited(Event):
     restart_epoch: int | None = Field(default=None, ge=0, description="the launch the process belonged to")
 
 
+STACK_THREADS_MAX = 16  # threads of one rank a stack capture keeps (the main thread first)
+STACK_FRAMES_MAX = 64  # frames of one thread it keeps (innermost first)
+
+
+class StackFrame(Wire):
+    """One Python frame of a captured stack."""
+
+    function: str = Field(max_length=256)
+    file: str = Field(max_length=1024)
+    line: int | None = Field(default=None, ge=0)
+
+
+class ThreadStack(Wire):
+    """One thread of a rank, innermost frame first."""
+
+    thread_id: int = Field(ge=0)
+    name: str = Field(default="", max_length=256)
+    active: bool = Field(default=False, description="running (not idle or waiting) when it was captured")
+    frames: list[StackFrame] = Field(default_factory=list, max_length=STACK_FRAMES_MAX)
+
+
+class RankStacks(Event):
+    """The Python stacks of one rank, captured by its agent before the stop a recovery of a hang ordered."""
+
+    type: Literal["rank.stacks"] = "rank.stacks"
+    node_id: str
+    job_id: str
+    rank: int = Field(ge=0)
+    restart_epoch: int | None = Field(default=None, ge=0, description="the launch the process belonged to")
+    incident_id: str = Field(min_length=1, max_length=128, description="the incident the capture was ordered for")
+    pid: int | None = Field(default=None, ge=0)
+    proc_state: str = Field(default="", max_length=1, description="the process's kernel state (R, S, D, T, ...)")
+    threads: list[ThreadStack] = Field(default_factory=list, max_length=STACK_THREADS_MAX)
+    capture_ms: float = Field(default=0.0, ge=0)
+    error: str = Field(default="", max_length=2000, description="why no stack was captured (no threads then)")
+
+
 class FileDigest(Wire):
     """One checkpoint file's size and digest, computed by the writer while or right after writing it."""
 
@@ -245,6 +282,7 @@ class Category(StrEnum):
     INTERCONNECT = "interconnect"
     NODE = "node"
     APPLICATION = "application"
+    HANG = "hang"  # a job's step progress stopped past its limit (no rank died)
     PROCESS_KILLED = "process_killed"  # a rank ended by SIGKILL from outside (not by the OOM killer)
     EARLY_EXIT = "early_exit"  # a rank exited 0 while the rest of its job went on: the job runs a rank short
     DEPENDENCY = "dependency"
@@ -257,6 +295,7 @@ class Category(StrEnum):
 CAUSE_DEPTH: Mapping[str, int] = {
     Category.UNKNOWN: 1,
     Category.APPLICATION: 1,
+    Category.HANG: 1,
     Category.PROCESS_KILLED: 1,
     Category.EARLY_EXIT: 1,
     Category.DEPENDENCY: 2,
@@ -433,6 +472,7 @@ AnyEvent = Annotated[
     | GpuLost
     | RankExited
     | CheckpointSaved
+    | RankStacks
     | DependencyFailed
     | AgentLifecycle
     | IncidentChange
@@ -451,6 +491,7 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     GpuLost,
     RankExited,
     CheckpointSaved,
+    RankStacks,
     DependencyFailed,
     AgentLifecycle,
     IncidentChange,
@@ -528,10 +569,19 @@ class LaunchArgs(Wire):
     ranks: list[RankAssignment] = Field(min_length=1, description="this node's ranks only")
 
 
+class StackCapture(Wire):
+    """Capture the ranks' Python stacks before stopping them, for an incident, within a bound."""
+
+    incident_id: str = Field(min_length=1, max_length=128)
+    within_s: float = Field(default=2.0, gt=0, le=10, description="the longest the capture may hold the stop")
+
+
 class StopArgs(Wire):
-    """How an agent stops a job's ranks on its node: SIGTERM, then SIGKILL after the grace period."""
+    """How an agent stops a job's ranks on its node: SIGTERM, then SIGKILL after the grace period; first their
+    stacks, when asked (once per incident)."""
 
     grace_s: float = Field(default=5.0, gt=0, le=3600)
+    capture_stacks: StackCapture | None = None
 
 
 class AgentCommand(Wire):

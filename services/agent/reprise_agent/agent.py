@@ -20,6 +20,7 @@ from reprise_agent.outbox import Outbox
 from reprise_agent.progress import ProgressBook, SdkMessage, SdkServer, default_socket_path
 from reprise_agent.ranks import LostRank, RankProcess, RankSupervisor
 from reprise_agent.settings import AgentSettings
+from reprise_agent.stacks import capture, find_py_spy
 from reprise_common import subjects
 from reprise_common.bus import Bus
 from reprise_common.clock import SystemClock
@@ -41,7 +42,9 @@ from reprise_common.events import (
     NodeReport,
     PingCommand,
     RankExited,
+    RankStacks,
     RankStatus,
+    StackCapture,
     StopCommand,
     Wire,
     parse_command,
@@ -51,6 +54,7 @@ from reprise_common.logging import get_logger
 log = get_logger("reprise.agent")
 # After a rank's first heartbeat, how long its node's report waits for its peers' (and so at most 20 extra reports a s)
 EARLY_REPORT_GATHER_S = 0.05
+CAPTURES_REMEMBERED = 256  # incidents whose stacks this agent captured (a repeated stop does not capture again)
 
 
 class Agent:
@@ -74,6 +78,8 @@ class Agent:
             on_exit=self._on_rank_exit,
             tail_lines=settings.log_tail_lines,
         )
+        self.py_spy = find_py_spy(settings.py_spy)
+        self._captured: dict[str, None] = {}  # incident ids, oldest first
         self.book = CommandBook(node_id=self.node_id, state_file=settings.state_dir / "fences.json")
         self.node_lost = False  # set by an injected node loss: from then on the agent publishes nothing
         self.stopping = False  # set by stop(): the last report says so, and then the connection closes
@@ -304,11 +310,44 @@ class Agent:
                 self.progress.begin(command.job_id, assignment.rank, restart_epoch=spec.restart_epoch)
         else:
             grace = command.args.grace_s
+            if command.args.capture_stacks is not None:
+                await self._capture_stacks(command.job_id, command.args.capture_stacks)
             self.depchecks.clear_rendezvous(command.job_id)
             stopped = await self.supervisor.stop(command.job_id, grace_s=grace)
             self.progress.forget(command.job_id)
             data = {"stopped": [{"rank": r.rank, "exit_code": r.exit_code, "signal": r.exit_signal} for r in stopped]}
         return CommandReply(command_id=command.command_id, node_id=self.node_id, result=CommandResult.DONE, data=data)
+
+    async def _capture_stacks(self, job_id: str, order: StackCapture) -> None:
+        """Publish the Python stacks of the job's live ranks here, once per incident, within the order's bound."""
+        if order.incident_id in self._captured:
+            return
+        self._captured[order.incident_id] = None
+        while len(self._captured) > CAPTURES_REMEMBERED:
+            del self._captured[next(iter(self._captured))]
+        ranks = [r for r in self.supervisor.ranks() if r.job_id == job_id and r.alive]
+        found = await capture([r.proc.pid for r in ranks], py_spy=self.py_spy, within_s=order.within_s)
+        for rank in ranks:
+            one = found[rank.proc.pid]
+            event = RankStacks(
+                source=self.node_id,
+                node_id=self.node_id,
+                job_id=job_id,
+                rank=rank.rank,
+                restart_epoch=rank.restart_epoch,
+                incident_id=order.incident_id,
+                pid=one.pid,
+                proc_state=one.proc_state,
+                threads=one.threads,
+                capture_ms=one.took_ms,
+                error=one.error,
+            )
+            self.outbox.put(subjects.node_event(self.node_id, event.type), event)
+        failed = [r.rank for r in ranks if found[r.proc.pid].error]
+        log.info(
+            "rank stacks captured",
+            extra={"job_id": job_id, "incident_id": order.incident_id, "ranks": len(ranks), "failed": failed},
+        )
 
     async def _on_inject(self, data: bytes) -> Wire:
         try:

@@ -42,6 +42,9 @@ class AgentSettings(ServiceSettings):
     )
     dependency_interval_s: float = Field(default=5.0, gt=0)
     dependency_repeat_s: float = Field(default=60.0, gt=0, description="re-report a lasting failure this often")
+    py_spy: Path | None = Field(
+        default=None, description="py-spy for the stacks of hung ranks (default: beside the interpreter, or on PATH)"
+    )
     rendezvous_grace_s: float = Field(
         default=30.0, ge=0, description="how long a new rendezvous master may take to listen"
     )

@@ -42,6 +42,7 @@ from reprise_common.events import (
     NodeReport,
     RankAssignment,
     RankExited,
+    RankStacks,
     ResumeFile,
 )
 from reprise_common.procs import process_alive, start_ticks
@@ -459,3 +460,70 @@ def test_an_agent_restarted_after_its_ranks_died_leaves_a_process_that_reused_th
     finally:
         stranger.kill()
         stranger.wait()
+
+
+LOOPER = [
+    sys.executable,
+    "-c",
+    "import os, time\n"
+    "def wait_for_peers():\n"
+    "    while True:\n"
+    "        time.sleep(0.05)\n"
+    "print('rank', os.environ['RANK'], flush=True)\n"
+    "wait_for_peers()\n",
+]
+
+
+async def test_a_stop_for_a_hang_captures_every_ranks_stack_first_and_once_per_incident(harness: Harness) -> None:
+    reply = await harness.launch(fence=1, command_id="l", command=LOOPER)
+    pids = reply.data["pids"]
+    assert await wait_for(lambda: all(r.tail for r in harness.agent.supervisor.ranks()))
+    os.kill(pids[1], signal.SIGSTOP)  # frozen: its stack is still read, and its state says so
+    began = time.monotonic()
+    capture = {"incident_id": "inc-1", "within_s": 2.0}
+    stopped = await harness.command(CommandAction.STOP, fence=1, command_id="s", grace_s=2.0, capture_stacks=capture)
+    assert stopped.result is CommandResult.DONE and time.monotonic() - began < 2.0 + 2.0 + 1.0
+    assert not any(process_alive(pid) for pid in pids)
+    assert await wait_for(lambda: len(harness.of_type(RankStacks)) == 2)
+    found = sorted((e for e in harness.of_type(RankStacks) if isinstance(e, RankStacks)), key=lambda e: e.rank)
+    assert [(e.rank, e.pid, e.incident_id, e.job_id, e.error) for e in found] == [
+        (0, pids[0], "inc-1", "job-1", ""),
+        (1, pids[1], "inc-1", "job-1", ""),
+    ]
+    assert found[0].proc_state in ("S", "R") and found[1].proc_state == "T"
+    for event in found:
+        assert [f.function for f in event.threads[0].frames[:2]] == ["wait_for_peers", "<module>"]
+
+    await harness.launch(fence=1, command_id="l2", command=LOOPER, restart_epoch=1)
+    again = await harness.command(CommandAction.STOP, fence=1, command_id="s2", grace_s=2.0, capture_stacks=capture)
+    assert again.result is CommandResult.DONE
+    await asyncio.sleep(0.5)
+    assert len(harness.of_type(RankStacks)) == 2  # that incident's stacks were captured already
+
+
+async def test_a_capture_without_py_spy_or_past_its_bound_reports_why_and_the_stop_goes_on(
+    harness: Harness, tmp_path: Path
+) -> None:
+    slow = tmp_path / "py-spy"
+    slow.write_text("#!/bin/sh\nsleep 30\n")
+    slow.chmod(0o755)
+    harness.agent.py_spy = slow
+    reply = await harness.launch(fence=1, command_id="l", command=LOOPER)
+    began = time.monotonic()
+    capture = {"incident_id": "inc-2", "within_s": 0.5}
+    stopped = await harness.command(CommandAction.STOP, fence=1, command_id="s", grace_s=2.0, capture_stacks=capture)
+    assert stopped.result is CommandResult.DONE and time.monotonic() - began < 0.5 + 2.0 + 1.0
+    assert not any(process_alive(pid) for pid in reply.data["pids"])
+    assert await wait_for(lambda: len(harness.of_type(RankStacks)) == 2)
+    assert {e.error for e in harness.of_type(RankStacks) if isinstance(e, RankStacks)} == {
+        "py-spy did not answer within 0.5 s"
+    }
+
+    harness.agent.py_spy = None
+    await harness.launch(fence=1, command_id="l2", command=LOOPER, restart_epoch=1)
+    capture = {"incident_id": "inc-3", "within_s": 0.5}
+    await harness.command(CommandAction.STOP, fence=1, command_id="s2", grace_s=2.0, capture_stacks=capture)
+    assert await wait_for(lambda: len(harness.of_type(RankStacks)) == 4)
+    assert [e.error for e in harness.of_type(RankStacks)[2:] if isinstance(e, RankStacks)] == [
+        "py-spy is not installed on this node"
+    ] * 2

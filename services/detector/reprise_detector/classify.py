@@ -15,7 +15,17 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from reprise_common.errors import ConfigError
-from reprise_common.events import Category, DependencyFailed, GpuLost, GpuXid, RankExited, RecommendedAction, Severity
+from reprise_common.events import (
+    Category,
+    DependencyFailed,
+    GpuLost,
+    GpuXid,
+    RankExited,
+    RankStacks,
+    RecommendedAction,
+    Severity,
+)
+from reprise_detector import stacks
 from reprise_detector.derived import JobHung, NodeLost, RankExitedEarly, RankStraggling
 from reprise_detector.observe import SymptomEvent
 
@@ -126,6 +136,7 @@ class RulesFile(BaseModel):
     job_hung: TemplateRule | None = None
     rank_straggling: TemplateRule | None = None
     rank_exited_early: TemplateRule | None = None
+    rank_stacks: TemplateRule | None = None
 
 
 @dataclass(frozen=True)
@@ -142,6 +153,7 @@ class RuleBook:
     job_hung: TemplateRule
     rank_straggling: TemplateRule
     rank_exited_early: TemplateRule
+    rank_stacks: TemplateRule
     # The rule each rank exit chose, by what the rules look at: a storm's peers fail alike, so they match once.
     _exit_rules: dict[tuple[bool, str | None, int | None, tuple[str, ...]], ExitRule | None] = field(
         default_factory=dict, init=False, repr=False, compare=False
@@ -154,12 +166,13 @@ class RuleBook:
                 return self._xid(event)
             case GpuLost():
                 return self.gpu_lost.apply(_Facts.of(event, reason=event.reason or "no reason given"))
-            case DependencyFailed(job_id=str()):
-                return self.rendezvous_unreachable.apply(_Facts.of(event))
-            case DependencyFailed():
-                return self.dependency_failed.apply(_Facts.of(event))
+            case DependencyFailed():  # a job's own (its rendezvous master), or the node's
+                rule = self.rendezvous_unreachable if event.job_id is not None else self.dependency_failed
+                return rule.apply(_Facts.of(event))
             case RankExited():
                 return self._rank_exited(event)
+            case RankStacks():
+                return self.rank_stacks.apply(_Facts.of(event, summary=stacks.summary(event)))
             case NodeLost() | JobHung() | RankStraggling() | RankExitedEarly():
                 return self._derived(event)
 
@@ -249,11 +262,13 @@ def load_rules(path: Path | None = None) -> RuleBook:
     hung = operator.job_hung or builtin.job_hung
     straggling = operator.rank_straggling or builtin.rank_straggling
     early = operator.rank_exited_early or builtin.rank_exited_early
-    if None in (unknown, lost, dependency, rendezvous, node_lost, hung, straggling, early):
+    stacked = operator.rank_stacks or builtin.rank_stacks
+    if None in (unknown, lost, dependency, rendezvous, node_lost, hung, straggling, early, stacked):
         raise ConfigError(f"built-in {BUILTIN_RULES} lacks a required section")
     assert unknown and lost and dependency and rendezvous and node_lost and hung and straggling and early  # for mypy
+    assert stacked
     exits = (*operator.rank_exited, *builtin.rank_exited)
-    return RuleBook(xids, unknown, lost, dependency, rendezvous, exits, node_lost, hung, straggling, early)
+    return RuleBook(xids, unknown, lost, dependency, rendezvous, exits, node_lost, hung, straggling, early, stacked)
 
 
 def _read(text: str, where: str) -> RulesFile:

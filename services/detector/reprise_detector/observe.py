@@ -8,13 +8,14 @@ from datetime import UTC, datetime, timedelta
 from prometheus_client import Counter
 
 from reprise_common import subjects
-from reprise_common.events import DependencyFailed, Event, GpuLost, GpuXid, RankExited
+from reprise_common.events import DependencyFailed, Event, GpuLost, GpuXid, RankExited, RankStacks
 from reprise_common.logging import get_logger
+from reprise_detector import stacks
 from reprise_detector.derived import DerivedSymptom, JobHung, NodeLost, RankExitedEarly, RankStraggling
 
 log = get_logger("reprise.detector.observe")
 
-AgentSymptom = GpuXid | GpuLost | RankExited | DependencyFailed
+AgentSymptom = GpuXid | GpuLost | RankExited | DependencyFailed | RankStacks
 SymptomEvent = AgentSymptom | DerivedSymptom
 _LOG_TAIL_LINES = 5
 EVENT_TIMES_BOUNDED = Counter(
@@ -72,7 +73,7 @@ def observe(event: Event, subject: str, *, stored_ns: int = 0, skew_s: float = 0
 
     Its time is bounded by its arrival (stored_ns, see bounded_time).
     """
-    if not isinstance(event, GpuXid | GpuLost | RankExited | DependencyFailed):
+    if not isinstance(event, GpuXid | GpuLost | RankExited | DependencyFailed | RankStacks):
         return None
     try:
         node_id = subjects.node_from_agent_subject(subject)
@@ -90,6 +91,8 @@ def observe(event: Event, subject: str, *, stored_ns: int = 0, skew_s: float = 0
             gpu, detail = event.gpu, event.reason
         case RankExited():
             job_id, rank, detail = _job_token(event.job_id), event.rank, "\n".join(event.log_tail[-_LOG_TAIL_LINES:])
+        case RankStacks():
+            job_id, rank, detail = _job_token(event.job_id), event.rank, stacks.summary(event)
         case DependencyFailed():
             detail = f"{event.dependency}: {event.detail}"
             job_id = _job_token(event.job_id) if event.job_id is not None else None

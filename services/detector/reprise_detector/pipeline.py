@@ -25,8 +25,9 @@ from reprise_common.clock import Clock
 from reprise_common.consumer import ACK, Item, Verdict
 from reprise_common.db import session_scope
 from reprise_common.errors import BusError, MalformedEventError
-from reprise_common.events import Event, RankExited
+from reprise_common.events import Culprit, Event, RankExited, RankStacks
 from reprise_common.logging import get_logger
+from reprise_detector import stacks
 from reprise_detector.classify import Classification, RuleBook
 from reprise_detector.correlate import Decision, OutOfPlacement, Target, decide, is_warning, out_of_placement, targets
 from reprise_detector.derived import DerivedSymptom
@@ -312,14 +313,18 @@ class Detector:
     def _apply(self, session: Session, item: Work, target: Target, changes: Changes, now: datetime) -> None:
         observation, classification = item.observation, item.classification
         key = (target.job_id, is_warning(classification))
+        captured = observation.event if isinstance(observation.event, RankStacks) else None
         incident = changes.active.get(key)
-        if incident is None or abs((observation.time - incident.first_symptom_at).total_seconds()) > self.window_s:
+        if captured is not None:  # stacks are evidence for the incident their capture was ordered for, if active
+            incident = service.get_active(session, incident_id=captured.incident_id, job_id=target.job_id)
+        elif incident is None or abs((observation.time - incident.first_symptom_at).total_seconds()) > self.window_s:
             incident = service.get_active_for_job(
                 session, job_id=target.job_id, around=observation.time, window_s=self.window_s, warning=key[1]
             )
         relaunched = self.placements.relaunched_at.get(target.job_id)
         if (
-            incident is not None
+            captured is None
+            and incident is not None
             and relaunched is not None
             and incident.first_symptom_at < relaunched <= observation.time
         ):
@@ -359,6 +364,24 @@ class Detector:
         changes.active[key] = joined
         kind = IncidentChangeKind.OPENED if decision is Decision.OPEN else IncidentChangeKind.UPDATED
         row["change"], row["change_seq"] = kind.value, changes.join(joined, kind)
+        if captured is not None:
+            self._judge_stacks(session, joined, captured, target, now)
+
+    def _judge_stacks(
+        self, session: Session, incident: Incident, captured: RankStacks, target: Target, now: datetime
+    ) -> None:
+        """Keep a rank's stacks with the incident and let all its stacks so far name the culprit (stacks.culprit)."""
+        service.add_stacks(session, incident_id=incident.id, job_id=target.job_id, event=captured, now=now)
+        verdict = stacks.culprit(service.stack_views(session, incident_id=incident.id))
+        if verdict is None:
+            return
+        incident.stacks_verdict = verdict.line()
+        if (incident.culprit_node_id, incident.culprit_rank) != (verdict.node_id, verdict.rank):
+            gpu = self.placements.gpu_of(job_id=target.job_id, node_id=verdict.node_id, rank=verdict.rank)
+            epoch = captured.restart_epoch if verdict.rank == captured.rank else incident.culprit_restart_epoch
+            service.set_culprit(
+                incident, Culprit(node_id=verdict.node_id, gpu=gpu, rank=verdict.rank, restart_epoch=epoch)
+            )
 
     def _replay(self, session: Session, existing: list[Symptom], changes: Changes) -> None:
         for symptom in existing:

@@ -160,7 +160,7 @@ SCENARIOS: list[tuple[Scenario, dict[str, Expect]]] = [
     ),
     (xid_79_then_crashes_on_that_node, {"job-a": Expect(1, "gpu_hardware", ("node-1", 3, 7), "XID 79", symptoms=5)}),
     (node_lost, {"job-a": Expect(1, "node", ("node-2", None, None), "node-2 lost"), "job-b": Expect(0)}),
-    (hang, {"job-a": Expect(1, "application", ("node-1", 1, 1), "hung in training")}),
+    (hang, {"job-a": Expect(1, "hang", ("node-1", 1, 1), "hung in training")}),
     (two_faults_in_two_jobs, {"job-a": Expect(1, "gpu_hardware"), "job-b": Expect(1, "application")}),
     (the_same_event_redelivered, {"job-a": Expect(1, "application", ("node-1", 0, 0), "segmentation", symptoms=1)}),
     (flapping_node, {"job-a": Expect(1, "node", ("node-1", None, None), "node-1 lost", symptoms=5)}),

@@ -10,8 +10,8 @@ import pytest
 
 from reprise_cli.slack_receiver import check_slack_payload
 from reprise_common.events import Category, Culprit, RecommendedAction, Severity
-from reprise_notifier.alerts import slack
-from reprise_notifier.alerts.models import Alert, AlertKind
+from reprise_notifier.alerts import flows, slack, webhook
+from reprise_notifier.alerts.models import Alert, AlertKind, IncidentRecord
 
 WHEN = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 
@@ -164,3 +164,50 @@ def test_each_alert_of_a_coalesced_message_shows_its_own_labels() -> None:
     assert "Labels" not in entries["d2"]  # no labels, no labels line
     last_line = entries["d3"].rsplit("\n", 1)[1]
     assert len(last_line) == slack.LABELS_TEXT and last_line.endswith(slack.ELLIPSIS)
+
+
+@pytest.mark.parametrize(
+    ("category", "dashboard_url", "stacks"),
+    [
+        (Category.HANG, "https://reprise.example", "https://reprise.example/incidents/inc-h1#stacks"),
+        (Category.HANG, "", None),  # no dashboard: no links at all
+        (Category.APPLICATION, "https://reprise.example", None),  # only a hang has stacks to show
+    ],
+)
+def test_a_hang_links_to_the_stacks_of_its_hung_ranks(
+    category: Category, dashboard_url: str, stacks: str | None, make_incident: Any, make_recovery: Any
+) -> None:
+    event = make_incident(incident_id="inc-h1", category=category, root_cause="rank 1 stopped making progress")
+    opened = flows.from_incident(event, dashboard_url=dashboard_url)
+    record = IncidentRecord(
+        id=event.incident_id,
+        job_id=event.job_id,
+        state="open",
+        category=category.value,  # type: ignore[arg-type]  # as SQL reads it back: a plain string
+        severity=Severity.CRITICAL,
+        root_cause=event.root_cause,
+        recommended_action=RecommendedAction.RESTART_JOB,
+        first_symptom_at=event.first_symptom_at,
+        updated_at=event.time,
+    )
+    recovered = flows.from_recovery(make_recovery(event), record, dashboard_url=dashboard_url)
+
+    for alert in (opened, recovered):
+        payload = slack.render([("d1", alert)])
+        _assert_within_limits(payload)
+        buttons = [
+            (e["text"]["text"], e["url"]) for b in payload["blocks"] if b["type"] == "actions" for e in b["elements"]
+        ]
+        links = [("Open incident", f"{dashboard_url}/incidents/inc-h1")] if dashboard_url else []
+        if stacks:
+            links.append(("Stacks of the hung ranks", stacks))
+        assert buttons == links, alert.kind
+
+    coalesced = slack.render([("d1", opened), ("d2", recovered)])
+    _assert_within_limits(coalesced)
+    entries = [b["text"]["text"] for b in coalesced["blocks"] if b["type"] == "section"]
+    shown = [f"<{stacks}|stacks of the hung ranks>" in entry for entry in entries] if stacks else []
+    assert all(shown) and all(("stacks of the hung ranks" in entry) is bool(stacks) for entry in entries), entries
+
+    body = webhook.render([("d1", opened)], message_id="m1", sent_at=WHEN)
+    assert body["alerts"][0]["stacks_link"] == (stacks or "")

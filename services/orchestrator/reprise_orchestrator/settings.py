@@ -28,6 +28,9 @@ class OrchestratorSettings(ServiceSettings, DatabaseSettings, AuthSettings):
     lock_ttl_s: float = Field(default=15.0, gt=0, description="job lock lease; renewed every third of it")
     command_timeout_s: float = Field(default=15.0, gt=0)
     stop_grace_s: float = Field(default=5.0, gt=0)
+    stack_capture_s: float = Field(
+        default=2.0, gt=0, le=10, description="how long a stop for a hang may wait for the ranks' stacks first"
+    )
     node_stale_s: float = Field(default=5.0, gt=0, description="a node without a report for this long is not placeable")
     master_port_base: int = Field(
         default=29500, ge=1024, le=64535, description="rendezvous ports are drawn from this and the 999 above it"

@@ -37,6 +37,7 @@ class Calls:
 
     launches: list[tuple[int, list[str]]] = field(default_factory=list)  # (restart epoch, nodes)
     stops: list[list[str]] = field(default_factory=list)
+    stacks_for: list[str | None] = field(default_factory=list)  # what each stop asked to capture stacks for
     cordons: list[tuple[str, str]] = field(default_factory=list)  # (node, reason)
     uncordons: list[str] = field(default_factory=list)
 
@@ -78,9 +79,12 @@ class SchedulerDouble:
         await self._report()
         return self._done(request.nodes(), f"{operation_id}:launch")
 
-    async def stop(self, job_id: str, node_ids: Sequence[str], *, operation_id: str, fence: int) -> Answers:
+    async def stop(
+        self, job_id: str, node_ids: Sequence[str], *, operation_id: str, fence: int, stacks_for: str | None = None
+    ) -> Answers:
         """Forget the job's ranks on these nodes."""
         CALLS.stops.append(list(node_ids))
+        CALLS.stacks_for.append(stacks_for)
         for node in node_ids:
             self.ranks[node] = [r for r in self.ranks.get(node, []) if r.job_id != job_id]
         return self._done(node_ids, f"{operation_id}:stop")

@@ -23,8 +23,10 @@ from reprise_common import subjects
 from reprise_common.bus import Bus
 from reprise_common.errors import ConfigError
 from reprise_common.events import (
+    Category,
     ComputeSignal,
     ComputeSignalKind,
+    Culprit,
     IncidentChange,
 )
 from reprise_orchestrator.app import create_app
@@ -115,6 +117,36 @@ def test_a_job_is_placed_and_recovered_through_a_backend_named_by_a_setting(
     assert [(s.kind, s.node_id) for s in signals if isinstance(s, ComputeSignal)] == [
         (ComputeSignalKind.NODE_DOWN, "d-3")
     ]
+
+
+def test_the_first_stop_of_a_hangs_recovery_asks_for_the_ranks_stacks_and_a_crashs_does_not(
+    admin_client: AdminClient, nats_server: NatsServer, registry: str, double: object
+) -> None:
+    calls = double.CALLS  # type: ignore[attr-defined]
+    settings = {"compute_backend": "backend_double:create", "registry_url": registry, "stop_grace_s": 1}
+    with admin_client(nats_server.url, **settings) as client:
+        body = {"name": "hangs", "node_count": 2, "command": ["train"], "policy": {"backoff_initial_s": 0}}
+        job = client.post("/v1/jobs", json=body).raise_for_status().json()
+
+        def recoveries() -> list[dict[str, object]]:
+            return list(client.get(f"/v1/jobs/{job['id']}/recoveries").json()["data"])
+
+        hang = incidents.incident(
+            incident_id="inc-hang",
+            job_id=job["id"],
+            category=Category.HANG,
+            root_cause="job hung in training: no step progress for 12.0 s (limit 10.0 s)",
+            culprit=Culprit(node_id="d-2", rank=1),
+        )
+        asyncio.run(_publish(nats_server.url, hang))
+        found = poll(recoveries, lambda r: bool(r) and r[0]["step"] == "running", timeout_s=30)
+        stopping = next(s for s in found[0]["steps"] if s["step"] == "stopping_ranks")
+        assert stopping["data"]["stacks_for"] == "inc-hang"
+
+        crash = incidents.incident(incident_id="inc-crash", job_id=job["id"], culprit=Culprit(node_id="d-1", rank=0))
+        asyncio.run(_publish(nats_server.url, crash))
+        poll(recoveries, lambda r: len(r) == 2 and r[0]["step"] == "running", timeout_s=30)
+    assert calls.stacks_for == ["inc-hang", None]
 
 
 @pytest.mark.parametrize(

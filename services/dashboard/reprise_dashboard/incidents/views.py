@@ -10,6 +10,7 @@ from fastapi.responses import HTMLResponse
 from reprise_common.errors import NotFoundError
 from reprise_common.events import Category
 from reprise_common.settings import IdStr
+from reprise_dashboard.incidents.models import stacks_of
 from reprise_dashboard.jobs.views import recoveries_of, recovery_view
 from reprise_dashboard.render import as_datetime, page
 from reprise_dashboard.runtime import RuntimeDep
@@ -54,7 +55,7 @@ async def incidents_page(
 
 @router.get("/incidents/{incident_id}", response_class=HTMLResponse, summary="An incident with its evidence")
 async def incident_page(incident_id: IdStr, request: Request, runtime: RuntimeDep) -> HTMLResponse:
-    """Root cause, culprit node / GPU / rank, evidence with log tails, suppressed symptoms, action, recovery."""
+    """Root cause, culprit node / GPU / rank, recovery, a hang's stacks, evidence with log tails, suppressed ones."""
     now = runtime.clock.now()
     incident = await runtime.upstreams.get(Service.DETECTOR, f"/v1/incidents/{incident_id}")
     if incident.not_found:
@@ -74,6 +75,7 @@ async def incident_page(incident_id: IdStr, request: Request, runtime: RuntimeDe
         "suppressed": [s for s in symptoms if s.get("decision") == SUPPRESSED],
         "recoveries": recoveries,
         "recovery": recovery,
+        "stacks": incident.map(stacks_of),  # a stack of the wrong shape is named in its section, the rest renders
         "detection_s": detection_seconds(incident.data) if incident.ok else None,
     }
     return page(request, "incident.html", context)

@@ -5,11 +5,11 @@ from __future__ import annotations
 from datetime import datetime
 from enum import StrEnum
 
-from sqlalchemy import Index, String, Text, UniqueConstraint, text
+from sqlalchemy import Column, Index, String, Text, UniqueConstraint, text
 from sqlmodel import Field, SQLModel
 
-from reprise_common.db import UTCDateTime
-from reprise_common.events import Category, RecommendedAction, Severity, new_id
+from reprise_common.db import TypedJSON, UTCDateTime
+from reprise_common.events import Category, RecommendedAction, Severity, ThreadStack, new_id
 
 
 class IncidentState(StrEnum):
@@ -54,6 +54,9 @@ class IncidentBase(SQLModel):
     resolved_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
     root_cause_at: datetime | None = Field(default=None, sa_type=UTCDateTime, description="time of the root symptom")
     acknowledged_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+    stacks_verdict: str = Field(
+        default="", sa_type=Text, description="the rank the captured stacks of a hang name, and why (empty: none)"
+    )
 
 
 class Incident(IncidentBase, table=True):
@@ -127,7 +130,42 @@ class SymptomPublic(SymptomBase):
     id: str
 
 
+# --- stacks ---------------------------------------------------------------------------------------------------
+class RankStackBase(SQLModel):
+    """The Python stacks of one rank, captured before a hang's recovery stopped it."""
+
+    incident_id: str = Field(foreign_key="incident.id", index=True, max_length=32)
+    job_id: str = Field(max_length=64)
+    node_id: str = Field(max_length=64)
+    rank: int
+    restart_epoch: int | None = None
+    pid: int | None = None
+    proc_state: str = Field(default="", max_length=1)
+    waits_in: str | None = Field(default=None, max_length=256, description="the collective its main thread waits in")
+    error: str = Field(default="", sa_type=Text, description="why no stack was captured")
+    capture_ms: float = 0.0
+    captured_at: datetime = Field(sa_type=UTCDateTime)
+    threads: list[ThreadStack] = Field(
+        default_factory=list, sa_column=Column(TypedJSON(list[ThreadStack]), nullable=False)
+    )
+
+
+class RankStack(RankStackBase, table=True):
+    """A rank's stacks, once per event (a redelivery is not stored twice)."""
+
+    __tablename__ = "rank_stack"
+    id: str = Field(default_factory=new_id, primary_key=True, max_length=32)
+    event_id: str = Field(max_length=128, unique=True)
+
+
+class RankStackPublic(RankStackBase):
+    """A rank's stacks as the API returns them."""
+
+    id: str
+
+
 class IncidentDetail(IncidentPublic):
-    """An incident with its symptoms, oldest first."""
+    """An incident with its symptoms, oldest first, and the stacks captured for it, by rank."""
 
     symptoms: list[SymptomPublic]
+    stacks: list[RankStackPublic] = Field(default_factory=list)

@@ -10,9 +10,10 @@ from sqlmodel import Session, col, select
 
 from reprise_common.db import insert_rows, page_newest_first
 from reprise_common.errors import NotFoundError
-from reprise_common.events import Category, Culprit, Severity, new_id
+from reprise_common.events import Category, Culprit, RankStacks, Severity, new_id
+from reprise_detector import stacks
 from reprise_detector.classify import Classification
-from reprise_detector.incidents.models import ACTIVE_STATES, Incident, IncidentState, Symptom
+from reprise_detector.incidents.models import ACTIVE_STATES, Incident, IncidentState, RankStack, Symptom
 from reprise_detector.observe import Observation
 
 
@@ -54,6 +55,14 @@ def get_all(
     return page_newest_first(
         session, query, newest=Incident.opened_at, tiebreak=Incident.id, offset=offset, limit=limit
     )
+
+
+def get_active(session: Session, *, incident_id: str, job_id: str) -> Incident | None:
+    """The incident with this id if it is the job's and still active."""
+    incident = session.get(Incident, incident_id)
+    if incident is None or incident.job_id != job_id or incident.state not in ACTIVE_STATES:
+        return None
+    return incident
 
 
 def get_active_for_job(
@@ -297,3 +306,46 @@ def resolve(session: Session, *, incident_id: str, now: datetime) -> Incident:
         incident.resolved_at = now
         incident.updated_at = now
     return incident
+
+
+def add_stacks(session: Session, *, incident_id: str, job_id: str, event: RankStacks, now: datetime) -> RankStack:
+    """Keep one rank's captured stacks with an incident."""
+    row = RankStack(
+        event_id=event.event_id,
+        incident_id=incident_id,
+        job_id=job_id,
+        node_id=event.node_id,
+        rank=event.rank,
+        restart_epoch=event.restart_epoch,
+        pid=event.pid,
+        proc_state=event.proc_state,
+        waits_in=stacks.waits_in(event.threads),
+        error=event.error,
+        capture_ms=event.capture_ms,
+        captured_at=min(event.time, now),
+        threads=list(event.threads),
+    )
+    session.add(row)
+    session.flush()
+    return row
+
+
+def get_stacks(session: Session, *, incident_id: str) -> list[RankStack]:
+    """The stacks captured for an incident, by rank."""
+    query = select(RankStack).where(RankStack.incident_id == incident_id).order_by(col(RankStack.rank))
+    return list(session.exec(query).all())
+
+
+def stack_views(session: Session, *, incident_id: str) -> list[stacks.StackView]:
+    """What the culprit rule reads of an incident's stacks."""
+    return [
+        stacks.StackView(
+            rank=row.rank,
+            node_id=row.node_id,
+            proc_state=row.proc_state,
+            waits_in=row.waits_in,
+            top=stacks.top_frame(row.threads),
+            error=row.error,
+        )
+        for row in get_stacks(session, incident_id=incident_id)
+    ]

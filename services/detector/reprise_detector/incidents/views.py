@@ -1,4 +1,4 @@
-"""Incident routes: list with filters, read one with its symptoms, resolve."""
+"""Incident routes: list with filters, read one with its symptoms and stacks, resolve."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from reprise_detector.incidents.models import (
     IncidentPublic,
     IncidentsPublic,
     IncidentState,
+    RankStackPublic,
     SymptomPublic,
 )
 from reprise_detector.runtime import RuntimeDep, SessionDep
@@ -61,7 +62,8 @@ def read_incident(session: SessionDep, incident_id: str) -> IncidentDetail:
     """An incident and the symptoms attached to it; 404 if unknown."""
     incident = service.get(session, incident_id=incident_id)
     symptoms = [SymptomPublic.model_validate(s) for s in service.get_symptoms(session, incident_id=incident_id)]
-    return IncidentDetail.model_validate(incident, update={"symptoms": symptoms})
+    stacks = [RankStackPublic.model_validate(s) for s in service.get_stacks(session, incident_id=incident_id)]
+    return IncidentDetail.model_validate(incident, update={"symptoms": symptoms, "stacks": stacks})
 
 
 @router.post("/{incident_id}/acknowledge", summary="Acknowledge an incident (idempotent)")

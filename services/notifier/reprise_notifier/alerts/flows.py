@@ -5,12 +5,22 @@ from __future__ import annotations
 from reprise_common.events import Category, IncidentChange, RecommendedAction, RecoveryChange, Severity
 from reprise_notifier.alerts.models import INCIDENT_KINDS, RECOVERY_KINDS, Alert, AlertKind, IncidentRecord
 
+STACKS_ANCHOR = "stacks"  # the id of the incident page's section that shows the ranks' Python stacks
+
 
 def incident_link(dashboard_url: str, incident_id: str | None) -> str:
     """The incident's page on the dashboard, or "" when there is no dashboard or no incident."""
     if not dashboard_url or not incident_id:
         return ""
     return f"{dashboard_url}/incidents/{incident_id}"
+
+
+def stacks_link(dashboard_url: str, incident_id: str | None, category: Category | None) -> str:
+    """The Stacks section of a hang's incident page, or "" for another category or without a dashboard."""
+    if category is not Category.HANG:
+        return ""
+    link = incident_link(dashboard_url, incident_id)
+    return f"{link}#{STACKS_ANCHOR}" if link else ""
 
 
 def from_incident(event: IncidentChange, *, dashboard_url: str) -> Alert:
@@ -30,6 +40,7 @@ def from_incident(event: IncidentChange, *, dashboard_url: str) -> Alert:
         first_symptom_at=event.first_symptom_at,
         labels=event.labels,
         link=incident_link(dashboard_url, event.incident_id),
+        stacks_link=stacks_link(dashboard_url, event.incident_id, event.category),
     )
 
 
@@ -51,9 +62,10 @@ def from_recovery(event: RecoveryChange, record: IncidentRecord | None, *, dashb
     if record is None:
         return alert
     recovered = kind is AlertKind.RECOVERED
+    category = Category(record.category)  # read back from SQL as plain strings
     return alert.model_copy(
         update={
-            "category": Category(record.category),  # read back from SQL as plain strings
+            "category": category,
             "severity": Severity(record.severity),
             "root_cause": record.root_cause,
             "culprit": record.culprit(),
@@ -61,6 +73,7 @@ def from_recovery(event: RecoveryChange, record: IncidentRecord | None, *, dashb
             "symptom_count": record.symptom_count,
             "first_symptom_at": record.first_symptom_at,
             "time_to_recover_s": time_to_recover(event, record) if recovered else None,
+            "stacks_link": stacks_link(dashboard_url, event.incident_id, category),
         }
     )
 

@@ -64,6 +64,7 @@ class Alert(BaseModel):
     time_to_recover_s: float | None = None
     labels: dict[str, str] = Field(default_factory=dict, description="the job's labels, as the event carried them")
     link: str = Field(default="", description="the incident on the dashboard, when REPRISE_DASHBOARD_URL is set")
+    stacks_link: str = Field(default="", description="the hung ranks' stacks on the incident's page, for a hang")
 
 
 Item = tuple[str, Alert]  # (delivery id, alert): what one send renders

@@ -26,6 +26,7 @@ MAX_DIGEST_ALERTS = 40  # header + context + one section per alert stays under M
 DIGEST_ROOT_CAUSE = 300  # per alert in a coalesced message, so 40 alerts stay a readable size
 LABELS_TEXT = 500  # a job's labels in a message's context: brief, even with 64 long ones
 ELLIPSIS = "…"
+STACKS_LABEL = "Stacks of the hung ranks"  # the link to a hang's stacks on the dashboard
 _PARTIAL_ENTITY = re.compile(r"&[a-z]{0,4}$")
 
 TITLES: dict[AlertKind, str] = {
@@ -73,9 +74,13 @@ def single(delivery_id: str, alert: Alert) -> dict[str, Any]:
         {"type": "section", "fields": [_mrkdwn(fact, MAX_FIELD_TEXT) for fact in facts[:MAX_FIELDS]]},
         {"type": "context", "elements": _context_elements(alert)},
     ]
-    if alert.link and len(alert.link) <= MAX_BUTTON_URL:
-        button = {"type": "button", "text": _plain("Open incident", 75), "url": alert.link}
-        blocks.append({"type": "actions", "elements": [button]})
+    buttons = [
+        {"type": "button", "text": _plain(label, 75), "url": url}
+        for label, url in (("Open incident", alert.link), (STACKS_LABEL, alert.stacks_link))
+        if url and len(url) <= MAX_BUTTON_URL
+    ]
+    if buttons:
+        blocks.append({"type": "actions", "elements": buttons})
     return {"text": fallback_text([(delivery_id, alert)]), "blocks": blocks}
 
 
@@ -194,6 +199,8 @@ def _digest_entry(alert: Alert) -> str:
         facts.append(f"*Time to recover:* {duration_text(alert.time_to_recover_s)}")
     if alert.link:
         facts.append(f"<{alert.link}|open incident>")
+    if alert.stacks_link:
+        facts.append(f"<{alert.stacks_link}|{STACKS_LABEL.lower()}>")
     lines.append(" · ".join(facts))
     if alert.labels:
         lines.append(truncate(f"*Labels:* {labels_text(alert.labels)}", LABELS_TEXT))

@@ -13,7 +13,15 @@ from reprise_common import subjects
 from reprise_common.bus import Bus
 from reprise_common.clock import utcnow
 from reprise_common.errors import BusError
-from reprise_common.events import AgentCommand, CommandReply, LaunchCommand, RankAssignment, StopArgs, StopCommand
+from reprise_common.events import (
+    AgentCommand,
+    CommandReply,
+    LaunchCommand,
+    RankAssignment,
+    StackCapture,
+    StopArgs,
+    StopCommand,
+)
 from reprise_common.logging import get_logger
 from reprise_orchestrator.compute.backend import Answers, LaunchRequest, NodeAnswer, NodePool, SignalSink
 from reprise_orchestrator.nodes.inventory import Inventory
@@ -26,11 +34,20 @@ class AgentsBackend:
 
     name = "agents"
 
-    def __init__(self, *, bus: Bus, inventory: Inventory, command_timeout_s: float, stop_grace_s: float) -> None:
+    def __init__(
+        self,
+        *,
+        bus: Bus,
+        inventory: Inventory,
+        command_timeout_s: float,
+        stop_grace_s: float,
+        stack_capture_s: float = 2.0,
+    ) -> None:
         self.bus = bus
         self.inventory = inventory
         self.command_timeout_s = command_timeout_s
         self.stop_grace_s = stop_grace_s
+        self.stack_capture_s = stack_capture_s
 
     def pool(self, *, exclude: Set[str] = frozenset()) -> NodePool:
         """Nodes with fresh reports and usable GPUs, workers and spares apart."""
@@ -61,17 +78,21 @@ class AgentsBackend:
         }
         return await command_nodes(self.bus, commands, timeout_s=self.command_timeout_s)
 
-    async def stop(self, job_id: str, node_ids: Sequence[str], *, operation_id: str, fence: int) -> Answers:
-        """A stop with the grace period to each node; the wait covers the grace."""
+    async def stop(
+        self, job_id: str, node_ids: Sequence[str], *, operation_id: str, fence: int, stacks_for: str | None = None
+    ) -> Answers:
+        """A stop with the grace period to each node (after the stacks' capture, when asked); the wait covers both."""
         issued_at = utcnow()
-        args = StopArgs(grace_s=self.stop_grace_s)
+        capture = StackCapture(incident_id=stacks_for, within_s=self.stack_capture_s) if stacks_for else None
+        args = StopArgs(grace_s=self.stop_grace_s, capture_stacks=capture)
+        timeout_s = self.command_timeout_s + self.stop_grace_s + (self.stack_capture_s if capture else 0.0)
         commands = {
             node_id: StopCommand(
                 command_id=f"{operation_id}:stop:{node_id}", job_id=job_id, fence=fence, issued_at=issued_at, args=args
             )
             for node_id in dict.fromkeys(node_ids)
         }
-        return await command_nodes(self.bus, commands, timeout_s=self.command_timeout_s + self.stop_grace_s)
+        return await command_nodes(self.bus, commands, timeout_s=timeout_s)
 
     async def cordon(self, node_id: str, *, reason: str) -> None:
         """Nothing to tell the agent: it takes ranks only from launches, and placement leaves cordoned nodes out."""

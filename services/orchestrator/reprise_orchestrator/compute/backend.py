@@ -148,8 +148,14 @@ class ComputeBackend(Protocol):
         """
         ...
 
-    async def stop(self, job_id: str, node_ids: Sequence[str], *, operation_id: str, fence: int) -> Answers:
-        """Stop the job's ranks on these nodes (graceful, then killed), under `fence`; silence counts as stopped."""
+    async def stop(
+        self, job_id: str, node_ids: Sequence[str], *, operation_id: str, fence: int, stacks_for: str | None = None
+    ) -> Answers:
+        """Stop the job's ranks on these nodes (graceful, then killed), under `fence`; silence counts as stopped.
+
+        With `stacks_for` (an incident id: a hang), first capture the ranks' Python stacks as evidence for it (within
+        the backend's bound; a capture that fails is reported and does not keep the ranks alive).
+        """
         ...
 
     async def cordon(self, node_id: str, *, reason: str) -> None:

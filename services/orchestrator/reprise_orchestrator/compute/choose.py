@@ -40,6 +40,7 @@ def _agents(context: BackendContext) -> ComputeBackend:
         inventory=context.inventory,
         command_timeout_s=settings.command_timeout_s,
         stop_grace_s=settings.stop_grace_s,
+        stack_capture_s=settings.stack_capture_s,
     )
 
 

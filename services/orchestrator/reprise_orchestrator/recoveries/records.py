@@ -52,6 +52,7 @@ class Stopped(StepData):
 
     answers: CommandRecord = Field(default_factory=CommandRecord)
     agents_gone: list[str] = Field(default_factory=list)
+    stacks_for: str | None = Field(default=None, description="the incident the ranks' stacks were captured for")
 
 
 class Isolated(StepData):

@@ -354,6 +354,12 @@ def should_cordon(incident: IncidentChange) -> bool:
     return should_exclude(incident) and incident.category is not Category.NODE
 
 
+def stacks_wanted(incident: IncidentChange, *, attempt: int) -> str | None:
+    """The incident to capture the ranks' stacks for before the stop: a hang's, on the recovery's first stop only
+    (later attempts stop ranks of a new epoch, which the hang did not see)."""
+    return incident.incident_id if incident.category is Category.HANG and attempt == 1 else None
+
+
 def cordon_limit(known_nodes: int, share: float) -> int:
     """How many nodes recoveries may cordon per window: the policy's share of the fleet, at least one."""
     return max(1, math.floor(share * known_nodes))

@@ -155,12 +155,15 @@ class RecoverySteps:
     async def stop_ranks(self, run: RecoveryRun) -> StepResult:
         """A fenced stop to every node the job ran on (or was just launched on); silence counts as stopped."""
         node_ids = list(dict.fromkeys([*run.job.nodes(), *(r.node_id for r in run.ranks)]))
-        answers = await self.deps.compute.stop(run.job.id, node_ids, operation_id=run.operation, fence=run.handle.fence)
+        stacks_for = rules.stacks_wanted(run.incident, attempt=run.attempt)
+        answers = await self.deps.compute.stop(
+            run.job.id, node_ids, operation_id=run.operation, fence=run.handle.fence, stacks_for=stacks_for
+        )
         if answers.stale:
             raise FencedOutError("a node refused our fence as stale")
         gone = answers.gone()
         run.exclude |= set(gone)  # no agent listens there: do not wait for the detector to call the node lost
-        return StepResult(Stopped(answers=answers.record(), agents_gone=gone))
+        return StepResult(Stopped(answers=answers.record(), agents_gone=gone, stacks_for=stacks_for))
 
     async def isolate(self, run: RecoveryRun) -> StepResult:
         """Cordon the culprit node of a hardware fault (if the circuit breaker allows); leave a lost node out."""
