@@ -46,6 +46,7 @@ class DrillRunner:
                 raise ConflictError(f"job {job_id} is {job.state.value}: drills need a running job")
             ranks = list(job.placement)
             objective = job.job_spec().policy.recovery_time_objective_s
+            earlier = {r.id for r in recoveries.get_all_by_job(session, job_id=job_id)}  # not this drill's
         target = next((r for r in ranks if r.rank == body.rank), None) if body.rank is not None else ranks[-1]
         if target is None:
             raise ConflictError(f"job {job_id} has no rank {body.rank}")
@@ -75,12 +76,16 @@ class DrillRunner:
         )
         with Session(self.deps.engine) as session:
             drill = service.create(session, drill=drill)
-        task = asyncio.create_task(self._watch(drill.id, job_id, injected_at, objective), name=f"drill:{drill.id}")
+        watch = self._watch(drill.id, job_id, injected_at, objective, earlier=earlier)
+        task = asyncio.create_task(watch, name=f"drill:{drill.id}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return drill
 
-    async def _watch(self, drill_id: str, job_id: str, injected_at: datetime, objective_s: float) -> None:
+    async def _watch(
+        self, drill_id: str, job_id: str, injected_at: datetime, objective_s: float, *, earlier: set[str]
+    ) -> None:
+        """Wait for the recovery the fault caused (one the job did not have before it) and record its timings."""
         deadline = self.deps.clock.monotonic() + max(3 * objective_s, 60.0)
         recovery: Recovery | None = None
         records: list[StepRecord] = []
@@ -88,7 +93,8 @@ class DrillRunner:
             with Session(self.deps.engine) as session:
                 found = recoveries.get_all_by_job(session, job_id=job_id)
                 steps = recoveries.records_of(session, recovery_ids=[r.id for r in found])
-                recovery = next((r for r in found if _after(r, steps.get(r.id, []), injected_at)), None)
+                fresh = [r for r in found if r.id not in earlier]
+                recovery = next((r for r in fresh if _after(r, steps.get(r.id, []), injected_at)), None)
                 records = steps.get(recovery.id, []) if recovery is not None else []
             if recovery is not None and recovery.finished_at is not None:
                 break
@@ -110,8 +116,10 @@ class DrillRunner:
 
 
 def _after(recovery: Recovery, records: list[StepRecord], injected_at: datetime) -> bool:
+    """A recovery detected after the injection (the first symptom may be stamped on another host: 1 s of slack; a
+    recovery the job had before the drill never counts, however recent)."""
     detected = records[0].started_at if records else recovery.started_at
-    return detected >= injected_at - timedelta(seconds=1)  # the first symptom may be stamped on another host
+    return detected >= injected_at - timedelta(seconds=1)
 
 
 def _measure(
