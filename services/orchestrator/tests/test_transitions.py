@@ -18,7 +18,7 @@ from reprise_common.events import Culprit, IncidentChange, RankAssignment
 from reprise_orchestrator import schema
 from reprise_orchestrator.jobs import service as jobs
 from reprise_orchestrator.jobs.models import Job, JobCreate, JobState
-from reprise_orchestrator.recoveries import service
+from reprise_orchestrator.recoveries import service, views
 from reprise_orchestrator.recoveries.models import Recovery
 from reprise_orchestrator.recoveries.records import Baseline, Locked, StepRecord, Stopped, Then, Verified
 from reprise_orchestrator.recoveries.rules import Decision, Proposal, Reason
@@ -127,3 +127,24 @@ def test_a_fenced_out_writer_changes_nothing_and_an_end_finishes_recovery_and_jo
         recovery = session.get_one(Recovery, "rec")
         assert (recovery.step, recovery.outcome) == (S.FAILED, Outcome.CANCELLED) and recovery.finished_at is not None
         assert jobs.get(session, job_id=job.id).state is JobState.FAILED
+
+
+def test_a_recovery_read_while_it_moves_shows_only_the_steps_its_row_knows(
+    claimed: tuple[Engine, Job, IncidentChange], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine, job, incident = claimed
+    read_rows = service.get_all_by_job
+
+    def rows_then_a_move(session: Session, *, job_id: str) -> object:
+        found = read_rows(session, job_id=job_id)  # the API's first read, then another session moves the recovery on
+        assert _move(engine, _proposal(job, incident, S.LOCKED, S.STOPPING_RANKS)) is Decision.ACCEPT
+        return found
+
+    monkeypatch.setattr(service, "get_all_by_job", rows_then_a_move)
+    with Session(engine) as session:
+        [shown] = views.job_recoveries(job.id, session).data
+    assert shown.step is S.LOCKED and [r.step for r in shown.steps] == [S.DETECTED, S.LOCKED]
+    monkeypatch.setattr(service, "get_all_by_job", read_rows)
+    with Session(engine) as session:  # the next read shows the move whole
+        [after] = views.job_recoveries(job.id, session).data
+    assert after.step is S.STOPPING_RANKS and [r.step for r in after.steps][-1] is S.STOPPING_RANKS

@@ -52,10 +52,23 @@ def records(session: Session, *, recovery_id: str) -> list[StepRecord]:
 
 def records_of(session: Session, *, recovery_ids: Iterable[str]) -> dict[str, list[StepRecord]]:
     """The steps of each of these recoveries, in order, in one query."""
+    return {rid: [row.record() for row in rows] for rid, rows in _step_rows(session, recovery_ids).items()}
+
+
+def records_as_read(session: Session, recoveries: Sequence[Recovery]) -> dict[str, list[StepRecord]]:
+    """The steps of recoveries read just before, up to the newest step each row had then (`seq`): a transition
+    committed between the two reads (each statement sees its own snapshot) must not show a step the recovery's row
+    does not know yet."""
+    upto = {r.id: r.seq for r in recoveries}
+    rows = _step_rows(session, upto)
+    return {rid: [row.record() for row in found if row.seq <= upto[rid]] for rid, found in rows.items()}
+
+
+def _step_rows(session: Session, recovery_ids: Iterable[str]) -> dict[str, list[RecoveryStepRow]]:
     query = select(RecoveryStepRow).where(col(RecoveryStepRow.recovery_id).in_(list(recovery_ids)))
-    found: dict[str, list[StepRecord]] = {}
+    found: dict[str, list[RecoveryStepRow]] = {}
     for row in session.exec(query.order_by(col(RecoveryStepRow.recovery_id), col(RecoveryStepRow.seq))).all():
-        found.setdefault(row.recovery_id, []).append(row.record())
+        found.setdefault(row.recovery_id, []).append(row)
     return found
 
 

@@ -24,6 +24,6 @@ def job_recoveries(job_id: str, session: SessionDep) -> RecoveriesPublic:
     """A job's recoveries with every step's start, end and typed result."""
     jobs.get(session, job_id=job_id)
     found = service.get_all_by_job(session, job_id=job_id)
-    steps = service.records_of(session, recovery_ids=[r.id for r in found])
+    steps = service.records_as_read(session, found)
     data = [RecoveryPublic.model_validate(r.model_dump() | {"steps": steps.get(r.id, [])}) for r in found]
     return RecoveriesPublic(data=data, count=len(data))
