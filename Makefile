@@ -14,7 +14,7 @@ NODES ?= 4
 SPARES ?= 1
 
 .PHONY: venv test lint typecheck pytest chaos soak up demo clean bench-agent bench-sdk bench-registry bench-detector bench-orchestrator \
-	bench-orchestrator-concurrent bench-vs-torchrun
+	bench-orchestrator-concurrent bench-vs-torchrun bench-hang-limits
 
 venv: $(STAMP)
 
@@ -73,6 +73,10 @@ bench-orchestrator: $(STAMP)
 # Only the concurrent scenario → bench/results/orchestrator-concurrent.json (orchestrator.json is left as it is)
 bench-orchestrator-concurrent: $(STAMP)
 	$(BIN)/python -m bench.bench_orchestrator --scenario concurrent
+
+# Hang limits without a job's own: no false alarm over 32 min of training, and how soon a frozen rank is called hung
+bench-hang-limits: $(STAMP)
+	$(BIN)/python -m bench.hang_limits
 
 bench-vs-torchrun: $(STAMP)
 	$(BIN)/python -m bench.bench_vs_torchrun

@@ -69,6 +69,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     parser.add_argument("--dataset-size", type=int, default=4096, help="synthetic samples, reshuffled each epoch")
     parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep per step (fault demos)")
+    parser.add_argument(
+        "--eval-every", type=int, default=0, help="every K steps an evaluation phase of --eval-s seconds (0: never)"
+    )
+    parser.add_argument("--eval-s", type=float, default=0.0, help="how long each evaluation phase lasts (it sleeps)")
+    parser.add_argument(
+        "--slow-every", type=int, default=0, help="every K steps a slow step of 2 to --slow-max times the step sleep"
+    )
+    parser.add_argument("--slow-max", type=float, default=5.0, help="the slowest slow step, in step sleeps")
     parser.add_argument("--output", type=Path, help="rank 0 writes the final state_dict here (torch.save)")
     parser.add_argument(
         "--resume-latest",
@@ -308,7 +316,10 @@ def run(args: argparse.Namespace) -> str:
             if rank0:
                 print(f"step {trainer.step} loss {loss:.4f}: checkpoint {saved}", flush=True)
         if args.step_sleep:
-            time.sleep(args.step_sleep)
+            time.sleep(args.step_sleep * slowdown(args, trainer.step))
+        if args.eval_every and trainer.step % args.eval_every == 0:
+            with reprise_sdk.phase("eval"):  # a long evaluation is not a hang
+                time.sleep(args.eval_s)
     digest = parameters_sha256(trainer.ddp.module)
     if rank0:
         elapsed = time.perf_counter() - began
@@ -317,6 +328,16 @@ def run(args: argparse.Namespace) -> str:
             write_output(trainer.ddp.module, args.output)
         print(f"params-sha256 {digest}", flush=True)
     return digest
+
+
+def slowdown(args: argparse.Namespace, step: int) -> float:
+    """How many step sleeps this step sleeps: 1, or on every --slow-every-th step 2 to --slow-max, drawn from the
+    seed and the step (every rank alike; the sleeps change no number)."""
+    if not args.slow_every or step % args.slow_every:
+        return 1.0
+    draw = random.Random(args.seed * 1_000_003 + step).random()  # noqa: S311 - a schedule, not a secret
+    slowest = max(float(args.slow_max), 2.0)
+    return 2.0 + draw * (slowest - 2.0)
 
 
 def write_output(module: nn.Module, output: Path) -> None:

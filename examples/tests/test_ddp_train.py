@@ -222,3 +222,14 @@ def test_an_uncommitted_or_foreign_checkpoint_is_refused(
         example.read_checkpoint(str(torn), config)
     with pytest.raises(SystemExit, match="was written with"):
         example.read_checkpoint(str(committed), dataclasses.replace(config, seed=1))
+
+
+def test_slow_steps_come_every_kth_step_at_2_to_slow_max_step_sleeps(monkeypatch: pytest.MonkeyPatch) -> None:
+    example = load_example(monkeypatch)
+    args = example.parse_args(["--slow-every", "5", "--slow-max", "4", "--seed", "3"])
+    factors = [example.slowdown(args, step) for step in range(1, 101)]
+    slow = [f for step, f in enumerate(factors, start=1) if step % 5 == 0]
+    assert all(f == 1.0 for step, f in enumerate(factors, start=1) if step % 5)
+    assert len(slow) == 20 and all(2.0 <= f <= 4.0 for f in slow) and len(set(slow)) > 10
+    assert slow == [example.slowdown(args, step) for step in range(5, 101, 5)]  # the same on every rank
+    assert example.slowdown(example.parse_args([]), 5) == 1.0  # no slow steps unless asked

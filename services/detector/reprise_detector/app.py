@@ -66,6 +66,8 @@ def build_runtime(settings: DetectorSettings, clock: Clock) -> Runtime:
         k=settings.hang_k,
         startup_s=settings.hang_startup_s,
         checkpointing_s=settings.hang_checkpointing_s,
+        evaluating_s=settings.hang_evaluating_s,
+        loading_data_s=settings.hang_loading_data_s,
     )
     watcher = Watcher(
         detector=detector,

@@ -22,6 +22,9 @@ from reprise_common.report_view import RankSeen
 from reprise_detector.derived import JobHung, RankStraggling
 
 STARTUP, CHECKPOINTING = "startup", "checkpointing"
+# The SDK's phase names (reprise_sdk.phase) that have limits of their own; any other phase is timed as training.
+EVALUATING = frozenset({"eval", "evaluation", "evaluating", "validation"})
+LOADING_DATA = frozenset({"data_loading", "loading_data", "dataloading"})
 RankProgress = RankSeen | RankStatus  # a rank's status as a report read on the hot path, or as the schema builds it
 
 
@@ -139,6 +142,8 @@ class LimitReason(StrEnum):
 
     STARTUP = "startup"  # still starting: its own, long limit
     CHECKPOINTING = "checkpointing"  # saving a checkpoint: its own limit
+    EVALUATING = "evaluating"  # an evaluation pass: its own limit
+    LOADING_DATA = "loading_data"  # (re)building a data loader or reading a shard: its own limit
     LEARNED = "learned"  # k x the job's rolling p99 step time
     FLOOR = "floor"  # the learned limit would be shorter than the floor (or nothing is learned yet)
     OVERRIDE = "override"  # the job's own fixed timeout
@@ -148,19 +153,38 @@ class LimitReason(StrEnum):
 class HangLimits:
     """Defaults, and a job's own values where it set them."""
 
-    floor_s: float = 60.0
-    k: float = 10.0
+    floor_s: float = 15.0
+    k: float = 3.0
     startup_s: float = 900.0
     checkpointing_s: float = 1800.0
+    evaluating_s: float = 1800.0
+    loading_data_s: float = 900.0
     timeout_s: float | None = None
+
+    def of_phase(self, reason: LimitReason) -> float:
+        """The limit of a phase that has its own (PHASE_LIMITS)."""
+        return {
+            LimitReason.STARTUP: self.startup_s,
+            LimitReason.CHECKPOINTING: self.checkpointing_s,
+            LimitReason.EVALUATING: self.evaluating_s,
+            LimitReason.LOADING_DATA: self.loading_data_s,
+        }[reason]
+
+
+PHASE_LIMITS: Mapping[str, LimitReason] = {
+    STARTUP: LimitReason.STARTUP,
+    CHECKPOINTING: LimitReason.CHECKPOINTING,
+    "restoring": LimitReason.CHECKPOINTING,  # reading a checkpoint back (examples/ddp_train.py): checkpoint I/O too
+    **dict.fromkeys(EVALUATING, LimitReason.EVALUATING),
+    **dict.fromkeys(LOADING_DATA, LimitReason.LOADING_DATA),
+}
 
 
 def limit_for(track: RankTrack, job_p99_s: float | None, limits: HangLimits) -> tuple[float, LimitReason, float]:
     """(limit, why, since): the stall limit for a rank in its phase, and the monotonic time its stall is timed from."""
-    if track.phase == STARTUP:
-        return limits.startup_s, LimitReason.STARTUP, track.phase_since
-    if track.phase == CHECKPOINTING:
-        return limits.checkpointing_s, LimitReason.CHECKPOINTING, track.phase_since
+    own = PHASE_LIMITS.get(track.phase)
+    if own is not None:  # a phase with a limit of its own, timed from the phase's start
+        return limits.of_phase(own), own, track.phase_since
     since = max(track.advanced_at, track.phase_since)  # leaving a long phase restarts the clock
     if limits.timeout_s is not None:
         return limits.timeout_s, LimitReason.OVERRIDE, since

@@ -61,12 +61,24 @@ class DetectorSettings(ServiceSettings, DatabaseSettings, AuthSettings):
         description="how often hangs are checked (a pass costs O(jobs); a job's ranks are looked at "
         "closely only once one can have passed its limit)",
     )
-    hang_floor_s: float = Field(default=60.0, gt=0, description="a training job never counts as hung sooner than this")
-    hang_k: float = Field(
-        default=10.0, gt=0, description="hung after k x the job's rolling p99 step time (or the floor)"
+    hang_floor_s: float = Field(
+        default=15.0, gt=0, le=86400, description="a training job never counts as hung sooner than this"
     )
-    hang_startup_s: float = Field(default=900.0, gt=0, description="the limit for ranks still in the startup phase")
-    hang_checkpointing_s: float = Field(default=1800.0, gt=0, description="the limit while a rank is checkpointing")
+    hang_k: float = Field(
+        default=3.0, gt=0, le=1000, description="hung after k x the job's rolling p99 step time (or the floor)"
+    )
+    hang_startup_s: float = Field(
+        default=900.0, gt=0, le=86400, description="the limit for ranks still in the startup phase"
+    )
+    hang_checkpointing_s: float = Field(
+        default=1800.0, gt=0, le=86400, description="the limit while a rank is checkpointing"
+    )
+    hang_evaluating_s: float = Field(
+        default=1800.0, gt=0, le=86400, description="the limit while a rank evaluates (phase eval, validation, ...)"
+    )
+    hang_loading_data_s: float = Field(
+        default=900.0, gt=0, le=86400, description="the limit while a rank loads data (phase data_loading, ...)"
+    )
     straggler_factor: float = Field(default=1.5, gt=1, description="a rank this many times the job median is slow")
     straggler_reports: int = Field(default=5, ge=1, description="consecutive slow reports before a straggler warning")
     reputation_xid: int = Field(default=48, ge=0, description="the XID whose repeats on one node recommend quarantine")

@@ -228,6 +228,8 @@ class Watcher:
                 k=row.k or defaults.k,
                 startup_s=row.startup_s or defaults.startup_s,
                 checkpointing_s=row.checkpointing_s or defaults.checkpointing_s,
+                evaluating_s=row.evaluating_s or defaults.evaluating_s,
+                loading_data_s=row.loading_data_s or defaults.loading_data_s,
                 timeout_s=row.timeout_s or defaults.timeout_s,
             )
             for row in rows

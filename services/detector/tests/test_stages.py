@@ -24,6 +24,7 @@ from reprise_detector.progress import (
     StragglerVerdict,
     StragglerWatch,
 )
+from reprise_detector.settings import DetectorSettings
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -94,7 +95,7 @@ def _status(rank: int, step: int | None, phase: str = "training", **extra: float
     return RankStatus(job_id="job-a", rank=rank, step=step, phase=phase, heartbeat_age_s=0.0, **extra)  # type: ignore[arg-type]
 
 
-LIMITS = HangLimits(floor_s=10, k=5, startup_s=100, checkpointing_s=200)
+LIMITS = HangLimits(floor_s=10, k=5, startup_s=100, checkpointing_s=200, evaluating_s=300, loading_data_s=400)
 # phase, p99 step time, override timeout, seconds stalled, hung?, limit reason
 HANG_TABLE = [
     ("training", 1.0, None, 9.0, False, LimitReason.FLOOR),
@@ -107,7 +108,19 @@ HANG_TABLE = [
     ("startup", None, None, 101.0, True, LimitReason.STARTUP),
     ("checkpointing", 1.0, None, 150.0, False, LimitReason.CHECKPOINTING),
     ("checkpointing", 1.0, None, 201.0, True, LimitReason.CHECKPOINTING),
+    ("eval", 1.0, None, 299.0, False, LimitReason.EVALUATING),
+    ("validation", 1.0, 30.0, 301.0, True, LimitReason.EVALUATING),  # a phase's own limit outlasts an override
+    ("data_loading", 1.0, None, 399.0, False, LimitReason.LOADING_DATA),
+    ("data_loading", 1.0, None, 401.0, True, LimitReason.LOADING_DATA),
+    ("warmup", 1.0, None, 11.0, True, LimitReason.FLOOR),  # a phase without a limit of its own is training
 ]
+
+
+def test_the_default_limits_call_a_hang_within_3x_the_p99_step_time_or_15_s() -> None:
+    defaults = HangLimits()
+    assert (defaults.floor_s, defaults.k) == (15.0, 3.0)
+    settings = DetectorSettings()
+    assert (settings.hang_floor_s, settings.hang_k) == (defaults.floor_s, defaults.k)
 
 
 @pytest.mark.parametrize("case", HANG_TABLE, ids=str)

@@ -63,14 +63,21 @@ class QuarantinePublic(QuarantineBase):
     id: str
 
 
+DAY_S = 86400.0  # the longest hang limit a job may set
+
+
 class HangPolicyBase(SQLModel):
     """A job's own hang limits; a field left null keeps the detector's default."""
 
-    timeout_s: float | None = Field(default=None, gt=0, description="fixed training limit (replaces k x p99)")
-    floor_s: float | None = Field(default=None, gt=0)
-    k: float | None = Field(default=None, gt=0)
-    startup_s: float | None = Field(default=None, gt=0)
-    checkpointing_s: float | None = Field(default=None, gt=0)
+    timeout_s: float | None = Field(default=None, gt=0, le=DAY_S, description="fixed training limit (replaces k x p99)")
+    floor_s: float | None = Field(default=None, gt=0, le=DAY_S)
+    k: float | None = Field(default=None, gt=0, le=1000)
+    startup_s: float | None = Field(default=None, gt=0, le=DAY_S)
+    checkpointing_s: float | None = Field(default=None, gt=0, le=DAY_S)
+    evaluating_s: float | None = Field(
+        default=None, gt=0, le=DAY_S, description="while the rank's phase is eval, evaluation or validation"
+    )
+    loading_data_s: float | None = Field(default=None, gt=0, le=DAY_S, description="while its phase is data_loading")
 
 
 class HangPolicy(HangPolicyBase, table=True):
