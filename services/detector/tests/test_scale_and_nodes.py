@@ -121,12 +121,16 @@ async def test_node_health_lists_reporting_nodes(detector: Harness) -> None:
 async def test_a_hang_policy_can_be_set_read_and_must_be_valid(detector: Harness) -> None:
     c = detector.client
     assert (await c.get("/v1/jobs/job-a/hang-policy")).status_code == 404
-    put = await c.put("/v1/jobs/job-a/hang-policy", json={"timeout_s": 120, "startup_s": 600})
+    body = {"timeout_s": 120, "startup_s": 600, "evaluating_s": 3000, "loading_data_s": 50}
+    put = await c.put("/v1/jobs/job-a/hang-policy", json=body)
     assert put.status_code == 200 and put.json()["timeout_s"] == 120 and put.json()["k"] is None
     assert (await c.get("/v1/jobs/job-a/hang-policy")).json()["startup_s"] == 600
-    assert (await c.put("/v1/jobs/job-a/hang-policy", json={"timeout_s": -1})).status_code == 422
+    for bad in ({"timeout_s": -1}, {"evaluating_s": 86401}, {"k": 1e6}):
+        assert (await c.put("/v1/jobs/job-a/hang-policy", json=bad)).status_code == 422, bad
     limits = await detector.runtime.watcher.overrides()
     assert limits["job-a"].timeout_s == 120 and limits["job-a"].startup_s == 600
+    assert (limits["job-a"].evaluating_s, limits["job-a"].loading_data_s) == (3000, 50)
+    assert limits["job-a"].checkpointing_s == detector.runtime.watcher.hangs.defaults.checkpointing_s
 
 
 async def test_a_placement_carries_the_jobs_hang_timeout_and_rest_overrides_win(detector: Harness) -> None:

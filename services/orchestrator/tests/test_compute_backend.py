@@ -146,7 +146,22 @@ def test_the_first_stop_of_a_hangs_recovery_asks_for_the_ranks_stacks_and_a_cras
         crash = incidents.incident(incident_id="inc-crash", job_id=job["id"], culprit=Culprit(node_id="d-1", rank=0))
         asyncio.run(_publish(nats_server.url, crash))
         poll(recoveries, lambda r: len(r) == 2 and r[0]["step"] == "running", timeout_s=30)
-    assert calls.stacks_for == ["inc-hang", None]
+
+        # A hang the policy does not let recover (no restart allowed): the ranks it stops for good leave stacks too.
+        client.post(f"/v1/jobs/{job['id']}/cancel").raise_for_status()  # its nodes for the next job (a stop too)
+        refused = {**body, "name": "hangs-once", "policy": {"max_restarts": 0}}
+        held = client.post("/v1/jobs", json=refused).raise_for_status().json()
+        held_hang = incidents.incident(
+            incident_id="inc-held", job_id=held["id"], category=Category.HANG, culprit=Culprit(node_id="d-1", rank=0)
+        )
+        asyncio.run(_publish(nats_server.url, held_hang))
+
+        def ended() -> list[dict[str, object]]:
+            return list(client.get(f"/v1/jobs/{held['id']}/recoveries").json()["data"])
+
+        poll(ended, lambda r: bool(r) and r[0]["step"] in ("failed", "held"), timeout_s=30)
+        poll(lambda: len(calls.stacks_for), lambda n: n == 4, timeout_s=10)  # the stop follows the recorded end
+    assert calls.stacks_for == ["inc-hang", None, None, "inc-held"]
 
 
 @pytest.mark.parametrize(

@@ -248,10 +248,14 @@ class RecoveryFlow:
         )
 
     async def _wind_down(self, run: RecoveryRun) -> None:
-        """A job that failed or waits for a human runs nothing: stop what is left and tell the detector."""
+        """A job that failed or waits for a human runs nothing: stop what is left (a hang's ranks' stacks first, when
+        the recovery never stopped them: the person it waits for wants them most) and tell the detector."""
         node_ids = list(dict.fromkeys([*run.job.nodes(), *(r.node_id for r in run.ranks)]))
         operation = f"{run.recovery_id}:end"
-        await self.deps.compute.stop(run.job.id, node_ids, operation_id=operation, fence=run.handle.fence)
+        stacks_for = rules.stacks_wanted(run.incident, attempt=run.attempt)  # an agent captures once per incident
+        await self.deps.compute.stop(
+            run.job.id, node_ids, operation_id=operation, fence=run.handle.fence, stacks_for=stacks_for
+        )
         await publish_inactive(self.deps.bus, run.job, msg_id=f"{run.recovery_id}:inactive")
 
     async def _publish(
