@@ -22,6 +22,7 @@ from reprise_common.report_view import RankSeen
 from reprise_detector.derived import JobHung, RankStraggling
 
 STARTUP, CHECKPOINTING = "startup", "checkpointing"
+STOPPED_STATES = frozenset({"T", "t"})  # stopped by a signal or a tracer: no phase of its own applies then
 # The SDK's phase names (reprise_sdk.phase) that have limits of their own; any other phase is timed as training.
 EVALUATING = frozenset({"eval", "evaluation", "evaluating", "validation"})
 LOADING_DATA = frozenset({"data_loading", "loading_data", "dataloading"})
@@ -44,6 +45,7 @@ class RankTrack(msgspec.Struct, gc=False):
     step_time_s: float | None  # the latest step time reported (last, else p50)
     slow_streak: int = 0
     straggling: bool = False
+    stopped_since: float | None = None  # monotonic time its process was first seen stopped (state T/t), in a row
 
     @property
     def step(self) -> int | None:
@@ -106,6 +108,7 @@ class ProgressBook:
             phase_since = now - (status.phase_age_s or 0.0)
             advanced = now - (status.heartbeat_age_s or 0.0) if status.step is not None else phase_since
             track = RankTrack(status, node_id, advanced, phase_since, status.cpu_s, status.step_time_p99_s, step_time)
+            track.stopped_since = now if status.proc_state in STOPPED_STATES else None
             job.ranks[status.rank] = track
             job.next_check = 0.0
             return job, track
@@ -129,6 +132,11 @@ class ProgressBook:
             track.p99_s = status.step_time_p99_s
         if step_time:
             track.step_time_s = step_time
+        if status.proc_state not in STOPPED_STATES:
+            track.stopped_since = None
+        elif track.stopped_since is None or seen.proc_state not in STOPPED_STATES:
+            track.stopped_since = now
+            job.next_check = 0.0  # a stopped process is timed as training, whatever its phase
         return job, track
 
     def forget(self, job_id: str) -> None:
@@ -183,9 +191,12 @@ PHASE_LIMITS: Mapping[str, LimitReason] = {
 def limit_for(track: RankTrack, job_p99_s: float | None, limits: HangLimits) -> tuple[float, LimitReason, float]:
     """(limit, why, since): the stall limit for a rank in its phase, and the monotonic time its stall is timed from."""
     own = PHASE_LIMITS.get(track.phase)
-    if own is not None:  # a phase with a limit of its own, timed from the phase's start
+    if own is None:
+        since = max(track.advanced_at, track.phase_since)  # leaving a long phase restarts the clock
+    elif track.stopped_since is not None:  # stopped, it makes no progress in its phase either: the training
+        since = max(track.advanced_at, track.stopped_since)  # limit, from when it was first seen stopped
+    else:  # a phase with a limit of its own, timed from the phase's start
         return limits.of_phase(own), own, track.phase_since
-    since = max(track.advanced_at, track.phase_since)  # leaving a long phase restarts the clock
     if limits.timeout_s is not None:
         return limits.timeout_s, LimitReason.OVERRIDE, since
     learned = limits.k * job_p99_s if job_p99_s else 0.0

@@ -116,6 +116,25 @@ HANG_TABLE = [
 ]
 
 
+def test_a_rank_stopped_in_a_long_phase_is_timed_as_training_from_when_it_was_seen_stopped() -> None:
+    clock = ManualClock(T0)
+    book = ProgressBook(clock)
+    watch = HangWatch(clock=clock, book=book, defaults=LIMITS)
+    for rank in range(2):
+        book.update("node-1", _status(rank, 7, "eval", phase_age_s=0.0, proc_state="S"))
+    clock.advance(60)  # a minute into the evaluation (its own limit: 300 s), rank 1 is frozen
+    book.update("node-1", _status(0, 7, "eval", phase_age_s=60.0, proc_state="S"))
+    book.update("node-1", _status(1, 7, "eval", phase_age_s=60.0, proc_state="T"))
+    clock.advance(LIMITS.floor_s - 1)
+    book.update("node-1", _status(1, 7, "eval", phase_age_s=69.0, proc_state="T"))
+    assert watch.check() == []  # stopped for less than the training limit
+    clock.advance(2)
+    book.update("node-1", _status(1, 7, "eval", phase_age_s=71.0, proc_state="T"))
+    [hung] = watch.check()
+    assert (hung.rank, hung.limit_reason, hung.phase) == (1, LimitReason.FLOOR.value, "eval")
+    assert "stopped" in hung.culprit_reason
+
+
 def test_the_default_limits_call_a_hang_within_3x_the_p99_step_time_or_15_s() -> None:
     defaults = HangLimits()
     assert (defaults.floor_s, defaults.k) == (15.0, 3.0)
