@@ -19,10 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from reprise_common.events import STACK_FRAMES_MAX, STACK_THREADS_MAX, StackFrame, ThreadStack
-from reprise_common.logging import get_logger
 from reprise_common.procs import sample_process, signal_group, start_ticks
-
-log = get_logger("reprise.agent.stacks")
 
 
 def find_py_spy(configured: Path | None = None) -> Path | None:

@@ -171,12 +171,16 @@ class HangLimits:
 
     def of_phase(self, reason: LimitReason) -> float:
         """The limit of a phase that has its own (PHASE_LIMITS)."""
-        return {
-            LimitReason.STARTUP: self.startup_s,
-            LimitReason.CHECKPOINTING: self.checkpointing_s,
-            LimitReason.EVALUATING: self.evaluating_s,
-            LimitReason.LOADING_DATA: self.loading_data_s,
-        }[reason]
+        value: float = getattr(self, PHASE_FIELDS[reason])
+        return value
+
+
+PHASE_FIELDS: Mapping[LimitReason, str] = {  # the HangLimits field of each phase with a limit of its own
+    LimitReason.STARTUP: "startup_s",
+    LimitReason.CHECKPOINTING: "checkpointing_s",
+    LimitReason.EVALUATING: "evaluating_s",
+    LimitReason.LOADING_DATA: "loading_data_s",
+}
 
 
 PHASE_LIMITS: Mapping[str, LimitReason] = {
