@@ -313,8 +313,11 @@ class HangWatch:
         top = max(steps, default=None)
         lagging = sorted(r for r, t in job.ranks.items() if top is not None and t.step is not None and t.step < top)
         stalled = now - since
+        # The launch is part of the stall's identity: a relaunch from the same checkpoint can freeze at the same step
+        # in the same phase, and without its epoch that hang would be taken for a redelivery of the last one.
+        epoch = track.status.restart_epoch
         return JobHung(
-            event_id=f"hang:{job_id}:{rank}:{track.step}:{track.phase}"[:128],
+            event_id=f"hang:{job_id}:{epoch}:{rank}:{track.step}:{track.phase}"[:128],
             time=self.clock.now() - timedelta(seconds=stalled - limit),
             node_id=track.node_id,
             job_id=job_id,
