@@ -13,7 +13,7 @@ MYPY_TARGETS := libs/common/reprise_common services/agent/reprise_agent services
 NODES ?= 4
 SPARES ?= 1
 
-.PHONY: venv test lint typecheck pytest chaos soak up demo clean bench-agent bench-sdk bench-registry bench-detector bench-orchestrator \
+.PHONY: venv slurm-deps test lint typecheck pytest chaos soak up demo clean bench-agent bench-sdk bench-registry bench-detector bench-orchestrator \
 	bench-orchestrator-concurrent bench-vs-torchrun bench-hang-limits
 
 venv: $(STAMP)
@@ -34,7 +34,22 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy $(MYPY_TARGETS)
 
-pytest: $(STAMP)
+# A local Slurm cluster for the tests and the demo (docs/slurm.md): Debian's slurm-wlm (22.05) and munge, installed
+# with apt-get when slurmctld is missing and we are root. It never fails: where it cannot install, the Slurm tests are
+# skipped with the reason.
+slurm-deps:
+	@if command -v slurmctld >/dev/null 2>&1 || test -x /usr/sbin/slurmctld; then :; \
+	elif [ "$$(id -u)" != 0 ]; then \
+		echo "slurm-deps: Slurm is not installed and this is not root: the Slurm tests will be skipped"; \
+	elif ! command -v apt-get >/dev/null 2>&1; then \
+		echo "slurm-deps: Slurm is not installed and there is no apt-get: the Slurm tests will be skipped"; \
+	else \
+		echo "slurm-deps: installing slurm-wlm and munge with apt-get"; \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge >/dev/null; } \
+			|| echo "slurm-deps: apt-get could not install slurm-wlm and munge: the Slurm tests will be skipped"; \
+	fi
+
+pytest: $(STAMP) slurm-deps
 	$(BIN)/pytest
 
 test: lint typecheck pytest

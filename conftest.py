@@ -16,8 +16,10 @@ import pytest
 
 from reprise_cli.creds import Credentials
 from reprise_cli.servers import NatsServer, RedisServer, free_port
+from reprise_cli.slurm import SlurmCluster, slurm_unavailable_reason
 from reprise_orchestrator.settings import OrchestratorSettings
 
+SLURM_NODES = 5  # the demo's 4 nodes and 1 spare
 POSTGRES_ADMIN_URL = os.environ.get("REPRISE_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 
 
@@ -108,3 +110,25 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str
         yield f"sqlite:///{tmp_path / 'test.db'}"
     else:
         yield from _postgres_database()
+
+
+@pytest.fixture(scope="session")
+def slurm_session_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+    """A real Slurm cluster (a controller and 5 slurmd, on free ports) started once for the whole session; skipped,
+    with the reason, where Slurm is not installed (`make slurm-deps` installs it as root) or we are not root."""
+    reason = slurm_unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"Slurm tests not run: {reason}")
+    cluster = SlurmCluster.on_free_ports(tmp_path_factory.mktemp("slurm"), nodes=SLURM_NODES)
+    cluster.start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def slurm_cluster(slurm_session_cluster: SlurmCluster) -> Iterator[SlurmCluster]:
+    """The session's Slurm cluster with every node idle and no job (a node the load made miss its pings is back), and
+    put back so after the test (a slurmd or the controller it stopped runs again, its drains are lifted)."""
+    slurm_session_cluster.reset()
+    yield slurm_session_cluster
+    slurm_session_cluster.reset()
