@@ -79,6 +79,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--slow-max", type=float, default=5.0, help="the slowest slow step, in step sleeps")
     parser.add_argument("--output", type=Path, help="rank 0 writes the final state_dict here (torch.save)")
     parser.add_argument(
+        "--bad-data-step",
+        type=int,
+        default=0,
+        help="the data of this step is corrupt (a NaN input): its loss, then the parameters, turn NaN (fault demos)",
+    )
+    parser.add_argument(
         "--resume-latest",
         action="store_true",
         help="without a checkpoint from Reprise, resume from the newest committed one under --checkpoint-dir",
@@ -155,15 +161,21 @@ class Trainer:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     step: int = 0
+    skip: tuple[int, int] | None = None  # steps whose data is skipped (first, last), from reprise_sdk.resume()
+    bad_data_step: int = 0  # a step whose data is corrupt (0: none)
 
     @property
     def params(self) -> list[nn.Parameter]:
         """The trained parameters, in the module's order (the order of the flat gradient rows)."""
         return list(self.ddp.module.parameters())
 
-    def train_step(self) -> float:
-        """One optimizer step over the global batch; returns its mean loss (the same on every rank)."""
+    def train_step(self) -> float | None:
+        """One optimizer step over the global batch; returns its mean loss (the same on every rank), or None for a
+        step whose data Reprise asked to skip (it led to a numeric fault): the schedule moves on, the model does not."""
         self.step += 1
+        if self.skip is not None and self.skip[0] <= self.step <= self.skip[1]:
+            self.scheduler.step()
+            return None
         rows = self._micro_batch_gradients()
         total = self.config.micro_batches
         gathered = [torch.empty_like(rows) for _ in range(dist.get_world_size())]
@@ -194,11 +206,14 @@ class Trainer:
                 index = self.data.indices(first, config.micro_batch)
                 # Dropout draws from a stream keyed by (seed, step, micro-batch), not by which rank runs it; the
                 # global RNG is left as it was, so its saved state does not depend on the world size either.
+                inputs = self.data.inputs[index]
+                if self.step == self.bad_data_step and micro == 0:
+                    inputs = inputs * float("nan")  # a corrupt sample: what a NaN from bad data looks like
                 with torch.random.fork_rng(devices=[]):
                     # the CPU generator alone: torch.manual_seed would also queue a seed for CUDA, at a cost per call
                     seed = ((config.seed * SEED_STRIDE + self.step) * SEED_STRIDE + micro) % SEED_LIMIT
                     torch.default_generator.manual_seed(seed)
-                    loss = F.cross_entropy(self.ddp(self.data.inputs[index]), self.data.labels[index])
+                    loss = F.cross_entropy(self.ddp(inputs), self.data.labels[index])
                     loss.backward()
                 torch.cat([_grad(p).reshape(-1) for p in params], out=row[:-1])
                 row[-1] = loss.detach()
@@ -301,6 +316,7 @@ def run(args: argparse.Namespace) -> str:
         with reprise_sdk.phase("restoring"):  # a slow read from shared storage is not a hang
             state = read_checkpoint(checkpoint, config)
     trainer = build_trainer(config, state)
+    trainer.skip, trainer.bad_data_step = reprise_sdk.resume().skip_steps, args.bad_data_step
     rank0 = dist.get_rank() == 0
     if rank0:
         origin = f"from {checkpoint} (saved by {state['world_size']} ranks)" if state else "from scratch"
@@ -308,13 +324,14 @@ def run(args: argparse.Namespace) -> str:
     began, first = time.perf_counter(), trainer.step
     while trainer.step < config.steps:
         loss = trainer.train_step()
-        reprise_sdk.heartbeat(trainer.step, loss=loss, lr=float(trainer.scheduler.get_last_lr()[0]))
+        report_step(trainer, loss, rank0=rank0)
         if args.log_steps and rank0:
             print(f"step {trainer.step} t={time.time():.6f}", flush=True)  # wall clock: other processes compare it
         if args.checkpoint_every and trainer.step % args.checkpoint_every == 0:
             saved = save(trainer, args.checkpoint_dir)
             if rank0:
-                print(f"step {trainer.step} loss {loss:.4f}: checkpoint {saved}", flush=True)
+                shown = "skipped" if loss is None else f"{loss:.4f}"
+                print(f"step {trainer.step} loss {shown}: checkpoint {saved}", flush=True)
         if args.step_sleep:
             time.sleep(args.step_sleep * slowdown(args, trainer.step))
         if args.eval_every and trainer.step % args.eval_every == 0:
@@ -328,6 +345,16 @@ def run(args: argparse.Namespace) -> str:
             write_output(trainer.ddp.module, args.output)
         print(f"params-sha256 {digest}", flush=True)
     return digest
+
+
+def report_step(trainer: Trainer, loss: float | None, *, rank0: bool) -> None:
+    """Heartbeat the step with its loss and learning rate (no loss for a step whose data was skipped)."""
+    if loss is not None:
+        reprise_sdk.heartbeat(trainer.step, loss=loss, lr=float(trainer.scheduler.get_last_lr()[0]))
+        return
+    reprise_sdk.heartbeat(trainer.step)
+    if rank0:
+        print(f"step {trainer.step}: data skipped (it led to a numeric fault)", flush=True)
 
 
 def slowdown(args: argparse.Namespace, step: int) -> float:

@@ -1,10 +1,30 @@
-"""The fuzz's summary: one line per service in pytest's terminal summary, so a plain `pytest` (make test) shows it."""
+"""Cross-service fixtures: the whole platform as processes (`stack`), and the fuzz's summary, one line per service in
+pytest's terminal summary, so a plain `pytest` (make test) shows it."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
 
+from reprise_cli.servers import free_stack_ports
+from reprise_cli.stack import Stack
+from reprise_cli.topology import DEFAULT_PORTS, StackConfig
+
 _FUZZ_LINES = pytest.StashKey[list[str]]()
+
+
+@pytest.fixture
+def stack(tmp_path: Path) -> Iterator[Stack]:
+    """`reprise up` on free ports: two workers with four simulated GPUs each and a spare."""
+    config = StackConfig(
+        nodes=2, spares=1, gpus_per_node=4, state_dir=tmp_path / "state", ports=free_stack_ports(DEFAULT_PORTS)
+    )
+    running = Stack(config)
+    running.start(timeout_s=60)
+    yield running
+    running.stop()
 
 
 @pytest.fixture

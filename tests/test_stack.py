@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,22 +22,11 @@ from reprise_cli.client import poll
 from reprise_cli.creds import ensure_redis_password, read_admin_api_key
 from reprise_cli.servers import REDIS_USER, free_stack_ports
 from reprise_cli.stack import Stack
-from reprise_cli.topology import DEFAULT_PORTS, StackConfig
+from reprise_cli.topology import DEFAULT_PORTS
 from reprise_common.events import FaultKind, InjectFault
 from reprise_common.procs import process_alive
 
 pytestmark = pytest.mark.stack
-
-
-@pytest.fixture
-def stack(tmp_path: Path) -> Iterator[Stack]:
-    config = StackConfig(
-        nodes=2, spares=1, gpus_per_node=4, state_dir=tmp_path / "state", ports=free_stack_ports(DEFAULT_PORTS)
-    )
-    running = Stack(config)
-    running.start(timeout_s=60)
-    yield running
-    running.stop()
 
 
 def test_walking_skeleton_xid79_to_fenced_recovery(stack: Stack) -> None:

@@ -63,6 +63,7 @@ class _Channel:
 
     __slots__ = (
         "dropped",
+        "finite",
         "head",
         "interval",
         "next_at",
@@ -84,6 +85,7 @@ class _Channel:
         self.next_at = 0.0
         self.pending_step: int | None = None
         self.pending_metrics: dict[str, float] = {}
+        self.finite = True  # the float metrics of the last coalesced heartbeat were all finite
         self.sock: socket.socket | None = None
         self.phase = ""
         self.phase_json = '""'
@@ -194,10 +196,17 @@ def heartbeat(step: int, **metrics: float) -> None:
     if sock is None:
         return
     now = _monotonic()
-    if now < channel.next_at:  # carried by the next message sent: the agent needs no finer grain
-        channel.pending_step = step
-        channel.pending_metrics = metrics
-        return
+    if now < channel.next_at:  # carried by the next message sent: the agent needs no finer grain...
+        finite = True
+        for value in metrics.values():
+            if type(value) is float and value - value:  # NaN or infinite: x - x is NaN then, and NaN is true
+                finite = False
+                break
+        first_non_finite, channel.finite = channel.finite and not finite, finite
+        if not first_non_finite:  # ...but the first NaN or infinity goes at once: its step is the fault's step
+            channel.pending_step = step
+            channel.pending_metrics = metrics
+            return
     channel.next_at = now + channel.interval
     channel.pending_step = None
     _send_heartbeat(channel, sock, step, metrics)

@@ -23,6 +23,11 @@ class ResumeInfo:
     checkpoint: str | None
     master_addr: str
     master_port: int
+    skip_steps: tuple[int, int] | None = None  # first and last step whose data to skip (a numeric fault's), or None
+
+    def skips(self, step: int) -> bool:
+        """True when the data of training step `step` is to be skipped (it led to a NaN or a loss spike)."""
+        return self.skip_steps is not None and self.skip_steps[0] <= step <= self.skip_steps[1]
 
 
 def resume() -> ResumeInfo:
@@ -44,7 +49,22 @@ def resume_from(env: Mapping[str, str]) -> ResumeInfo:
         checkpoint=env.get("REPRISE_RESUME_CHECKPOINT") or None,
         master_addr=env.get("MASTER_ADDR") or "127.0.0.1",
         master_port=_integer(env, "MASTER_PORT", DEFAULT_MASTER_PORT),
+        skip_steps=_span(env, "REPRISE_SKIP_STEPS"),
     )
+
+
+def _span(env: Mapping[str, str], name: str) -> tuple[int, int] | None:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return None
+    first, sep, last = raw.partition("-")
+    try:
+        span = (int(first), int(last)) if sep else (int(first), int(first))
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not a step span (FIRST-LAST)") from None
+    if span[0] < 0 or span[1] < span[0]:
+        raise ValueError(f"environment variable {name}={raw!r} is not a step span (FIRST-LAST)")
+    return span
 
 
 def _integer(env: Mapping[str, str], name: str, default: int) -> int:

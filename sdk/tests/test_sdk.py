@@ -29,7 +29,7 @@ RANK_ENV = {
     "REPRISE_RESTART_EPOCH": "4",
     "REPRISE_RESUME_CHECKPOINT": "/ckpt/job-7/step-1200",
 }
-ALL_ENV = [*RANK_ENV, "REPRISE_SDK_SOCKET", "REPRISE_SDK_INTERVAL_S"]
+ALL_ENV = [*RANK_ENV, "REPRISE_SDK_SOCKET", "REPRISE_SDK_INTERVAL_S", "REPRISE_SKIP_STEPS"]
 
 
 @pytest.fixture
@@ -139,6 +139,23 @@ def test_heartbeats_within_the_interval_ride_on_the_next_message(sdk: Callable[.
     assert (phase["k"], phase["phase"]) == ("phase", "eval")
 
 
+def test_a_first_non_finite_value_is_sent_at_once_never_coalesced_away(
+    sdk: Callable[..., ModuleType], agent: Agent
+) -> None:
+    reprise_sdk = sdk(**RANK_ENV, REPRISE_SDK_SOCKET=str(agent.path), REPRISE_SDK_INTERVAL_S="60")
+    reprise_sdk.heartbeat(1, loss=2.0)
+    reprise_sdk.heartbeat(2, loss=1.9)  # held back
+    reprise_sdk.heartbeat(3, loss=float("nan"), lr=1e-3)  # the step a numeric fault began at: sent now
+    reprise_sdk.heartbeat(4, loss=float("inf"))  # still not finite: held back as usual
+    first, fault = agent.receive(2)
+    assert (first["step"], fault["step"]) == (1, 3)
+    assert fault["m"]["loss"] != fault["m"]["loss"] and fault["m"]["lr"] == 1e-3
+    assert agent.nothing_waiting()
+    reprise_sdk.heartbeat(5, loss=1.0)  # finite again: held back
+    reprise_sdk.heartbeat(6, loss=float("-inf"))  # a new first non-finite value
+    assert agent.receive(1)[0]["step"] == 6
+
+
 def test_phase_context_restores_the_previous_phase_even_on_error(sdk: Callable[..., ModuleType], agent: Agent) -> None:
     reprise_sdk = sdk(**RANK_ENV, REPRISE_SDK_SOCKET=str(agent.path), REPRISE_SDK_INTERVAL_S="0")
     reprise_sdk.phase("warmup")
@@ -233,6 +250,24 @@ def test_resume_reads_what_the_agent_set(sdk: Callable[..., ModuleType]) -> None
         master_addr="10.0.0.7",
         master_port=29612,
     )
+
+
+@pytest.mark.parametrize(
+    ("raw", "span", "step_skipped"),
+    [("", None, False), ("57-59", (57, 59), True), ("57", (57, 57), False), (" 12-12 ", (12, 12), False)],
+)
+def test_resume_reads_the_steps_whose_data_to_skip(
+    sdk: Callable[..., ModuleType], raw: str, span: tuple[int, int] | None, step_skipped: bool
+) -> None:
+    info = sdk(**{**RANK_ENV, "REPRISE_SKIP_STEPS": raw}).resume()
+    assert info.skip_steps == span
+    assert info.skips(58) is step_skipped and not info.skips(60)
+
+
+@pytest.mark.parametrize("raw", ["x-3", "5-3", "-1-2", "3-"])
+def test_resume_names_a_malformed_skip_span(sdk: Callable[..., ModuleType], raw: str) -> None:
+    with pytest.raises(ValueError, match="REPRISE_SKIP_STEPS"):
+        sdk(**{**RANK_ENV, "REPRISE_SKIP_STEPS": raw}).resume()
 
 
 def test_resume_without_a_checkpoint_starts_fresh(sdk: Callable[..., ModuleType]) -> None:

@@ -229,6 +229,56 @@ class RankStacks(Event):
     error: str = Field(default="", max_length=2000, description="why no stack was captured (no threads then)")
 
 
+METRIC_NAME_MAX = 64  # characters of a metric's name
+NUMERIC_METRICS_MAX = 16  # metrics one job may have watched
+
+
+class NumericKind(StrEnum):
+    """How a watched training metric went wrong."""
+
+    NAN = "nan"
+    INF = "inf"
+    SPIKE = "spike"  # finite, but far above the metric's recent values (robust z-score past the job's threshold)
+
+
+class NumericWatch(Wire):
+    """Which metrics of a job's heartbeats its agents watch, and when a finite value counts as a spike."""
+
+    metrics: list[Annotated[str, Field(min_length=1, max_length=METRIC_NAME_MAX)]] = Field(
+        default_factory=lambda: ["loss"], max_length=NUMERIC_METRICS_MAX
+    )
+    spike_z: float | None = Field(
+        default=None, gt=0, le=1_000, description="robust z-score (median, MAD) that makes a spike; None: no spikes"
+    )
+    window: int = Field(default=100, ge=5, le=10_000, description="recent values a spike is measured against")
+    min_samples: int = Field(default=20, ge=3, le=10_000, description="values seen before spikes are judged")
+
+    @field_validator("min_samples")
+    @classmethod
+    def _within_window(cls, min_samples: int, info: Any) -> int:
+        window = info.data.get("window")
+        if window is not None and min_samples > window:
+            raise ValueError("min_samples is larger than window (spikes would never be judged)")
+        return min_samples
+
+
+class RankNumeric(Event):
+    """A watched metric of one rank went non-finite or spiked: the step it was first seen at and what it was."""
+
+    type: Literal["rank.numeric"] = "rank.numeric"
+    node_id: str
+    job_id: str
+    rank: int = Field(ge=0)
+    restart_epoch: int | None = Field(default=None, ge=0, description="the launch the process belongs to")
+    metric: str = Field(min_length=1, max_length=METRIC_NAME_MAX)
+    kind: NumericKind
+    value: float | None = Field(default=None, description="the value that tripped (None: NaN or infinite)")
+    step: int = Field(ge=0, description="the first step whose value tripped: the fault's step")
+    last_good_step: int | None = Field(default=None, ge=0, description="the newest step before it that was fine")
+    median: float | None = Field(default=None, description="the recent median a spike was measured against")
+    z: float | None = Field(default=None, description="a spike's robust z-score")
+
+
 class FileDigest(Wire):
     """One checkpoint file's size and digest, computed by the writer while or right after writing it."""
 
@@ -285,6 +335,7 @@ class Category(StrEnum):
     HANG = "hang"  # a job's step progress stopped past its limit (no rank died)
     PROCESS_KILLED = "process_killed"  # a rank ended by SIGKILL from outside (not by the OOM killer)
     EARLY_EXIT = "early_exit"  # a rank exited 0 while the rest of its job went on: the job runs a rank short
+    NUMERIC = "numeric"  # a watched training metric (the loss) went NaN, infinite or spiked: roll back before it
     DEPENDENCY = "dependency"
     UNKNOWN = "unknown"
 
@@ -298,6 +349,7 @@ CAUSE_DEPTH: Mapping[str, int] = {
     Category.HANG: 1,
     Category.PROCESS_KILLED: 1,
     Category.EARLY_EXIT: 1,
+    Category.NUMERIC: 1,
     Category.DEPENDENCY: 2,
     Category.NODE: 3,
     Category.INTERCONNECT: 4,
@@ -332,6 +384,9 @@ class Culprit(Wire):
     exit_code: int | None = Field(default=None, description="the culprit rank's exit code when it exited")
     restart_epoch: int | None = Field(
         default=None, ge=0, description="the launch the culprit rank belonged to, when the symptom says it"
+    )
+    fault_step: int | None = Field(
+        default=None, ge=0, description="a numeric fault's step: a recovery restores a checkpoint older than it"
     )
 
 
@@ -425,6 +480,7 @@ class QuarantineReason(StrEnum):
 
     REPEATED_XID = "repeated_xid"  # the same fatal XID (e.g. 48) more than once within the window
     FAULTS_ACROSS_JOBS = "faults_across_jobs"  # hardware faults in several different jobs within the window
+    REPEATED_NUMERIC = "repeated_numeric"  # numeric faults (NaN, spikes) first seen on this node, again and again
 
 
 class NodeQuarantineRecommended(Event):
@@ -473,6 +529,7 @@ AnyEvent = Annotated[
     | RankExited
     | CheckpointSaved
     | RankStacks
+    | RankNumeric
     | DependencyFailed
     | AgentLifecycle
     | IncidentChange
@@ -492,6 +549,7 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     RankExited,
     CheckpointSaved,
     RankStacks,
+    RankNumeric,
     DependencyFailed,
     AgentLifecycle,
     IncidentChange,
@@ -548,6 +606,21 @@ class ResumeFile(Wire):
     digest: str = Field(pattern=r"^[0-9a-f]{16,128}$")
 
 
+class StepSpan(Wire):
+    """The training steps from `first` to `last`, both included."""
+
+    first: int = Field(ge=0)
+    last: int = Field(ge=0)
+
+    @field_validator("last")
+    @classmethod
+    def _ordered(cls, last: int, info: Any) -> int:
+        first = info.data.get("first")
+        if first is not None and last < first:
+            raise ValueError("last is before first")
+        return last
+
+
 class LaunchArgs(Wire):
     """What an agent needs to start its node's ranks of one restart epoch (one schema for both ends)."""
 
@@ -567,6 +640,10 @@ class LaunchArgs(Wire):
         description="the checkpoint's files with the registry's digests; empty: the registry checked every digest",
     )
     ranks: list[RankAssignment] = Field(min_length=1, description="this node's ranks only")
+    numeric: NumericWatch | None = Field(default=None, description="the job's metrics to watch; None: none")
+    skip_steps: StepSpan | None = Field(
+        default=None, description="steps whose data the ranks skip (the ones that led to a numeric fault)"
+    )
 
 
 class StackCapture(Wire):

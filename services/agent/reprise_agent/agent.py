@@ -16,6 +16,7 @@ from reprise_agent.depchecks import CheckResult, DependencyChecker, rendezvous_j
 from reprise_agent.gpu.base import GpuBackend, SignalKind
 from reprise_agent.gpu.factory import open_backend
 from reprise_agent.gpu.sim import SimulatedGpus
+from reprise_agent.numeric import NumericWatcher
 from reprise_agent.outbox import Outbox
 from reprise_agent.progress import ProgressBook, SdkMessage, SdkServer, default_socket_path
 from reprise_agent.ranks import LostRank, RankProcess, RankSupervisor
@@ -42,6 +43,7 @@ from reprise_common.events import (
     NodeReport,
     PingCommand,
     RankExited,
+    RankNumeric,
     RankStacks,
     RankStatus,
     StackCapture,
@@ -69,6 +71,8 @@ class Agent:
         self.progress.on_checkpoint_saved(self._on_checkpoint_saved)
         self.progress.on_first_heartbeat(self._on_job_training)
         self.progress.on_rank_training(self._on_rank_training)
+        self.progress.on_metrics(self._on_metrics)
+        self.numeric = NumericWatcher()
         sdk_path = settings.sdk_socket.absolute() if settings.sdk_socket else default_socket_path(settings.state_dir)
         self.sdk = SdkServer(sdk_path, self.progress)
         self.supervisor = RankSupervisor(
@@ -189,6 +193,48 @@ class Agent:
             file_digests=digests,
         )
         self.outbox.put(subjects.node_event(self.node_id, "checkpoint.saved"), event)
+
+    def _on_metrics(self, message: SdkMessage) -> None:
+        """Watch the job's metrics in a heartbeat of its current launch; a NaN, infinity or spike is published."""
+        spec = self.supervisor.launches.get(message.job_id)
+        if spec is None or spec.numeric is None or message.restart_epoch != spec.restart_epoch:
+            return
+        assert message.step is not None
+        trip = self.numeric.observe(
+            spec.numeric,
+            job_id=message.job_id,
+            rank=message.rank,
+            restart_epoch=message.restart_epoch,
+            step=message.step,
+            metrics=message.metrics,
+        )
+        if trip is None:
+            return
+        event = RankNumeric(
+            source=self.node_id,
+            node_id=self.node_id,
+            job_id=message.job_id,
+            rank=message.rank,
+            restart_epoch=message.restart_epoch,
+            metric=trip.metric,
+            kind=trip.kind,
+            value=trip.value,
+            step=trip.step,
+            last_good_step=trip.last_good_step,
+            median=trip.median,
+            z=trip.z,
+        )
+        self.outbox.put(subjects.node_event(self.node_id, event.type), event)
+        log.warning(
+            "numeric fault",
+            extra={
+                "job_id": message.job_id,
+                "rank": message.rank,
+                "metric": trip.metric,
+                "kind": trip.kind.value,
+                "step": trip.step,
+            },
+        )
 
     def _on_job_training(self, job_id: str) -> None:
         # The first heartbeat proves the job is past its rendezvous; from now on its master must stay reachable.
@@ -315,6 +361,7 @@ class Agent:
             self.depchecks.clear_rendezvous(command.job_id)
             stopped = await self.supervisor.stop(command.job_id, grace_s=grace)
             self.progress.forget(command.job_id)
+            self.numeric.forget(command.job_id)
             data = {"stopped": [{"rank": r.rank, "exit_code": r.exit_code, "signal": r.exit_signal} for r in stopped]}
         return CommandReply(command_id=command.command_id, node_id=self.node_id, result=CommandResult.DONE, data=data)
 

@@ -197,6 +197,11 @@ class ProgressBook:
         self._training_callbacks: list[Callable[[str], None]] = []
         self._training_jobs: set[str] = set()
         self._rank_callbacks: list[Callable[[str, int], None]] = []
+        self._metrics_callbacks: list[Callable[[SdkMessage], None]] = []
+
+    def on_metrics(self, callback: Callable[[SdkMessage], None]) -> None:
+        """Call `callback(message)` for every heartbeat of the rank's current launch that carries metrics."""
+        self._metrics_callbacks.append(callback)
 
     def on_rank_training(self, callback: Callable[[str, int], None]) -> None:
         """Call `callback(job_id, rank)` at each rank's first heartbeat of a launch (its restart epoch)."""
@@ -289,28 +294,17 @@ class ProgressBook:
         progress.beat_at = now
         self._phase(progress, message.phase or "training", now)
         if first_of_rank:
-            for rank_callback in self._rank_callbacks:
-                try:
-                    rank_callback(message.job_id, message.rank)
-                except Exception:  # a failing consumer must not stop the datagram reader
-                    log.exception("rank-training callback failed", extra={"job_id": message.job_id})
+            _notify(self._rank_callbacks, "rank-training", message.job_id, message.job_id, message.rank)
         if message.job_id not in self._training_jobs:
             self._training_jobs.add(message.job_id)
-            for callback in self._training_callbacks:
-                try:
-                    callback(message.job_id)
-                except Exception:  # a failing consumer must not stop the datagram reader
-                    log.exception("first-heartbeat callback failed", extra={"job_id": message.job_id})
+            _notify(self._training_callbacks, "first-heartbeat", message.job_id, message.job_id)
         if message.metrics:
             progress.metrics = message.metrics
+            _notify(self._metrics_callbacks, "metrics", message.job_id, message)
 
     def _checkpoint(self, message: SdkMessage) -> None:
         assert message.step is not None
-        for callback in self._checkpoint_callbacks:
-            try:
-                callback(message)
-            except Exception:  # one failing consumer must not stop the datagram reader or the others
-                log.exception("checkpoint callback failed", extra={"job_id": message.job_id, "rank": message.rank})
+        _notify(self._checkpoint_callbacks, "checkpoint", message.job_id, message)
 
     def status_fields(self, job_id: str, rank: int) -> dict[str, Any]:
         """This rank's RankStatus progress fields: ``RankStatus(..., **book.status_fields(job_id, rank))``."""
@@ -337,6 +331,15 @@ class ProgressBook:
         """The restart epoch the rank's SDK reported (from REPRISE_RESTART_EPOCH), if it reported anything."""
         progress = self._jobs.get(job_id, {}).get(rank)
         return progress.restart_epoch if progress is not None else None
+
+
+def _notify(callbacks: list[Callable[..., None]], what: str, job_id: str, *args: Any) -> None:
+    """Call each consumer; one that fails is logged and must not stop the datagram reader or the others."""
+    for callback in callbacks:
+        try:
+            callback(*args)
+        except Exception:
+            log.exception(f"{what} callback failed", extra={"job_id": job_id})
 
 
 def _seconds(value: float | None) -> float | None:

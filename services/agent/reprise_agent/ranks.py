@@ -195,6 +195,7 @@ class RankSupervisor:
             "REPRISE_RESTART_EPOCH": str(spec.restart_epoch),
             "REPRISE_RESUME_CHECKPOINT": spec.resume_checkpoint or "",
             "REPRISE_RESUME_FILES": str(resume_files or ""),
+            "REPRISE_SKIP_STEPS": f"{spec.skip_steps.first}-{spec.skip_steps.last}" if spec.skip_steps else "",
         }
         if assignment.gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = str(assignment.gpu)

@@ -127,3 +127,19 @@ def test_no_checkpoint_to_restore_is_an_empty_answer(client: TestClient, write_c
     shutil.rmtree(only[100]["root"])
     picked = _restore_point(client, "job-gone")
     assert picked["checkpoint"] is None and [s["id"] for s in picked["skipped"]] == [only[100]["id"]]
+
+
+def test_a_restore_before_a_step_picks_the_newest_older_checkpoint_and_leaves_newer_ones_alone(
+    client: TestClient, write_checkpoint: WriteCheckpoint
+) -> None:
+    checkpoints = _validated(client, write_checkpoint, "job-b", [100, 200, 300])
+    shutil.rmtree(checkpoints[100]["root"])  # gone after validation: the next older one is not there either
+
+    assert _restore_point(client, "job-b", before_step=300)["checkpoint"]["step"] == 200  # a NaN at step 300
+    assert _restore_point(client, "job-b", before_step=201)["checkpoint"]["step"] == 200
+    nothing = _restore_point(client, "job-b", before_step=200)
+    assert nothing["checkpoint"] is None and [s["step"] for s in nothing["skipped"]] == [100]
+    assert _state(client, checkpoints[300]["id"]) == "validated"  # passed over, not judged
+    assert _restore_point(client, "job-b")["checkpoint"]["step"] == 300
+    refused = client.post("/v1/jobs/job-b/restore-point", params={"before_step": -1})
+    assert refused.status_code == 422 and "before_step" in refused.text

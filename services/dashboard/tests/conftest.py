@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 import httpx
 import pytest
 import uvicorn
-from fastapi import FastAPI
+from fastapi import FastAPI, HTTPException
 
 from reprise_cli.servers import free_port
 from reprise_dashboard.app import create_app
@@ -79,6 +79,34 @@ def serve() -> Serve:
             await task
 
     return serving
+
+
+IncidentPage = Callable[[dict[str, Any]], Awaitable[str]]
+
+
+@pytest.fixture
+def incident_page(
+    serve: Serve, in_process: Callable[[DashboardSettings], Any], down_settings: Callable[..., DashboardSettings]
+) -> IncidentPage:
+    """The dashboard's page of one incident, from a detector that answers `GET /v1/incidents/{id}` with `detail` (in
+    the detector's shape) over real HTTP; the orchestrator is down."""
+
+    async def page(detail: dict[str, Any]) -> str:
+        detector = FastAPI()
+
+        @detector.get("/v1/incidents/{incident_id}")
+        async def incident(incident_id: str) -> dict[str, Any]:
+            if incident_id != detail["id"]:
+                raise HTTPException(404, "no such incident")
+            return detail
+
+        async with serve(detector) as detector_url:
+            client = await in_process(down_settings(detector_url=detector_url))
+            response = await client.get(f"/incidents/{detail['id']}")
+        assert response.status_code == 200, response.text
+        return str(response.text)
+
+    return page
 
 
 @pytest.fixture

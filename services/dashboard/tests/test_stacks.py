@@ -7,15 +7,11 @@ The detector is served over real HTTP by a small app that answers `GET /v1/incid
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncIterator, Callable
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-from fastapi import FastAPI, HTTPException
-
-from reprise_dashboard.settings import DashboardSettings
-
-Serve = Callable[[FastAPI], AbstractAsyncContextManager[str]]
+# `IncidentPage` (tests/conftest.py) is passed in as a fixture; conftest is not importable here.
+IncidentPage = Callable[[dict[str, Any]], Awaitable[str]]
 HOSTILE = "<script>alert(1)</script>"
 VERDICT = f"rank 1 on node-2: its stack is at {HOSTILE} (train.py:12), not in all_reduce where ranks [0] wait"
 _STACKS_SECTION = re.compile(r'<section id="stacks"[^>]*>.*?</section>', re.DOTALL)
@@ -67,35 +63,10 @@ STACKS = [
 ]  # fmt: skip
 
 
-@asynccontextmanager
-async def _detector_answering(serve: Serve, detail: dict[str, Any]) -> AsyncIterator[str]:
-    """A detector that knows one incident and answers it as given."""
-    detector = FastAPI()
-
-    @detector.get("/v1/incidents/{incident_id}")
-    async def incident(incident_id: str) -> dict[str, Any]:
-        if incident_id != detail["id"]:
-            raise HTTPException(404, "no such incident")
-        return detail
-
-    async with serve(detector) as base:
-        yield base
-
-
-async def _page(
-    detail: dict[str, Any], serve: Serve, in_process: Callable[..., Any], down: Callable[..., DashboardSettings]
-) -> str:
-    async with _detector_answering(serve, detail) as detector_url:
-        client = await in_process(down(detector_url=detector_url))
-        response = await client.get(f"/incidents/{detail['id']}")
-    assert response.status_code == 200, response.text
-    return str(response.text)
-
-
 async def test_a_hang_shows_each_ranks_stack_in_rank_order_escaped(
-    serve: Serve, in_process: Callable[..., Any], down_settings: Callable[..., DashboardSettings]
+    incident_page: IncidentPage,
 ) -> None:
-    page = await _page(_incident(stacks_verdict=VERDICT, stacks=STACKS), serve, in_process, down_settings)
+    page = await incident_page(_incident(stacks_verdict=VERDICT, stacks=STACKS))
     [section] = _STACKS_SECTION.findall(page)
     assert "<h2>Stacks</h2>" in section and " hidden" not in section.split(">", 1)[0]
     assert HOSTILE not in page and "<script>alert" not in page  # escaped everywhere, the verdict included
@@ -125,11 +96,11 @@ async def test_a_hang_shows_each_ranks_stack_in_rank_order_escaped(
 
 
 async def test_an_incident_without_stacks_shows_no_stacks_section(
-    serve: Serve, in_process: Callable[..., Any], down_settings: Callable[..., DashboardSettings]
+    incident_page: IncidentPage,
 ) -> None:
     older = _incident(category="gpu_hardware")  # a detector from before stack captures: neither field
     for detail in (older, _incident(stacks_verdict="", stacks=[])):
-        page = await _page(detail, serve, in_process, down_settings)
+        page = await incident_page(detail)
         assert "no step progress for 60 s" in page  # the incident itself renders
         [section] = _STACKS_SECTION.findall(page)
         assert section == '<section id="stacks" data-live hidden></section>'  # a slot a live refresh can fill

@@ -57,6 +57,7 @@ def build_runtime(settings: DetectorSettings, clock: Clock) -> Runtime:
             xid=settings.reputation_xid,
             xid_count=settings.reputation_xid_count,
             jobs=settings.reputation_jobs,
+            numeric_count=settings.reputation_numeric_count,
             window_s=settings.reputation_window_s,
         ),
     )

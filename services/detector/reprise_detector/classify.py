@@ -21,13 +21,14 @@ from reprise_common.events import (
     GpuLost,
     GpuXid,
     RankExited,
+    RankNumeric,
     RankStacks,
     RecommendedAction,
     Severity,
 )
 from reprise_detector import stacks
 from reprise_detector.derived import JobHung, NodeLost, RankExitedEarly, RankStraggling
-from reprise_detector.observe import SymptomEvent
+from reprise_detector.observe import SymptomEvent, numeric_summary
 
 BUILTIN_RULES = "rules.yaml"
 EXIT_RULE_CACHE = 4096  # distinct rank exits (by what the rules look at) whose rule is remembered
@@ -137,6 +138,7 @@ class RulesFile(BaseModel):
     rank_straggling: TemplateRule | None = None
     rank_exited_early: TemplateRule | None = None
     rank_stacks: TemplateRule | None = None
+    rank_numeric: TemplateRule | None = None
 
 
 @dataclass(frozen=True)
@@ -154,6 +156,7 @@ class RuleBook:
     rank_straggling: TemplateRule
     rank_exited_early: TemplateRule
     rank_stacks: TemplateRule
+    rank_numeric: TemplateRule
     # The rule each rank exit chose, by what the rules look at: a storm's peers fail alike, so they match once.
     _exit_rules: dict[tuple[bool, str | None, int | None, tuple[str, ...]], ExitRule | None] = field(
         default_factory=dict, init=False, repr=False, compare=False
@@ -171,10 +174,15 @@ class RuleBook:
                 return rule.apply(_Facts.of(event))
             case RankExited():
                 return self._rank_exited(event)
-            case RankStacks():
-                return self.rank_stacks.apply(_Facts.of(event, summary=stacks.summary(event)))
+            case RankStacks() | RankNumeric():
+                return self._rank_report(event)
             case NodeLost() | JobHung() | RankStraggling() | RankExitedEarly():
                 return self._derived(event)
+
+    def _rank_report(self, event: RankStacks | RankNumeric) -> Classification:
+        if isinstance(event, RankStacks):
+            return self.rank_stacks.apply(_Facts.of(event, summary=stacks.summary(event)))
+        return self.rank_numeric.apply(_Facts.of(event, summary=numeric_summary(event)))
 
     def _derived(self, event: NodeLost | JobHung | RankStraggling | RankExitedEarly) -> Classification:
         match event:
@@ -263,12 +271,15 @@ def load_rules(path: Path | None = None) -> RuleBook:
     straggling = operator.rank_straggling or builtin.rank_straggling
     early = operator.rank_exited_early or builtin.rank_exited_early
     stacked = operator.rank_stacks or builtin.rank_stacks
-    if None in (unknown, lost, dependency, rendezvous, node_lost, hung, straggling, early, stacked):
+    numeric = operator.rank_numeric or builtin.rank_numeric
+    if None in (unknown, lost, dependency, rendezvous, node_lost, hung, straggling, early, stacked, numeric):
         raise ConfigError(f"built-in {BUILTIN_RULES} lacks a required section")
     assert unknown and lost and dependency and rendezvous and node_lost and hung and straggling and early  # for mypy
-    assert stacked
+    assert stacked and numeric
     exits = (*operator.rank_exited, *builtin.rank_exited)
-    return RuleBook(xids, unknown, lost, dependency, rendezvous, exits, node_lost, hung, straggling, early, stacked)
+    return RuleBook(
+        xids, unknown, lost, dependency, rendezvous, exits, node_lost, hung, straggling, early, stacked, numeric
+    )
 
 
 def _read(text: str, where: str) -> RulesFile:

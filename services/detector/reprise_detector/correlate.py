@@ -6,12 +6,14 @@ from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
 
-from reprise_common.events import CAUSE_DEPTH, Culprit, RankExited, Severity
+from reprise_common.events import CAUSE_DEPTH, Culprit, RankExited, RankNumeric, Severity
 from reprise_detector.classify import Classification
 from reprise_detector.derived import RankExitedEarly
 from reprise_detector.incidents.models import Incident
 from reprise_detector.observe import Observation
 from reprise_detector.placements import PlacementMap
+
+RANK_EVENTS_WITH_EPOCH = (RankExited, RankExitedEarly, RankNumeric)
 
 
 class Decision(StrEnum):
@@ -66,7 +68,10 @@ def targets(observation: Observation, placements: PlacementMap) -> list[Target]:
             gpu=gpu,
             rank=observation.rank,
             exit_code=event.exit_code if isinstance(event, RankExited) else None,
-            restart_epoch=event.restart_epoch if isinstance(event, RankExited | RankExitedEarly) else None,
+            restart_epoch=event.restart_epoch
+            if isinstance(event, RankExited | RankExitedEarly | RankNumeric)
+            else None,
+            fault_step=event.step if isinstance(event, RankNumeric) else None,
         )
         return [Target(observation.job_id, culprit)]
     if observation.job_id is not None:  # a job's own dependency (its rendezvous master): that job only

@@ -8,14 +8,23 @@ from datetime import UTC, datetime, timedelta
 from prometheus_client import Counter
 
 from reprise_common import subjects
-from reprise_common.events import DependencyFailed, Event, GpuLost, GpuXid, RankExited, RankStacks
+from reprise_common.events import (
+    DependencyFailed,
+    Event,
+    GpuLost,
+    GpuXid,
+    NumericKind,
+    RankExited,
+    RankNumeric,
+    RankStacks,
+)
 from reprise_common.logging import get_logger
 from reprise_detector import stacks
 from reprise_detector.derived import DerivedSymptom, JobHung, NodeLost, RankExitedEarly, RankStraggling
 
 log = get_logger("reprise.detector.observe")
 
-AgentSymptom = GpuXid | GpuLost | RankExited | DependencyFailed | RankStacks
+AgentSymptom = GpuXid | GpuLost | RankExited | DependencyFailed | RankStacks | RankNumeric
 SymptomEvent = AgentSymptom | DerivedSymptom
 _LOG_TAIL_LINES = 5
 EVENT_TIMES_BOUNDED = Counter(
@@ -73,7 +82,7 @@ def observe(event: Event, subject: str, *, stored_ns: int = 0, skew_s: float = 0
 
     Its time is bounded by its arrival (stored_ns, see bounded_time).
     """
-    if not isinstance(event, GpuXid | GpuLost | RankExited | DependencyFailed | RankStacks):
+    if not isinstance(event, GpuXid | GpuLost | RankExited | DependencyFailed | RankStacks | RankNumeric):
         return None
     try:
         node_id = subjects.node_from_agent_subject(subject)
@@ -93,6 +102,8 @@ def observe(event: Event, subject: str, *, stored_ns: int = 0, skew_s: float = 0
             job_id, rank, detail = _job_token(event.job_id), event.rank, "\n".join(event.log_tail[-_LOG_TAIL_LINES:])
         case RankStacks():
             job_id, rank, detail = _job_token(event.job_id), event.rank, stacks.summary(event)
+        case RankNumeric():
+            job_id, rank, detail = _job_token(event.job_id), event.rank, numeric_summary(event)
         case DependencyFailed():
             detail = f"{event.dependency}: {event.detail}"
             job_id = _job_token(event.job_id) if event.job_id is not None else None
@@ -100,6 +111,19 @@ def observe(event: Event, subject: str, *, stored_ns: int = 0, skew_s: float = 0
     return Observation(
         event=event, node_id=node_id, kind=event.type, time=time, detail=detail, gpu=gpu, job_id=job_id, rank=rank
     )
+
+
+def numeric_summary(event: RankNumeric) -> str:
+    """What a numeric fault was, in a few words: "loss became NaN at step 57 (last fine at 56)"."""
+    match event.kind:
+        case NumericKind.NAN:
+            what = "became NaN"
+        case NumericKind.INF:
+            what = "became infinite"
+        case NumericKind.SPIKE:
+            what = f"spiked to {event.value:.4g} (robust z {event.z:g} against a recent median of {event.median:.4g})"
+    last = f" (last fine at step {event.last_good_step})" if event.last_good_step is not None else ""
+    return f"{event.metric} {what} at step {event.step}{last}"
 
 
 def derived(symptom: DerivedSymptom) -> Observation:

@@ -69,6 +69,7 @@ class Changes:
     rows: list[dict[str, Any]] = field(default_factory=list)  # symptoms to insert at once
     counts: dict[str, int] = field(default_factory=dict)  # incident -> its symptom count, written once at the end
     decisions: Counter[str] = field(default_factory=Counter)  # how many symptoms got each decision
+    faulty_nodes: set[str] = field(default_factory=set)  # nodes whose fault history grew in this batch
 
     def note(self, incident: Incident, kind: IncidentChangeKind, seq: int) -> None:
         """Remember a change an incident went through."""
@@ -257,7 +258,6 @@ class Detector:
         with session_scope(self.engine) as session:
             existing = service.get_symptoms_by_events(session, event_ids=[w.observation.event_id for w in work])
             done: set[str] = set()
-            nodes: set[str] = set()
             for item in work:
                 event_id = item.observation.event_id
                 if event_id in done:
@@ -272,10 +272,10 @@ class Detector:
                     reputation.record(
                         session, observation=item.observation, classification=item.classification, job_ids=job_ids
                     )
-                    nodes.add(item.observation.node_id)
+                    changes.faulty_nodes.add(item.observation.node_id)
             changes.write_counts(now)
             service.insert_symptoms(session, changes.rows)
-            for node_id in sorted(nodes):
+            for node_id in sorted(changes.faulty_nodes):
                 if reputation.recommend(session, node_id=node_id, rules=self.reputation_rules, now=now):
                     self._quarantines_pending = True
             log.debug("batch persisted", extra={"symptoms": len(work), **changes.decisions})
@@ -348,6 +348,9 @@ class Detector:
             service.upgrade(
                 incident, classification=classification, culprit=target.culprit, at=observation.time, now=now
             )
+        if decision in (Decision.OPEN, Decision.UPGRADE) and reputation.leads_reputation(classification):
+            reputation.record(session, observation=observation, classification=classification, job_ids=[target.job_id])
+            changes.faulty_nodes.add(observation.node_id)
         joined = incident if decision is not Decision.RECORD else None
         row = service.symptom_row(
             observation=observation,

@@ -84,7 +84,10 @@ class DetectorSettings(ServiceSettings, DatabaseSettings, AuthSettings):
     reputation_xid: int = Field(default=48, ge=0, description="the XID whose repeats on one node recommend quarantine")
     reputation_xid_count: int = Field(default=2, ge=1, description="that many of reputation_xid within the window")
     reputation_jobs: int = Field(default=3, ge=1, description="hardware faults in this many different jobs")
-    reputation_window_s: float = Field(default=86400.0, gt=0, description="the window both reputation rules count in")
+    reputation_numeric_count: int = Field(
+        default=3, ge=1, le=1000, description="numeric faults led from one node within the window"
+    )
+    reputation_window_s: float = Field(default=86400.0, gt=0, description="the window the reputation rules count in")
     partition_count: int = Field(default=1, ge=1, le=64, description="detector replicas sharing the load")
     partition_index: int = Field(default=0, ge=0, description="this replica's partition, 0..partition_count-1")
     event_batch: int = Field(default=2048, ge=1, le=4096, description="agent events handled in one transaction")

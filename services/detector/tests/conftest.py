@@ -7,7 +7,7 @@ import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import pytest
@@ -22,6 +22,7 @@ from reprise_common.events import (
     Event,
     IncidentChange,
     JobPlacement,
+    NodeQuarantineRecommended,
     NodeReport,
     RankAssignment,
     RankStatus,
@@ -31,6 +32,8 @@ from reprise_detector.app import create_app
 from reprise_detector.incidents.models import Symptom
 from reprise_detector.runtime import EVENTS_DURABLE, Runtime
 from reprise_detector.settings import DetectorSettings
+
+E = TypeVar("E", bound=Event)
 
 
 async def wait_until(predicate: Callable[[], Awaitable[bool]], timeout: float = 10.0) -> bool:
@@ -167,14 +170,20 @@ class Harness:
 
     async def changes(self, job_id: str) -> list[IncidentChange]:
         """Every IncidentChange stored on the INCIDENTS stream for a job, in order."""
-        sub = await self.agents.js.pull_subscribe(f"reprise.incident.{job_id}.>", stream="INCIDENTS")
-        found: list[IncidentChange] = []
+        return await self._stored(f"reprise.incident.{job_id}.>", "INCIDENTS", IncidentChange)
+
+    async def quarantines(self) -> list[NodeQuarantineRecommended]:
+        """Every quarantine recommendation stored on the NODES stream not read before, in order."""
+        return await self._stored(subjects.NODE_QUARANTINE_ALL, "NODES", NodeQuarantineRecommended)
+
+    async def _stored(self, subject: str, stream: str, kind: type[E]) -> list[E]:
+        sub = await self.agents.js.pull_subscribe(subject, stream=stream)
+        found: list[E] = []
         try:
             while True:
-                msgs = await sub.fetch(100, timeout=0.3)
-                for msg in msgs:
+                for msg in await sub.fetch(100, timeout=0.3):
                     event = parse_event(msg.data)
-                    assert isinstance(event, IncidentChange)
+                    assert isinstance(event, kind)
                     found.append(event)
                     await msg.ack()
         except TimeoutError:

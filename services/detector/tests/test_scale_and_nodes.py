@@ -7,7 +7,7 @@ from typing import Any
 
 from reprise_common import subjects
 from reprise_common.clock import ManualClock, utcnow
-from reprise_common.events import GpuXid, NodeQuarantineRecommended, RankExited, RankStatus, parse_event
+from reprise_common.events import GpuXid, RankExited, RankStatus
 from reprise_detector.partition import partition_of
 from reprise_detector.runtime import EVENTS_DURABLE
 
@@ -55,30 +55,13 @@ async def test_two_replicas_split_the_jobs_and_open_each_incident_once(
     assert [r.runtime.watcher.reports_seen for r in replicas] == [1, 1]  # every replica hears every report
 
 
-async def _quarantines(h: Harness) -> list[NodeQuarantineRecommended]:
-    sub = await h.agents.js.pull_subscribe(subjects.NODE_QUARANTINE_ALL, stream="NODES")
-    found: list[NodeQuarantineRecommended] = []
-    try:
-        while True:
-            for msg in await sub.fetch(100, timeout=0.3):
-                event = parse_event(msg.data)
-                assert isinstance(event, NodeQuarantineRecommended)
-                found.append(event)
-                await msg.ack()
-    except TimeoutError:
-        pass
-    finally:
-        await sub.unsubscribe()
-    return found
-
-
 async def test_two_xid_48_in_a_day_recommend_a_quarantine_once(start_detector: StartDetector, sqlite_url: str) -> None:
     h = await start_detector(sqlite_url)
     await h.place("job-a", [(0, "node-1", 0)])
     t0 = utcnow()
     await h.emit("node-1", GpuXid(source="node-1", node_id="node-1", gpu=0, xid=48, time=t0 - timedelta(hours=20)))
     await h.settled()
-    assert await _quarantines(h) == []
+    assert await h.quarantines() == []
     for hours in (0, 0.1):  # a second and a third: still one recommendation
         await h.emit(
             "node-1", GpuXid(source="node-1", node_id="node-1", gpu=0, xid=48, time=t0 + timedelta(hours=hours))
@@ -86,7 +69,7 @@ async def test_two_xid_48_in_a_day_recommend_a_quarantine_once(start_detector: S
         await h.settled()
     await h.emit("node-2", GpuXid(source="node-2", node_id="node-2", gpu=0, xid=48))
     await h.settled()
-    [recommendation] = await _quarantines(h)
+    [recommendation] = await h.quarantines()
     assert (recommendation.node_id, recommendation.reason) == ("node-1", "repeated_xid")
     assert recommendation.fault_count == 2 and recommendation.job_ids == ["job-a"]
 
@@ -104,7 +87,7 @@ async def test_hardware_faults_in_three_jobs_recommend_a_quarantine(detector: Ha
         await h.emit("node-1", GpuXid(source="node-1", node_id="node-1", gpu=n, xid=79))
         await h.settled()
         await h.place(job, [(0, "node-1", n)], epoch=1)
-    [recommendation] = await _quarantines(h)
+    [recommendation] = await h.quarantines()
     assert recommendation.reason == "faults_across_jobs"
     assert recommendation.job_ids == ["job-a", "job-b", "job-c"]
 

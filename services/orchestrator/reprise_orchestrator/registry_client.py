@@ -68,8 +68,9 @@ class _Pick(BaseModel):
 class Registry(Protocol):
     """What the orchestrator asks of the checkpoint registry."""
 
-    async def restore_point(self, job_id: str) -> RestorePick:
-        """The newest validated checkpoint that passes its re-check now (none when the job has none)."""
+    async def restore_point(self, job_id: str, *, before_step: int | None = None) -> RestorePick:
+        """The newest validated checkpoint (older than before_step when given) that passes its re-check now (none
+        when the job has none)."""
         ...
 
     async def restore_files(self, checkpoint_id: int) -> tuple[ResumeFile, ...]:
@@ -125,9 +126,11 @@ class RegistryClient:
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise RegistryUnavailableError(f"checkpoint registry unreachable: {exc!r}") from exc
 
-    async def restore_point(self, job_id: str) -> RestorePick:
-        """The newest validated checkpoint that passes its re-check now, with its files; what it skipped."""
-        status, body = await self._call("POST", f"/v1/jobs/{job_id}/restore-point")
+    async def restore_point(self, job_id: str, *, before_step: int | None = None) -> RestorePick:
+        """The newest validated checkpoint (older than before_step when given) that passes its re-check now, with its
+        files; what it skipped."""
+        query = f"?before_step={before_step}" if before_step is not None else ""
+        status, body = await self._call("POST", f"/v1/jobs/{job_id}/restore-point{query}")
         pick = _parsed(_Pick, status, body)
         if pick.checkpoint is None:
             return RestorePick(point=None, skipped=pick.skipped)

@@ -147,6 +147,9 @@ async def restore_point(
     carry_files: Annotated[
         int, Query(ge=0, le=RESUME_FILES_MAX, description="the most files the caller hands to the ranks to check")
     ] = RESUME_FILES_MAX,
+    before_step: Annotated[
+        int | None, Query(ge=0, le=SQL_INT_MAX, description="only checkpoints older than this step (a numeric fault's)")
+    ] = None,
 ) -> RestorePointPublic:
     """The newest validated checkpoint re-checked now (marker, ranks, file sizes; every digest when its manifest has
     more than carry_files files), with its manifest; checkpoints that fail are marked corrupt and skipped."""
@@ -155,6 +158,7 @@ async def restore_point(
         deps.engines,
         job_id=job_id,
         carry_files=carry_files,
+        before_step=before_step,
         roots=deps.settings.checkpoint_roots,
         workers=deps.settings.hash_workers,
     )

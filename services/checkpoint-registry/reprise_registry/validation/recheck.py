@@ -37,9 +37,16 @@ class RestorePick:
 
 
 def pick_restore_point(
-    engines: Engines, *, job_id: str, carry_files: int, roots: Sequence[Path], workers: int | None = None
+    engines: Engines,
+    *,
+    job_id: str,
+    carry_files: int,
+    roots: Sequence[Path],
+    workers: int | None = None,
+    before_step: int | None = None,
 ) -> RestorePick:
-    """The newest validated checkpoint that still passes its re-check; corrupt ones on the way are marked so.
+    """The newest validated checkpoint (older than before_step when given) that still passes its re-check; corrupt
+    ones on the way are marked so.
 
     A manifest of at most `carry_files` files goes to the ranks, which check the digests of what they load; a larger
     one is re-hashed here in full before it is handed out.
@@ -48,7 +55,7 @@ def pick_restore_point(
     for _ in range(RESTORE_CANDIDATES):
         with Session(engines.read) as session:
             try:
-                candidate = service.latest_validated(session, job_id=job_id)
+                candidate = service.latest_validated(session, job_id=job_id, before_step=before_step)
             except NotFoundError:
                 return pick
         assert candidate.id is not None

@@ -51,6 +51,7 @@ def pending_change(
             rank=incident.culprit_rank,
             exit_code=incident.culprit_exit_code,
             restart_epoch=incident.culprit_restart_epoch,
+            fault_step=incident.culprit_fault_step,
         ),
         recommended_action=RecommendedAction(incident.recommended_action),
         symptom_count=seq,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from enum import StrEnum
 
-from sqlalchemy import Column, Index, String, Text, UniqueConstraint, text
+from sqlalchemy import BigInteger, Column, Index, String, Text, UniqueConstraint, text
 from sqlmodel import Field, SQLModel
 
 from reprise_common.db import TypedJSON, UTCDateTime
@@ -46,6 +46,9 @@ class IncidentBase(SQLModel):
     culprit_rank: int | None = None
     culprit_exit_code: int | None = None
     culprit_restart_epoch: int | None = Field(default=None, description="the launch the culprit rank belonged to")
+    culprit_fault_step: int | None = Field(
+        default=None, sa_type=BigInteger, description="a numeric fault's step: a restore picks an older checkpoint"
+    )
     recommended_action: RecommendedAction = Field(sa_type=String(32))
     symptom_count: int = 0
     first_symptom_at: datetime = Field(sa_type=UTCDateTime)

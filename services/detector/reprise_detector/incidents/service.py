@@ -177,6 +177,7 @@ def set_culprit(incident: Incident, culprit: Culprit) -> None:
     incident.culprit_rank = culprit.rank
     incident.culprit_exit_code = culprit.exit_code
     incident.culprit_restart_epoch = culprit.restart_epoch
+    incident.culprit_fault_step = culprit.fault_step
 
 
 def add_symptom(

@@ -27,11 +27,13 @@ SOURCE = "detector"
 
 @dataclass(frozen=True)
 class ReputationRules:
-    """When a node's history recommends a quarantine: `xid_count` of `xid`, or faults in `jobs` jobs, in the window."""
+    """When a node's history recommends a quarantine: `xid_count` of `xid`, hardware faults in `jobs` jobs, or
+    `numeric_count` numeric faults first seen on the node, in the window."""
 
     xid: int = 48
     xid_count: int = 2
     jobs: int = 3
+    numeric_count: int = 3
     window_s: float = 86400.0
 
 
@@ -45,8 +47,15 @@ class Judgement:
 
 
 def counts_toward_reputation(classification: Classification) -> bool:
-    """Root-cause-grade hardware faults (GPU or interconnect) build a node's record; nothing else does."""
+    """Root-cause-grade hardware faults (GPU or interconnect) build a node's record wherever they are seen; numeric
+    faults only on the node where an incident's root cause saw them first (`leads_reputation`)."""
     return classification.root_cause_grade and classification.category in HARDWARE
+
+
+def leads_reputation(classification: Classification) -> bool:
+    """A numeric fault counts for the node of the rank that led its incident: a NaN spreads to every rank of the
+    job within a step, so the other ranks' nodes are not to blame."""
+    return classification.root_cause_grade and classification.category is Category.NUMERIC
 
 
 def judge(faults: Sequence[NodeFaultBase], rules: ReputationRules, *, now: datetime) -> list[Judgement]:
@@ -57,7 +66,13 @@ def judge(faults: Sequence[NodeFaultBase], rules: ReputationRules, *, now: datet
     if len(xid_events) >= rules.xid_count:
         detail = f"XID {rules.xid} {len(xid_events)} times within {rules.window_s:g} s"
         found.append(Judgement(QuarantineReason.REPEATED_XID, tuple(xid_events.values()), detail))
-    jobs = {f.job_key: f for f in recent if f.job_key}
+    numeric = {f.event_id: f for f in recent if f.category == Category.NUMERIC}
+    if len(numeric) >= rules.numeric_count:
+        detail = (
+            f"numeric faults (NaN, infinity, spike) first seen here {len(numeric)} times within {rules.window_s:g} s"
+        )
+        found.append(Judgement(QuarantineReason.REPEATED_NUMERIC, tuple(numeric.values()), detail))
+    jobs = {f.job_key: f for f in recent if f.job_key and f.category in HARDWARE}
     if len(jobs) >= rules.jobs:
         detail = f"hardware faults in {len(jobs)} different jobs within {rules.window_s:g} s: {sorted(jobs)}"
         found.append(Judgement(QuarantineReason.FAULTS_ACROSS_JOBS, tuple(jobs.values()), detail))

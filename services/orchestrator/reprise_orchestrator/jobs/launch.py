@@ -11,7 +11,7 @@ from sqlmodel import Session
 from reprise_common import subjects
 from reprise_common.bus import Bus
 from reprise_common.errors import BusError, ConflictError
-from reprise_common.events import JobPlacement, LaunchArgs, RankAssignment
+from reprise_common.events import JobPlacement, LaunchArgs, RankAssignment, StepSpan
 from reprise_common.logging import get_logger
 from reprise_orchestrator.compute.backend import Answers, ComputeBackend, LaunchRequest
 from reprise_orchestrator.jobs import service
@@ -92,6 +92,7 @@ async def launch(
     ranks: list[RankAssignment],
     rendezvous: Rendezvous,
     restore: RestorePoint | None,
+    skip_steps: StepSpan | None = None,
 ) -> Answers:
     """Publish the placement for the detector, then have the backend launch every rank; each node's answer."""
     placement = placement_event(job_id, spec, ranks, restart_epoch=rendezvous.restart_epoch)
@@ -107,6 +108,8 @@ async def launch(
         resume_checkpoint=restore.path if restore else None,
         resume_files=list(restore.files or ()) if restore else [],
         ranks=ranks,
+        numeric=spec.policy.numeric.watch() if spec.policy.numeric else None,
+        skip_steps=skip_steps,
     )
     return await backend.launch(LaunchRequest(job_id=job_id, args=args), operation_id=operation_id, fence=fence)
 

@@ -13,7 +13,7 @@ from sqlmodel.main import SQLModelConfig
 
 from reprise_common.clock import utcnow
 from reprise_common.db import TypedJSON, UTCDateTime
-from reprise_common.events import RankAssignment
+from reprise_common.events import NumericWatch, RankAssignment
 from reprise_common.labels import MAX_LABELS, MAX_NAME, MAX_PREFIX, MAX_VALUE, Labels
 from reprise_common.settings import IdStr
 
@@ -48,6 +48,21 @@ ExitCode = Annotated[int, Field(ge=-255, le=255)]
 STRICT = SQLModelConfig(extra="forbid")
 
 
+class NumericPolicy(NumericWatch):
+    """Which training metrics are watched for NaN, infinities and spikes, and how a numeric fault is recovered: roll
+    back to the newest validated checkpoint before the fault's step, skipping the data of `skip_steps` steps."""
+
+    model_config = {"extra": "forbid", "frozen": True}
+
+    skip_steps: int = Field(
+        default=0, ge=0, le=100_000, description="steps whose data the ranks skip, ending at the fault's step"
+    )
+
+    def watch(self) -> NumericWatch:
+        """What the agents need of it: the metrics and the spike threshold."""
+        return NumericWatch.model_validate(self.model_dump(exclude={"skip_steps"}))
+
+
 class RecoveryPolicy(SQLModel):
     """How a job may be recovered; every field has a default a user can override per job."""
 
@@ -66,6 +81,9 @@ class RecoveryPolicy(SQLModel):
     elastic_max_nodes: int | None = Field(default=None, ge=1, le=4096, description="never run on more nodes than this")
     use_spares: bool = Field(default=True, description="replace a lost or cordoned node with a spare first")
     hang_timeout_s: float | None = Field(default=None, gt=0, le=86_400, description="override the learned hang limit")
+    numeric: NumericPolicy | None = Field(
+        default_factory=NumericPolicy, description="metrics watched for numeric faults (the loss); None: none"
+    )
     non_retryable_exit_codes: list[ExitCode] = Field(
         default_factory=list, max_length=256, description="a rank exiting so fails the job"
     )

@@ -93,6 +93,7 @@ class Restored(StepData):
     digests_checked: bool = Field(
         default=False, description="the registry re-hashed every file (too many for the ranks to be handed)"
     )
+    before_step: int | None = Field(default=None, description="a numeric fault's step: only older checkpoints")
     note: str = ""
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from enum import StrEnum
 
-from reprise_common.events import CAUSE_DEPTH, Category, IncidentChange, RecommendedAction
+from reprise_common.events import CAUSE_DEPTH, Category, IncidentChange, RecommendedAction, StepSpan
 from reprise_common.logging import get_logger
 from reprise_orchestrator.jobs.models import Job, JobState, RecoveryPolicy
 from reprise_orchestrator.recoveries.records import Baseline
@@ -358,6 +358,19 @@ def stacks_wanted(incident: IncidentChange, *, attempt: int) -> str | None:
     """The incident to capture the ranks' stacks for before the stop: a hang's, on the recovery's first stop only
     (later attempts stop ranks of a new epoch, which the hang did not see)."""
     return incident.incident_id if incident.category is Category.HANG and attempt == 1 else None
+
+
+def restore_before(incident: IncidentChange) -> int | None:
+    """A numeric fault's step: the restore must pick a checkpoint older than it (None: the newest will do)."""
+    return incident.culprit.fault_step if incident.category is Category.NUMERIC else None
+
+
+def skipped_steps(incident: IncidentChange, policy: RecoveryPolicy) -> StepSpan | None:
+    """The steps whose data the relaunched ranks skip: the policy's count, ending at a numeric fault's step."""
+    fault_step = restore_before(incident)
+    if fault_step is None or policy.numeric is None or policy.numeric.skip_steps == 0:
+        return None
+    return StepSpan(first=max(0, fault_step - policy.numeric.skip_steps + 1), last=fault_step)
 
 
 def cordon_limit(known_nodes: int, share: float) -> int:

@@ -225,20 +225,32 @@ class RecoverySteps:
 
     async def restore(self, run: RecoveryRun) -> StepResult:
         """The newest validated checkpoint that passes the registry's re-check now (it skips any that failed to load
-        and marks corrupt any whose files vanished or changed size), pinned for the recovery."""
+        and marks corrupt any whose files vanished or changed size), pinned for the recovery; after a numeric fault,
+        the newest one before the fault's step."""
+        before = rules.restore_before(run.incident)
         try:
-            pick = await self._registry(lambda: self.deps.registry.restore_point(run.job.id))
+            pick = await self._registry(lambda: self.deps.registry.restore_point(run.job.id, before_step=before))
         except RegistryUnavailableError as exc:
             return StepResult(Restored(), Then.STOP, Outcome.REGISTRY_UNAVAILABLE, str(exc))
         run.restore, skipped = pick.point, pick.skipped
         self._count_progress(run)
+        rollback = f"a numeric fault at step {before}: rolled back to a checkpoint before it" if before else ""
         if run.restore is None:
-            note = "no validated checkpoint: the job restarts from its start"
-            return StepResult(Restored(skipped=skipped, note=note))
+            note = "no validated checkpoint" + (f" before step {before}" if before else "")
+            note = f"{note}: the job restarts from its start"
+            return StepResult(Restored(skipped=skipped, before_step=before, note=note))
         pinned = await self.deps.registry.pin(run.restore.checkpoint_id, holder=run.recovery_id, ttl_s=PIN_TTL_S)
         checkpoint = CheckpointRef(id=run.restore.checkpoint_id, step=run.restore.step, path=run.restore.path)
         checked = run.restore.digests_checked
-        return StepResult(Restored(checkpoint=checkpoint, pinned=pinned, skipped=skipped, digests_checked=checked))
+        restored = Restored(
+            checkpoint=checkpoint,
+            pinned=pinned,
+            skipped=skipped,
+            digests_checked=checked,
+            before_step=before,
+            note=rollback,
+        )
+        return StepResult(restored)
 
     @staticmethod
     async def _registry(call: Callable[[], Awaitable[T]]) -> T:
@@ -294,6 +306,7 @@ class RecoverySteps:
                 ranks=run.ranks,
                 rendezvous=rendezvous,
                 restore=run.restore,
+                skip_steps=rules.skipped_steps(run.incident, run.policy),
             )
         except BusError as exc:  # the placement could not be published, so nothing was launched: try again
             return StepResult(Launched(restart_epoch=epoch, error=str(exc)), Then.RETRY, detail=str(exc))
