@@ -29,8 +29,7 @@ _STEP_SOCKET_SUFFIX = "_4294967294.4294967294"  # a step's socket: <node>_<job i
 
 def _sbin(name: str) -> str | None:
     """A Slurm or munge binary: PATH, else /usr/sbin (not on a non-root PATH)."""
-    found = shutil.which(name) or shutil.which(name, path="/usr/sbin:/sbin")
-    return found
+    return shutil.which(name) or shutil.which(name, path="/usr/sbin:/sbin")
 
 
 def slurm_unavailable_reason() -> str | None:
@@ -218,12 +217,20 @@ class SlurmCluster:
         process.start()
         return process
 
-    def start_controller(self) -> None:
-        """Start slurmctld (again, after stop_controller: it recovers its jobs and nodes from its state directory)."""
+    def start_controller(self, timeout_s: float = 15.0) -> None:
+        """Start slurmctld and wait until it answers (again after stop_controller: it recovers its jobs and nodes
+        from its state directory)."""
         if self.controller is not None:
             self.controller.stop(grace_s=10.0)
         argv = [_require("slurmctld"), "-D", "-f", str(self.conf_path)]
         self.controller = self._daemon("slurmctld", argv)
+        if not wait_until(self.controller_answers, timeout_s=timeout_s, interval_s=0.2):
+            raise ConfigError(f"slurmctld did not answer within {timeout_s:.0f} s: {self.controller.log_tail(3)}")
+
+    def controller_answers(self) -> bool:
+        """True when slurmctld answers `scontrol ping`."""
+        done = self._command("scontrol", "ping", timeout_s=5.0)
+        return done is not None and done.returncode == 0
 
     def stop_controller(self) -> None:
         """Stop slurmctld (it saves its state); the nodes' slurmd keep running."""
@@ -291,8 +298,7 @@ class SlurmCluster:
                 self.start_node(name)
         self._command("scancel", f"--partition={self.partition}")
         wait_until(lambda: not self._busy(), timeout_s=timeout_s, interval_s=0.3)
-        states = self.node_states()
-        stuck = [name for name, state in states.items() if state != "idle"]
+        stuck = [name for name, state in self.node_states().items() if state.startswith(("drain", "down", "fail"))]
         if stuck:
             self._command("scontrol", "update", f"NodeName={','.join(stuck)}", "State=RESUME")
         if not self.wait_idle(timeout_s=timeout_s):
