@@ -192,6 +192,7 @@ async def test_missing_slurm_commands_are_a_dependency_failure(tmp_path: Path, m
         (lambda cli: cli.drain("-h", reason="x"), "not a Slurm name"),
         (lambda cli: cli.drain("node1", reason="line one\nline two"), "one line"),
         (lambda cli: cli.drain("node1", reason=" "), "non-empty"),
+        (lambda cli: cli.drain("node1", reason="x" * 256), "at most 255"),
         (lambda cli: cli.resume("node1,node2"), "not a Slurm name"),
         (lambda cli: cli.requeue(0), "not a Slurm job id"),
         (lambda cli: cli.requeue(7, exclude=["node1 x"]), "not a Slurm name"),

@@ -24,6 +24,7 @@ from reprise_common.errors import RepriseError
 
 DEFAULT_TIMEOUT_S = 10.0  # a dead controller fails a command in ~4 s (connect retries); a frozen one never does
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # one node (partition, account): never a list or an option
+_TEXT_MAX = 255  # a reason or a job name: what `sinfo -R` and `squeue` can show
 _EXTRA_OPTION = re.compile(r"--[a-z][a-z0-9-]*(=.*)?", re.DOTALL)
 _UNREACHABLE = (
     "unable to contact slurm controller",
@@ -42,7 +43,8 @@ class SlurmError(RepriseError):
 
 
 class SlurmUnavailableError(SlurmError):
-    """Slurm cannot be reached: the controller did not answer in time, or a Slurm command is not installed."""
+    """Slurm cannot be reached: the controller did not answer in time, a Slurm command is not installed, or there is
+    no Slurm configuration."""
 
 
 def _name(value: str) -> str:
@@ -52,13 +54,13 @@ def _name(value: str) -> str:
 
 
 def _plain_text(value: str) -> str:
-    if not value.strip() or any(ord(char) < 32 or ord(char) == 127 for char in value):
-        raise ValueError("must be non-empty text on one line, without control characters")
+    if not value.strip() or len(value) > _TEXT_MAX or any(ord(char) < 32 or ord(char) == 127 for char in value):
+        raise ValueError(f"must be non-empty text on one line (at most {_TEXT_MAX} characters, no control characters)")
     return value
 
 
 SlurmName = Annotated[str, AfterValidator(_name)]
-PlainText = Annotated[str, Field(max_length=255), AfterValidator(_plain_text)]
+PlainText = Annotated[str, AfterValidator(_plain_text)]
 
 
 class SlurmJobState(StrEnum):
