@@ -108,8 +108,10 @@ async def test_a_node_an_admin_drained_is_reported_drained(cli: SlurmCli, slurm_
     assert [n.name for n in await cli.nodes() if not n.schedulable] == ["node4"]
 
 
-async def test_a_requeued_job_waits_to_run_again(cli: SlurmCli) -> None:
-    job_id = await cli.submit(SlurmSubmission(name="requeue me", nodes=2, script=ONE_TASK_PER_NODE))
+async def test_a_requeued_job_waits_to_run_again(cli: SlurmCli, tmp_path: Path) -> None:
+    job_id = await cli.submit(
+        SlurmSubmission(name="requeue me", nodes=2, script=ONE_TASK_PER_NODE, output=tmp_path / "%j.out")
+    )
     await running(cli, job_id)
 
     await cli.requeue(job_id)
@@ -118,8 +120,10 @@ async def test_a_requeued_job_waits_to_run_again(cli: SlurmCli) -> None:
     assert job is not None and job.state is SlurmJobState.PENDING and job.restart_count == 1 and job.nodes == ()
 
 
-async def test_a_job_requeued_without_a_node_runs_again_elsewhere(cli: SlurmCli) -> None:
-    job_id = await cli.submit(SlurmSubmission(name="shrink", nodes=3, script=ONE_TASK_PER_NODE))
+async def test_a_job_requeued_without_a_node_runs_again_elsewhere(cli: SlurmCli, tmp_path: Path) -> None:
+    job_id = await cli.submit(
+        SlurmSubmission(name="shrink", nodes=3, script=ONE_TASK_PER_NODE, output=tmp_path / "%j.out")
+    )
     first = await running(cli, job_id)
     lost = first.nodes[0]
 
@@ -130,8 +134,10 @@ async def test_a_job_requeued_without_a_node_runs_again_elsewhere(cli: SlurmCli)
     assert len(again.nodes) == 3 and lost not in again.nodes
 
 
-async def test_a_cancelled_job_ends_and_frees_its_nodes(cli: SlurmCli) -> None:
-    job_id = await cli.submit(SlurmSubmission(name="cancel me", nodes=2, script=ONE_TASK_PER_NODE))
+async def test_a_cancelled_job_ends_and_frees_its_nodes(cli: SlurmCli, tmp_path: Path) -> None:
+    job_id = await cli.submit(
+        SlurmSubmission(name="cancel me", nodes=2, script=ONE_TASK_PER_NODE, output=tmp_path / "%j.out")
+    )
     nodes = (await running(cli, job_id)).nodes
 
     await cli.cancel(job_id)
