@@ -7,14 +7,21 @@ figures and saves bench/results/detector.json:
                            subscriber (published only after the commit); median and p99; target p99 ≤ 300 ms
   ingest                   node reports (core NATS) at 1 Hz from N simulated nodes (8 ranks each, every rank's
                            step advancing each second), published by separate generator processes from pre-rendered
-                           payloads; per N: reports/s offered and handled, reports superseded or dropped, report
-                           time → decision (progress, straggler and liveness state updated) median / p99 (target
-                           ≤ 100 ms), and the 1-minute load average before and during the round (the machine may be
-                           shared: generators and nats-server share its cores with the detector)
-                           three rounds per N, each on a fresh detector: the round with the median p99 is kept,
-                           with every round's p99 and handled rate
-  ingest_sustained_reports_per_s   the rate handled at the highest N whose kept round handled ≥ 95% of N with p99
-                           ≤ 100 ms (target ≥ 20,000), and that N as ingest_sustained_nodes
+                           payloads (bench/detector_ingest.py); per N: reports/s offered and handled, reports
+                           superseded or dropped, report time → decision (progress, straggler and liveness state
+                           updated) median / p99 (target ≤ 100 ms), and the 1-minute load average before and during
+                           the round (the machine may be shared: generators and nats-server share its cores with the
+                           detector); three rounds per N, each on a fresh detector: the round with the median p99 is
+                           kept, with every round's p99 and handled rate
+  ingest_bare              the bare ceiling at the same N, right before and right after the detector's rounds: this
+                           process receiving the same reports from a nats-server of its own and decoding each into
+                           the typed structs the detector reads, nothing else (report time → decoded); the better
+                           of the two is kept
+  ingest_sustained_reports_per_s, ingest_bare_ceiling_reports_per_s, ingest_ratio
+                           the rate handled at the highest N whose kept round handled ≥ 95% of N with p99 ≤ 100 ms,
+                           for the detector and for the bare receiver, and the first divided by the second (target
+                           ≥ 0.6): a slow hour of a shared host lowers both; `ingest_load_avg_1m` says how busy it
+                           was. The rates rise until both series have failed one.
   storm                    one rank SIGKILLed and 16,383 peers failing with gloo/NCCL errors in one job, published
                            by another process on the stream's subjects with message ids (done when the stream
                            holds them all):
@@ -47,13 +54,23 @@ import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from sqlmodel import Session, func, select
 
-from bench.common import RESULTS_DIR, process_cpu_s, write_result
+from bench.common import RESULTS_DIR, write_result
+from bench.detector_ingest import (
+    P99_LIMIT_MS,
+    RANKS_PER_NODE,
+    Load,
+    bare_round,
+    cpu_s,
+    node_names,
+    passed,
+    summary_ms,
+    sustained,
+)
 from bench.detector_node_loss import node_loss
 from reprise_cli.servers import NatsServer, free_port
 from reprise_common import subjects
@@ -65,24 +82,8 @@ from reprise_detector.incidents.models import Incident, Symptom
 from reprise_detector.runtime import EVENTS_DURABLE, Runtime
 from reprise_detector.settings import DetectorSettings
 
-RANKS_PER_NODE = 8
 PARTS = ("latency", "ingest", "storm", "node-loss")
 GLOO = "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.7]:29500"
-
-
-def pct(samples: list[float], q: float) -> float:
-    """Nearest-rank percentile."""
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
-
-
-def summary_ms(samples_s: list[float]) -> dict[str, float]:
-    """Median and p99 in milliseconds."""
-    return {
-        "count": len(samples_s),
-        "median_ms": round(statistics.median(samples_s) * 1000, 2) if samples_s else float("nan"),
-        "p99_ms": round(pct(samples_s, 0.99) * 1000, 2),
-    }
 
 
 class Stack:
@@ -165,72 +166,6 @@ async def detection_latency(stack: Stack, runs: int) -> dict[str, Any]:
 
 
 # --- ingest ---------------------------------------------------------------------------------------------------
-SLOTS_PER_S = 100
-
-
-def _template(node: str) -> bytes:
-    """A node's report as bytes with %-placeholders for what changes between reports: the time and the step."""
-    group, index = node.rsplit("-", 1)
-    ranks = [
-        {
-            "job_id": f"job-{group}",
-            "rank": int(index) * RANKS_PER_NODE + g,
-            "gpu": g,
-            "step": "@S@",
-            "phase": "training",
-            "heartbeat_age_s": 0.1,
-            "step_time_p50_s": 1.0,
-            "step_time_p99_s": 1.1,
-            "step_time_last_s": 1.0,
-        }
-        for g in range(RANKS_PER_NODE)
-    ]
-    body = {
-        "type": "node.report",
-        "event_id": f"{node}-@S@",
-        "time": "@T@",
-        "source": node,
-        "node_id": node,
-        "interval_s": 1.0,
-        "gpu_backend": "sim",
-        "gpus": [{"index": g, "health": "ok", "temperature_c": 60.0} for g in range(RANKS_PER_NODE)],
-        "ranks": ranks,
-    }
-    text = json.dumps(body).replace("%", "%%").replace('"@S@"', "%(s)d").replace("@S@", "%(s)d")
-    return text.replace("@T@", "%(t)s").encode()
-
-
-def _generator(url: str, nodes: list[str], seconds: float, start_at: float, offered: Any) -> None:
-    """A load generator process: every node reports once a second for `seconds`, spread over 100 slots a second.
-
-    Payloads are rendered once per node; per report only the time and the step are filled in. A slot's reports are
-    published without waiting on each (core NATS: the client writes them out together); `offered` counts them.
-    """
-    import nats  # noqa: PLC0415 - only in the child
-
-    async def run() -> None:
-        nc = await nats.connect(url, pending_size=64 * 1024 * 1024)
-        plan = [(subjects.node_report(node), _template(node)) for node in nodes]
-        per_slot = -(-len(plan) // SLOTS_PER_S)
-        while time.time() < start_at:
-            await asyncio.sleep(0.01)
-        step = 0
-        while time.time() < start_at + seconds:
-            second = time.time()
-            step += 1
-            for slot, first in enumerate(range(0, len(plan), per_slot)):
-                values = {b"t": datetime.now(UTC).isoformat().encode(), b"s": step}
-                for subject, template in plan[first : first + per_slot]:
-                    await nc.publish(subject, template % values)
-                with offered.get_lock():
-                    offered.value += min(per_slot, len(plan) - first)
-                await asyncio.sleep(max(0.0, second + (slot + 1) / SLOTS_PER_S - time.time()))
-            await asyncio.sleep(max(0.0, second + 1 - time.time()))
-        await nc.drain()
-
-    asyncio.run(run())
-
-
 def _full_collections(pauses_ms: list[float]) -> Callable[[str, dict[str, Any]], None]:
     """A gc callback that records how long each full collection (generation 2) paused the process."""
     started = [0.0]
@@ -245,28 +180,16 @@ def _full_collections(pauses_ms: list[float]) -> Callable[[str, dict[str, Any]],
     return record
 
 
-def _cpu_s(pids: dict[str, list[int]]) -> dict[str, float]:
-    """CPU seconds used so far by each group of processes."""
-    return {name: sum(process_cpu_s(pid) for pid in group) for name, group in pids.items()}
-
-
-async def ingest(stack: Stack, nodes: int, seconds: float, generators: int) -> dict[str, Any]:
+async def ingest(stack: Stack, load: Load, nodes: int, seconds: float) -> dict[str, Any]:
+    """One detector round: N nodes report for `seconds` to a fresh detector; what it handled, and how late."""
     assert stack.runtime is not None and stack.runtime.reports is not None and stack.bus is not None
-    names = [f"g{n // 64}-{n % 64}" for n in range(nodes)]  # jobs of 64 nodes (512 ranks) each
+    names = node_names(nodes)
     for group in range(0, nodes, 64):
         await stack.place(f"job-g{group // 64}", names[group : group + 64])
     watcher, follower = stack.runtime.watcher, stack.runtime.reports
     seen0, superseded0, dropped0 = watcher.reports_seen, follower.superseded, follower.dropped
     load_before = os.getloadavg()[0]  # the machine is shared: what else ran shows here
-    start_at = time.time() + 6.0  # spawned generators import for a few seconds
-    ctx = multiprocessing.get_context("spawn")
-    offered = ctx.Value("q", 0)
-    procs = [
-        ctx.Process(target=_generator, args=(stack.nats.url, names[i::generators], seconds, start_at, offered))
-        for i in range(generators)
-    ]
-    for proc in procs:
-        proc.start()
+    start_at = load.send(stack.nats.url, nodes, seconds)
     await asyncio.sleep(max(0.0, start_at - time.time()) + 1.0)  # skip the first second (warm-up)
     watcher.lag_s.clear()
     pauses_ms: list[float] = []
@@ -274,16 +197,15 @@ async def ingest(stack: Stack, nodes: int, seconds: float, generators: int) -> d
     pids = {
         "detector": [os.getpid()],
         "nats_server": [stack.nats.process.pid] if stack.nats.process else [],
-        "generators": [proc.pid for proc in procs if proc.pid is not None],
+        "generators": load.pids,
     }
-    seen1, offered1, t1, cpu1 = watcher.reports_seen, offered.value, time.monotonic(), _cpu_s(pids)
+    seen1, offered1, t1, cpu1 = watcher.reports_seen, load.offered.value, time.monotonic(), cpu_s(pids)
     await asyncio.sleep(seconds - 1.5)
-    seen2, offered2, t2, cpu2 = watcher.reports_seen, offered.value, time.monotonic(), _cpu_s(pids)
+    seen2, offered2, t2, cpu2 = watcher.reports_seen, load.offered.value, time.monotonic(), cpu_s(pids)
     gc.callbacks.remove(record)
     lags = list(watcher.lag_s)
     load_during = os.getloadavg()[0]
-    for proc in procs:
-        await asyncio.to_thread(proc.join, 30)
+    await load.wait()
     await asyncio.sleep(1.0)
     for group in range(0, nodes, 64):  # end the jobs so the next round starts clean
         done = JobPlacement(source="bench", job_id=f"job-g{group // 64}", restart_epoch=0, world_size=0, active=False)
@@ -302,6 +224,89 @@ async def ingest(stack: Stack, nodes: int, seconds: float, generators: int) -> d
         "load_avg_1m_before": round(load_before, 2),
         "load_avg_1m_during": round(load_during, 2),
     }
+
+
+async def ingest_part(args: argparse.Namespace) -> dict[str, Any]:
+    """Rising rates; at each, the bare ceiling right before and right after the detector's rounds.
+
+    The detector's rounds at a rate: `--ingest-runs` on fresh detectors, the one with the median p99 kept. The bare
+    ceiling's: the better of the two around them (a ceiling is what the host allowed at best in that minute; taking
+    the better one makes the ratio the harder to meet). Each series stops after the first rate its kept round fails.
+    """
+    load = Load(args.generators)
+    await load.start()
+    detector_rounds: list[dict[str, Any]] = []
+    bare_rounds: list[dict[str, Any]] = []
+    loads_1m = [os.getloadavg()[0]]
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench-detector-bare-") as tmp:
+            for nodes in args.nodes:
+                detector_on = not detector_rounds or passed(detector_rounds[-1], "report_to_decision")
+                bare_on = not bare_rounds or passed(bare_rounds[-1], "report_to_decoded")
+                if not (detector_on or bare_on):
+                    break
+                bare = [await bare_round(Path(tmp), load, nodes, args.seconds)] if bare_on else []
+                if detector_on:
+                    runs = []
+                    for _ in range(args.ingest_runs):
+                        runs.append(await on_fresh_stack(lambda s, n=nodes: ingest(s, load, n, args.seconds)))
+                        print("ingest", runs[-1], flush=True)
+                    p99s = sorted(r["report_to_decision"]["p99_ms"] for r in runs)
+                    kept = min(runs, key=lambda r: abs(r["report_to_decision"]["p99_ms"] - statistics.median(p99s)))
+                    detector_rounds.append(
+                        kept
+                        | {
+                            "runs": len(runs),
+                            "p99_ms_each": p99s,
+                            "handled_reports_per_s_each": sorted(r["handled_reports_per_s"] for r in runs),
+                        }
+                    )
+                if bare_on:
+                    bare.append(await bare_round(Path(tmp), load, nodes, args.seconds))
+                    for run in bare:
+                        print("bare", run, flush=True)
+                    best = max(bare, key=lambda r: (passed(r, "report_to_decoded"), -r["report_to_decoded"]["p99_ms"]))
+                    bare_rounds.append(
+                        best | {"runs": len(bare), "p99_ms_each": [r["report_to_decoded"]["p99_ms"] for r in bare]}
+                    )
+                loads_1m.append(os.getloadavg()[0])
+    finally:
+        load.stop()
+    return _ingest_figures(detector_rounds, bare_rounds, loads_1m)
+
+
+def _ingest_figures(
+    detector_rounds: list[dict[str, Any]], bare_rounds: list[dict[str, Any]], loads_1m: list[float]
+) -> dict[str, Any]:
+    """The rounds, and the sustained rates of both series with their ratio (printed as well)."""
+    detector = sustained(detector_rounds, "report_to_decision")
+    bare = sustained(bare_rounds, "report_to_decoded")
+    rate = detector["handled_reports_per_s"] if detector else 0
+    ceiling = bare["handled_reports_per_s"] if bare else 0
+    figures = {
+        "ingest": detector_rounds,
+        "ingest_bare": bare_rounds,
+        "ingest_sustained_reports_per_s": rate,
+        "ingest_sustained_nodes": detector["nodes"] if detector else 0,  # reporting at 1 Hz: the rate offered
+        "ingest_bare_ceiling_reports_per_s": ceiling,
+        "ingest_bare_ceiling_nodes": bare["nodes"] if bare else 0,
+        # False: the bare receiver passed the highest rate tried, so the ceiling is higher and the ratio lower
+        "ingest_bare_ceiling_reached": bool(bare_rounds) and not passed(bare_rounds[-1], "report_to_decoded"),
+        "ingest_ratio": round(rate / ceiling, 3) if ceiling else None,
+        "ingest_load_avg_1m": {
+            "start": round(loads_1m[0], 2),
+            "end": round(loads_1m[-1], 2),
+            "max": round(max(loads_1m), 2),
+        },
+    }
+    print(
+        f"ingest: bare ceiling {ceiling:,} reports/s"
+        f"{'' if figures['ingest_bare_ceiling_reached'] else ' (not reached: higher)'}, detector sustained {rate:,}"
+        f" reports/s (p99 <= {P99_LIMIT_MS:.0f} ms), ratio {figures['ingest_ratio']} (target >= 0.6);"
+        f" load average 1 min {figures['ingest_load_avg_1m']}",
+        flush=True,
+    )
+    return figures
 
 
 # --- storm ----------------------------------------------------------------------------------------------------
@@ -428,31 +433,7 @@ async def main(args: argparse.Namespace) -> None:
         figures["detection_latency_ms"] = await on_fresh_stack(lambda s: detection_latency(s, args.latency_runs))
         print("detection latency", figures["detection_latency_ms"], flush=True)
     if "ingest" in parts:
-        rounds = []
-        for nodes in args.nodes:
-            runs = []
-            for _ in range(args.ingest_runs):
-                runs.append(await on_fresh_stack(lambda s, n=nodes: ingest(s, n, args.seconds, args.generators)))
-                print("ingest", runs[-1], flush=True)
-            p99s = sorted(r["report_to_decision"]["p99_ms"] for r in runs)
-            kept = min(runs, key=lambda r: abs(r["report_to_decision"]["p99_ms"] - statistics.median(p99s)))
-            rounds.append(
-                kept
-                | {
-                    "runs": len(runs),
-                    "p99_ms_each": p99s,
-                    "handled_reports_per_s_each": sorted(r["handled_reports_per_s"] for r in runs),
-                }
-            )
-        figures["ingest"] = rounds
-        good = [
-            r
-            for r in rounds
-            if r["report_to_decision"]["p99_ms"] <= 100 and r["handled_reports_per_s"] >= 0.95 * r["nodes"]
-        ]
-        best = max(good, key=lambda r: r["nodes"], default=None)
-        figures["ingest_sustained_reports_per_s"] = best["handled_reports_per_s"] if best else 0
-        figures["ingest_sustained_nodes"] = best["nodes"] if best else 0  # reporting at 1 Hz: the rate offered
+        figures |= await ingest_part(args)
     if "storm" in parts:
         runs = []
         for _ in range(args.storm_runs):
@@ -476,7 +457,13 @@ async def main(args: argparse.Namespace) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--latency-runs", type=int, default=200)
-    parser.add_argument("--nodes", type=int, nargs="*", default=[2000, 10000, 15000, 20000, 25000, 30000])
+    parser.add_argument(
+        "--nodes",
+        type=int,
+        nargs="*",
+        default=[5000, 10000, 15000, 20000, 25000, 30000, 35000, 40000, 45000, 50000],
+        help="the rising rates (nodes reporting at 1 Hz); each series stops after its first failed rate",
+    )
     parser.add_argument(
         "--ingest-runs",
         type=int,
