@@ -102,46 +102,62 @@ class ProgressBook:
         if job is None:
             job = self.jobs[status.job_id] = JobTrack()
         job.updates += 1
-        step_time = status.step_time_last_s or status.step_time_p50_s
         track = job.ranks.get(status.rank)
         if track is None:
-            phase_since = now - (status.phase_age_s or 0.0)
-            advanced = now - (status.heartbeat_age_s or 0.0) if status.step is not None else phase_since
-            track = RankTrack(status, node_id, advanced, phase_since, status.cpu_s, status.step_time_p99_s, step_time)
-            track.stopped_since = now if status.proc_state in STOPPED_STATES else None
-            job.ranks[status.rank] = track
+            track = job.ranks[status.rank] = _first_track(node_id, status, now)
             job.next_check = 0.0
             return job, track
         # Updated in place (a report of 8 ranks a second per node must not churn objects); straggler state carries
-        # over. A new step resets the stall, the phase clock and the CPU count of the stall.
+        # over. This runs for every rank of every report: what rarely changes (phase, process state) is compared
+        # before anything is written for it.
         seen, track.status, track.node_id = track.status, status, node_id
+        step = status.step
         # A new step is progress, and so is a new launch of the rank: its step counts again from where it restored,
-        # and the same number as the replaced process's last step is no stall.
-        if status.step != seen.step or status.restart_epoch != seen.restart_epoch:
+        # and the same number as the replaced process's last step is no stall. It resets the stall, the phase clock
+        # and the CPU count of the stall.
+        if step != seen.step or status.restart_epoch != seen.restart_epoch:
             track.phase_since = phase_since = now - (status.phase_age_s or 0.0)
-            track.advanced_at = now - (status.heartbeat_age_s or 0.0) if status.step is not None else phase_since
+            track.advanced_at = now - (status.heartbeat_age_s or 0.0) if step is not None else phase_since
             track.cpu_at_advance = status.cpu_s
             job.hung = False
         elif track.cpu_at_advance is None:
             track.cpu_at_advance = status.cpu_s
         if status.phase != seen.phase:
-            if status.step == seen.step:
+            if step == seen.step:
                 track.phase_since = now - (status.phase_age_s or 0.0)
             job.next_check = 0.0  # another phase, another limit: what was computed for the old one no longer holds
         if status.step_time_p99_s:
             track.p99_s = status.step_time_p99_s
+        step_time = status.step_time_last_s or status.step_time_p50_s
         if step_time:
             track.step_time_s = step_time
-        if status.proc_state not in STOPPED_STATES:
-            track.stopped_since = None
-        elif track.stopped_since is None or seen.proc_state not in STOPPED_STATES:
-            track.stopped_since = now
-            job.next_check = 0.0  # a stopped process is timed as training, whatever its phase
+        if status.proc_state or seen.proc_state:  # "" (unknown, or running) on the common path
+            _fold_proc_state(job, track, status.proc_state, seen.proc_state, now)
         return job, track
 
     def forget(self, job_id: str) -> None:
         """Drop a job that no longer runs here."""
         self.jobs.pop(job_id, None)
+
+
+def _first_track(node_id: str, status: RankProgress, now: float) -> RankTrack:
+    """A rank's track from its first status; the heartbeat age back-dates its step, the phase age its phase."""
+    phase_since = now - (status.phase_age_s or 0.0)
+    advanced = now - (status.heartbeat_age_s or 0.0) if status.step is not None else phase_since
+    step_time = status.step_time_last_s or status.step_time_p50_s
+    track = RankTrack(status, node_id, advanced, phase_since, status.cpu_s, status.step_time_p99_s, step_time)
+    track.stopped_since = now if status.proc_state in STOPPED_STATES else None
+    return track
+
+
+def _fold_proc_state(job: JobTrack, track: RankTrack, state: str, was: str, now: float) -> None:
+    """Note since when a rank's process is stopped (state T/t), in a row; a stopped process is timed as training,
+    whatever its phase."""
+    if state not in STOPPED_STATES:
+        track.stopped_since = None
+    elif track.stopped_since is None or was not in STOPPED_STATES:
+        track.stopped_since = now
+        job.next_check = 0.0
 
 
 # --- hangs ------------------------------------------------------------------------------------------------------
@@ -343,6 +359,11 @@ class StragglerVerdict(StrEnum):
     STRAGGLER = "straggler"  # just crossed the count: report it (once, until it speeds up)
 
 
+# Bound once: looking a member up on its enum class costs about 0.2 µs, and judge() runs for every rank of every report.
+_UNKNOWN, _NORMAL = StragglerVerdict.UNKNOWN, StragglerVerdict.NORMAL
+_SLOW, _STRAGGLER = StragglerVerdict.SLOW, StragglerVerdict.STRAGGLER
+
+
 class StragglerWatch:
     """Stage: after each report, compare each of its ranks with the job median; N slow reports in a row → warning."""
 
@@ -355,16 +376,18 @@ class StragglerWatch:
     def judge(self, job: JobTrack, track: RankTrack) -> StragglerVerdict:
         """Update the rank's streak from its latest step time and say what it is."""
         median = job.median_s if job.updates - job.median_updates < len(job.ranks) else self.median(job)
-        if track.step_time_s is None or median is None:
-            return StragglerVerdict.UNKNOWN
-        if track.step_time_s <= self.factor * median:
-            track.slow_streak, track.straggling = 0, False
-            return StragglerVerdict.NORMAL
+        step_time = track.step_time_s
+        if step_time is None or median is None:
+            return _UNKNOWN
+        if step_time <= self.factor * median:
+            if track.slow_streak:
+                track.slow_streak, track.straggling = 0, False
+            return _NORMAL
         track.slow_streak += 1
         if track.slow_streak >= self.reports and not track.straggling:
             track.straggling = True
-            return StragglerVerdict.STRAGGLER
-        return StragglerVerdict.SLOW
+            return _STRAGGLER
+        return _SLOW
 
     @staticmethod
     def median(job: JobTrack) -> float | None:
