@@ -14,7 +14,7 @@ NODES ?= 4
 SPARES ?= 1
 
 .PHONY: venv slurm-deps test lint typecheck pytest chaos soak up demo clean bench-agent bench-sdk bench-registry bench-detector bench-orchestrator \
-	bench-orchestrator-concurrent bench-vs-torchrun bench-hang-limits
+	bench-orchestrator-concurrent bench-vs-torchrun bench-hang-limits bench-standby
 
 venv: $(STAMP)
 
@@ -98,3 +98,7 @@ bench-vs-torchrun: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .state .mypy_cache .ruff_cache .pytest_cache
+
+# A rank's start cold against warm (a standby that imported torch): medians side by side → bench/results/standby.json
+bench-standby: $(STAMP)
+	$(BIN)/python -m bench.bench_standby

@@ -41,14 +41,20 @@ def _stack_config(args: argparse.Namespace) -> StackConfig:
         nodes=args.nodes,
         spares=args.spares,
         gpus_per_node=args.gpus_per_node,
+        standbys=args.standbys,
         state_dir=Path(args.state_dir),
         ports=ports,
     )
 
 
-def _add_stack_flags(parser: argparse.ArgumentParser, *, nodes: int, spares: int, state_dir: str = ".state") -> None:
+def _add_stack_flags(
+    parser: argparse.ArgumentParser, *, nodes: int, spares: int, standbys: int = 0, state_dir: str = ".state"
+) -> None:
     parser.add_argument("--nodes", type=int, default=nodes, help="simulated worker nodes")
     parser.add_argument("--spares", type=int, default=spares, help="simulated spare nodes")
+    parser.add_argument(
+        "--standbys", type=int, default=standbys, help="warm standby interpreters per node (torch imported)"
+    )
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--state-dir", default=state_dir, help="logs, SQLite files, NATS store, Redis data")
     flags = ("nats", "nats-monitor", "redis", "registry", "detector", "orchestrator", "notifier", "slack-receiver")
@@ -171,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     creds.set_defaults(func=cmd_creds)
 
     demo = sub.add_parser("demo", help="start the platform, train a DDP job through four faults, show the recoveries")
-    _add_stack_flags(demo, nodes=4, spares=1, state_dir=".state/demo")  # wiped at every demo start
+    _add_stack_flags(demo, nodes=4, spares=1, standbys=2, state_dir=".state/demo")  # wiped at every demo start
     demo.add_argument("--keep", action="store_true", help="keep the platform running at the end until Ctrl-C")
     demo.set_defaults(func=cmd_demo)
 

@@ -48,6 +48,7 @@ class StackConfig:
     nodes: int = 4
     spares: int = 1
     gpus_per_node: int = 8
+    standbys: int = 0  # warm standby interpreters per node (REPRISE_STANDBYS)
     state_dir: Path = Path(".state")
     host: str = "127.0.0.1"
     ports: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_PORTS))
@@ -183,6 +184,7 @@ def build_services(config: StackConfig) -> list[ServiceSpec]:
             "REPRISE_GPU_COUNT": str(config.gpus_per_node),
             "REPRISE_SPARE": "true" if spare else "false",
             "REPRISE_ADVERTISE_ADDR": config.host,
+            "REPRISE_STANDBYS": str(config.standbys),
         }
         services.append(ServiceSpec(agent_name(node_id), "agent", ROLE_COMMANDS["agent"], env, port))
     return services

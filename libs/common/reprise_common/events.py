@@ -141,6 +141,15 @@ class RankStatus(Wire):
     cpu_s: float | None = Field(default=None, ge=0, description="CPU seconds the live rank used so far")
 
 
+class StandbyStatus(Wire):
+    """A warm standby interpreter waiting on a node for a rank to run."""
+
+    pid: int = Field(ge=0)
+    ready: bool = Field(description="it imported its modules and waits (false: still importing)")
+    rss_bytes: int | None = Field(default=None, ge=0, description="its resident memory now")
+    failed_imports: list[str] = Field(default_factory=list, max_length=8, description="modules it could not import")
+
+
 class NodeReport(Event):
     """One compact report per node per interval: all GPUs, all ranks."""
 
@@ -157,6 +166,7 @@ class NodeReport(Event):
     stopping: bool = Field(
         default=False, description="the agent is stopping (a graceful restart): its connection closes next, expected"
     )
+    standbys: list[StandbyStatus] = Field(default_factory=list, description="warm standby interpreters waiting here")
 
 
 class GpuXid(Event):
@@ -274,7 +284,7 @@ class RankNumeric(Event):
     kind: NumericKind
     value: float | None = Field(default=None, description="the value that tripped (None: NaN or infinite)")
     step: int = Field(ge=0, description="the first step whose value tripped: the fault's step")
-    last_good_step: int | None = Field(default=None, ge=0, description="the newest step before it that was fine")
+    last_good_step: int | None = Field(default=None, ge=0, description="the newest step reported fine before it")
     median: float | None = Field(default=None, description="the recent median a spike was measured against")
     z: float | None = Field(default=None, description="a spike's robust z-score")
 

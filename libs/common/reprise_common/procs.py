@@ -59,9 +59,11 @@ class ProcessSample:
 
     state: str  # R running, S sleeping, D uninterruptible sleep, T stopped, t traced, Z zombie
     cpu_s: float  # user + system CPU seconds so far, every thread included
+    rss_bytes: int = 0  # resident memory
 
 
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def _stat_fields(pid: int, proc: Path = Path("/proc")) -> list[str]:
@@ -76,7 +78,9 @@ def sample_process(pid: int, proc: Path = Path("/proc")) -> ProcessSample | None
     """The process's scheduler state and CPU time, or None when it is gone or /proc cannot say."""
     fields = _stat_fields(pid, proc)
     try:
-        return ProcessSample(state=fields[0], cpu_s=(int(fields[11]) + int(fields[12])) / _CLOCK_TICKS)
+        return ProcessSample(
+            state=fields[0], cpu_s=(int(fields[11]) + int(fields[12])) / _CLOCK_TICKS, rss_bytes=int(fields[21]) * _PAGE
+        )
     except (IndexError, ValueError):
         return None
 

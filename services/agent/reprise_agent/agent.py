@@ -22,6 +22,7 @@ from reprise_agent.progress import ProgressBook, SdkMessage, SdkServer, default_
 from reprise_agent.ranks import LostRank, RankProcess, RankSupervisor
 from reprise_agent.settings import AgentSettings
 from reprise_agent.stacks import capture, find_py_spy
+from reprise_agent.standby import StandbyPool
 from reprise_common import subjects
 from reprise_common.bus import Bus
 from reprise_common.clock import SystemClock
@@ -75,7 +76,14 @@ class Agent:
         self.numeric = NumericWatcher()
         sdk_path = settings.sdk_socket.absolute() if settings.sdk_socket else default_socket_path(settings.state_dir)
         self.sdk = SdkServer(sdk_path, self.progress)
+        self.standbys = StandbyPool(
+            python=str(settings.standby_python),
+            size=settings.standbys,
+            preload=settings.standby_preload,
+            refill_delay_s=settings.standby_refill_delay_s,
+        )
         self.supervisor = RankSupervisor(
+            standbys=self.standbys,
             sdk_socket=self.sdk.path,
             node_id=self.node_id,
             state_dir=settings.state_dir,
@@ -112,6 +120,7 @@ class Agent:
             asyncio.create_task(self._gpu_loop(), name="gpu-signals"),
             asyncio.create_task(self._dependency_loop(), name="dependency-checks"),
         ]
+        self.standbys.start()
         self._emit_lifecycle("starting")
         for lost in self.supervisor.orphans():
             self._report_lost(lost)
@@ -122,6 +131,7 @@ class Agent:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
         await self.supervisor.stop_all(grace_s=self.settings.stop_grace_s)
+        await self.standbys.close()
         self.sdk.close()
         await self._say_stopping()
         self._emit_lifecycle("stopping")
@@ -162,6 +172,7 @@ class Agent:
             gpu_error=self.gpus.error,
             gpus=gpus,
             ranks=[self._rank_status(rank) for rank in self.supervisor.ranks()],
+            standbys=self.standbys.statuses(),
             spare=self.settings.spare,
             stopping=self.stopping,
         )

@@ -14,6 +14,7 @@ from typing import IO
 
 from pydantic import TypeAdapter
 
+from reprise_agent.standby import StandbyPool
 from reprise_common.events import LaunchArgs, RankAssignment, RankStatus, ResumeFile
 from reprise_common.logging import get_logger
 from reprise_common.procs import (
@@ -109,8 +110,10 @@ class RankSupervisor:
         on_exit: ExitCallback,
         tail_lines: int = 50,
         sdk_socket: Path | None = None,
+        standbys: StandbyPool | None = None,
     ) -> None:
         self.node_id = node_id
+        self.standbys = standbys
         self.sdk_socket = sdk_socket
         self.launches: dict[str, LaunchArgs] = {}  # job id → its latest launch on this node
         self.log_dir = state_dir / "ranks"
@@ -203,16 +206,22 @@ class RankSupervisor:
             env["REPRISE_SDK_SOCKET"] = str(self.sdk_socket)
         log_path = self.log_dir / job_id / f"epoch-{spec.restart_epoch}-rank-{assignment.rank}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        proc = await asyncio.create_subprocess_exec(
-            *spec.command,
-            env=env,
-            cwd=spec.cwd,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=die_with_parent(signal.SIGKILL),  # a lost agent means a lost node: its ranks go too
-        )
+        # Standbys serve relaunches: a job's first start is on no recovery's critical path, and taking them then would
+        # leave none for its first fault.
+        relaunch = spec.restart_epoch > 0 and self.standbys is not None
+        proc = await self.standbys.take(spec.command, env, spec.cwd) if relaunch and self.standbys else None
+        warm = proc is not None
+        if proc is None:
+            proc = await asyncio.create_subprocess_exec(
+                *spec.command,
+                env=env,
+                cwd=spec.cwd,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=die_with_parent(signal.SIGKILL),  # a lost agent means a lost node: its ranks go too
+            )
         rank = RankProcess(
             oom_baseline=oom_kill_count(),
             job_id=job_id,
@@ -228,7 +237,7 @@ class RankSupervisor:
         task = asyncio.create_task(self._watch(rank), name=f"rank:{job_id}:{assignment.rank}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        log.info("rank started", extra={"job_id": job_id, "rank": assignment.rank, "pid": proc.pid})
+        log.info("rank started", extra={"job_id": job_id, "rank": assignment.rank, "pid": proc.pid, "warm": warm})
         return rank
 
     async def _watch(self, rank: RankProcess) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Literal
 
@@ -47,4 +48,21 @@ class AgentSettings(ServiceSettings):
     )
     rendezvous_grace_s: float = Field(
         default=30.0, ge=0, description="how long a new rendezvous master may take to listen"
+    )
+    standbys: int = Field(
+        default=0, ge=0, le=64, description="warm standby interpreters kept ready for replacement ranks (0: none)"
+    )
+    standby_python: Path = Field(
+        default=Path(sys.executable), description="the interpreter of the standbys: jobs must run this one to use them"
+    )
+    standby_refill_delay_s: float = Field(
+        default=10.0,
+        ge=0,
+        le=3600,
+        description="how long after ranks took standbys new ones start importing (not beside the ranks' own start)",
+    )
+    standby_preload: list[str] = Field(
+        default_factory=lambda: ["torch", "torch.distributed", "torch._dynamo"],
+        max_length=64,
+        description="modules a standby imports before it waits (JSON list)",
     )

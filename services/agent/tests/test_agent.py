@@ -42,6 +42,7 @@ from reprise_common.events import (
     NodeReport,
     RankAssignment,
     RankExited,
+    RankNumeric,
     RankStacks,
     ResumeFile,
 )
@@ -83,6 +84,7 @@ class Harness:
         gpus: tuple[int, ...] = (0, 1),
         command: list[str] = SLEEPER,
         restart_epoch: int = 0,
+        **extra: object,
     ) -> CommandReply:
         ranks = [{"rank": i, "node_id": "n1", "gpu": gpu, "local_rank": i} for i, gpu in enumerate(gpus)]
         return await self.command(
@@ -95,6 +97,7 @@ class Harness:
             master_port=29500,
             command=command,
             ranks=ranks,
+            **extra,
         )
 
     def of_type(self, kind: type[Event]) -> list[Event]:
@@ -108,10 +111,12 @@ async def harness(nats_server: NatsServer, tmp_path: Path) -> AsyncIterator[Harn
 
 
 @contextlib.asynccontextmanager
-async def running_agent(nats_server: NatsServer, tmp_path: Path, *, report_interval_s: float) -> AsyncIterator[Harness]:
+async def running_agent(
+    nats_server: NatsServer, tmp_path: Path, *, report_interval_s: float, **settings_: object
+) -> AsyncIterator[Harness]:
     settings = AgentSettings(
         node_id="n1", nats_url=nats_server.url, state_dir=tmp_path / "agent", gpu_count=4,
-        report_interval_s=report_interval_s, stop_grace_s=2.0,
+        report_interval_s=report_interval_s, stop_grace_s=2.0, **settings_,
     )  # fmt: skip
     bus = Bus(url=nats_server.url, service="agent-n1")
     await bus.connect(attempts=10)
@@ -527,3 +532,65 @@ async def test_a_capture_without_py_spy_or_past_its_bound_reports_why_and_the_st
     assert [e.error for e in harness.of_type(RankStacks)[2:] if isinstance(e, RankStacks)] == [
         "py-spy is not installed on this node"
     ] * 2
+
+
+NAN_AT_STEP_5 = [
+    sys.executable,
+    "-c",
+    "import time, reprise_sdk\n"
+    "for step in range(1, 100000):\n"
+    "    time.sleep(0.01)\n"
+    "    reprise_sdk.heartbeat(step, loss=float('nan') if step >= 5 else 2.0, lr=1e-3)\n",
+]
+
+
+async def test_a_watched_metric_gone_nan_is_published_once_with_its_step(harness: Harness) -> None:
+    watch = {"metrics": ["loss"]}
+    reply = await harness.launch(fence=1, command_id="nan", command=NAN_AT_STEP_5, restart_epoch=2, numeric=watch)
+    assert reply.result is CommandResult.DONE, reply.detail
+    assert await wait_for(lambda: len(harness.of_type(RankNumeric)) >= 2, timeout_s=30)
+    await asyncio.sleep(0.5)  # the NaN goes on: still one event per rank
+    found = sorted((e for e in harness.of_type(RankNumeric) if isinstance(e, RankNumeric)), key=lambda e: e.rank)
+    assert [(e.rank, e.restart_epoch, e.metric, e.kind, e.step, e.last_good_step) for e in found] == [
+        (0, 2, "loss", "nan", 5, 1),  # the SDK sent the first NaN at once (the exact step); 2-4 rode on nothing
+        (1, 2, "loss", "nan", 5, 1),
+    ]
+
+
+STANDBY_RANK = """
+import os, time
+print("rank", os.environ["RANK"], "on", os.getpid(), flush=True)
+time.sleep(600)
+"""
+
+
+async def test_ranks_start_on_warm_standbys_which_the_report_shows_and_the_agent_replaces(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    script = tmp_path / "rank.py"
+    script.write_text(STANDBY_RANK)
+    async with running_agent(
+        nats_server, tmp_path, report_interval_s=0.1, standbys=2, standby_preload=["decimal"], standby_refill_delay_s=0
+    ) as harness:
+
+        def standbys() -> list[tuple[int, bool, int | None]]:
+            reports = [e for e in harness.of_type(NodeReport) if isinstance(e, NodeReport)]
+            return [(s.pid, s.ready, s.rss_bytes) for s in reports[-1].standbys] if reports else []
+
+        assert await wait_for(lambda: [s for s in standbys() if s[1]][1:], timeout_s=60)
+        waiting = {pid for pid, _, rss in standbys()}
+        assert all(rss and rss > 1_000_000 for _, _, rss in standbys())
+        first = await harness.launch(fence=1, command_id="first", command=[sys.executable, str(script)])
+        assert first.result is CommandResult.DONE, first.detail
+        assert not set(first.data["pids"]) & waiting  # a job's first start leaves the standbys for its faults
+        stop = await harness.command(CommandAction.STOP, fence=1, command_id="first-stop", grace_s=1.0)
+        assert stop.result is CommandResult.DONE
+        reply = await harness.launch(fence=2, command_id="warm", command=[sys.executable, str(script)], restart_epoch=1)
+        assert reply.result is CommandResult.DONE, reply.detail
+        assert set(reply.data["pids"]) == waiting  # both ranks of the relaunch run on the standbys that waited
+        ranks = harness.agent.supervisor.ranks()
+        assert await wait_for(lambda: all("rank " in r.log_path.read_text() for r in ranks if r.log_path.exists()))
+        assert await wait_for(lambda: len([s for s in standbys() if s[1] and s[0] not in waiting]) == 2, timeout_s=60)
+        stop = await harness.command(CommandAction.STOP, fence=2, command_id="warm-stop", grace_s=1.0)
+        assert stop.result is CommandResult.DONE
+        assert not any(process_alive(pid) for pid in waiting)
