@@ -117,7 +117,7 @@ class Watcher:
                 here = self._here[node_id] = self._placed_here(node_id)
             report_id = f"{zlib.crc32(data):08x}"  # the same in every replica; a new report has a new id and time
             if not here and not self.partition.owns_node(node_id):
-                self.liveness.saw(node_id, report_id)
+                self.liveness.saw(node_id, report_id, now=now)
                 continue
             try:
                 report = read_report(data)
@@ -125,7 +125,7 @@ class Watcher:
                 self._malformed(node_id, str(exc))
                 continue
             self.reports_parsed += 1
-            self.liveness.saw(node_id, report_id, report.gpus, stopping=report.stopping)
+            self.liveness.saw(node_id, report_id, report.gpus, stopping=report.stopping, now=now)
             if here:
                 found.extend(self._progress(node_id, report.ranks, here, now))
             sent.append(report.time)

@@ -57,12 +57,20 @@ class Liveness:
         self.nodes: dict[str, NodeSeen] = {}
 
     def saw(
-        self, node_id: str, report_id: str, gpus: tuple[GpuSeen, ...] | None = None, *, stopping: bool = False
+        self,
+        node_id: str,
+        report_id: str,
+        gpus: tuple[GpuSeen, ...] | None = None,
+        *,
+        stopping: bool = False,
+        now: float | None = None,
     ) -> None:
         """Record a report from a node (identity from the subject); `stopping`: its agent's last before a graceful
-        stop, so the connection that closes next is no evidence (gpus given: the report was read, it is not)."""
+        stop, so the connection that closes next is no evidence (gpus given: the report was read, it is not); `now`:
+        the monotonic time it arrived (the clock's by default; a batch of reports passes its own)."""
         seen = self.nodes.get(node_id)
-        now = self.clock.monotonic()
+        if now is None:
+            now = self.clock.monotonic()
         if seen is None:
             seen = self.nodes[node_id] = NodeSeen(now, report_id, gpus=gpus or ())
         seen.last_seen, seen.last_report_id, seen.state = now, report_id, NodeState.ALIVE
