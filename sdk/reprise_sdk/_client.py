@@ -197,15 +197,16 @@ def heartbeat(step: int, **metrics: float) -> None:
         return
     now = _monotonic()
     if now < channel.next_at:  # carried by the next message sent: the agent needs no finer grain...
-        finite = True
         for value in metrics.values():
-            if type(value) is float and value - value:  # NaN or infinite: x - x is NaN then, and NaN is true
-                finite = False
-                break
-        first_non_finite, channel.finite = channel.finite and not finite, finite
-        if not first_non_finite:  # ...but the first NaN or infinity goes at once: its step is the fault's step
-            channel.pending_step = step
-            channel.pending_metrics = metrics
+            if value.__class__ is float and value - value:  # NaN or infinite: x - x is NaN then, and NaN is true
+                if channel.finite:  # ...but the first NaN or infinity goes at once: its step is the fault's step
+                    channel.finite = False
+                    break
+                channel.pending_step, channel.pending_metrics = step, metrics
+                return
+        else:
+            channel.finite = True
+            channel.pending_step, channel.pending_metrics = step, metrics
             return
     channel.next_at = now + channel.interval
     channel.pending_step = None
