@@ -44,7 +44,6 @@ from reprise_common.events import (
     NodeReport,
     PingCommand,
     RankExited,
-    RankNumeric,
     RankStacks,
     RankStatus,
     StackCapture,
@@ -221,31 +220,11 @@ class Agent:
         )
         if trip is None:
             return
-        event = RankNumeric(
-            source=self.node_id,
-            node_id=self.node_id,
-            job_id=message.job_id,
-            rank=message.rank,
-            restart_epoch=message.restart_epoch,
-            metric=trip.metric,
-            kind=trip.kind,
-            value=trip.value,
-            step=trip.step,
-            last_good_step=trip.last_good_step,
-            median=trip.median,
-            z=trip.z,
+        event = trip.event(
+            node_id=self.node_id, job_id=message.job_id, rank=message.rank, restart_epoch=message.restart_epoch
         )
         self.outbox.put(subjects.node_event(self.node_id, event.type), event)
-        log.warning(
-            "numeric fault",
-            extra={
-                "job_id": message.job_id,
-                "rank": message.rank,
-                "metric": trip.metric,
-                "kind": trip.kind.value,
-                "step": trip.step,
-            },
-        )
+        log.warning("numeric fault", extra={"job_id": message.job_id, "rank": message.rank, "what": trip.kind.value})
 
     def _on_job_training(self, job_id: str) -> None:
         # The first heartbeat proves the job is past its rendezvous; from now on its master must stay reachable.

@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from statistics import median
 
-from reprise_common.events import NumericKind, NumericWatch
+from reprise_common.events import NumericKind, NumericWatch, RankNumeric
 
 MAD_TO_SIGMA = 1.4826  # MAD x this estimates the standard deviation of normally distributed values
 RELATIVE_SCALE_FLOOR = 1e-3  # a flat metric (MAD 0) measures spikes against 0.1 % of its median instead
@@ -33,6 +33,23 @@ class NumericTrip:
     last_good_step: int | None
     median: float | None = None
     z: float | None = None
+
+    def event(self, *, node_id: str, job_id: str, rank: int, restart_epoch: int) -> RankNumeric:
+        """The `rank.numeric` event that announces this trip."""
+        return RankNumeric(
+            source=node_id,
+            node_id=node_id,
+            job_id=job_id,
+            rank=rank,
+            restart_epoch=restart_epoch,
+            metric=self.metric,
+            kind=self.kind,
+            value=self.value,
+            step=self.step,
+            last_good_step=self.last_good_step,
+            median=self.median,
+            z=self.z,
+        )
 
 
 @dataclass(slots=True)

@@ -206,10 +206,11 @@ class RankSupervisor:
             env["REPRISE_SDK_SOCKET"] = str(self.sdk_socket)
         log_path = self.log_dir / job_id / f"epoch-{spec.restart_epoch}-rank-{assignment.rank}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        # Standbys serve relaunches: a job's first start is on no recovery's critical path, and taking them then would
-        # leave none for its first fault.
-        relaunch = spec.restart_epoch > 0 and self.standbys is not None
-        proc = await self.standbys.take(spec.command, env, spec.cwd) if relaunch and self.standbys else None
+        proc = None
+        if self.standbys is not None and spec.restart_epoch > 0:
+            # Standbys serve relaunches: a job's first start is on no recovery's critical path, and taking them then
+            # would leave none for its first fault.
+            proc = await self.standbys.take(spec.command, env, spec.cwd)
         warm = proc is not None
         if proc is None:
             proc = await asyncio.create_subprocess_exec(

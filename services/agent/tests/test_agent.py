@@ -46,7 +46,7 @@ from reprise_common.events import (
     RankStacks,
     ResumeFile,
 )
-from reprise_common.procs import process_alive, start_ticks
+from reprise_common.procs import ProcessSample, process_alive, sample_process, start_ticks
 
 COMMANDS: TypeAdapter[AnyCommand] = TypeAdapter(AnyCommand)
 SLEEPER = [sys.executable, "-c", "import time, os; print('rank', os.environ['RANK'], flush=True); time.sleep(600)"]
@@ -484,6 +484,8 @@ async def test_a_stop_for_a_hang_captures_every_ranks_stack_first_and_once_per_i
     pids = reply.data["pids"]
     assert await wait_for(lambda: all(r.tail for r in harness.agent.supervisor.ranks()))
     os.kill(pids[1], signal.SIGSTOP)  # frozen: its stack is still read, and its state says so
+    # The kernel stops it once it runs to take the signal: on a loaded host it is runnable (R) until then.
+    assert await wait_for(lambda: (sample_process(pids[1]) or ProcessSample("", 0)).state == "T")
     began = time.monotonic()
     capture = {"incident_id": "inc-1", "within_s": 2.0}
     stopped = await harness.command(CommandAction.STOP, fence=1, command_id="s", grace_s=2.0, capture_stacks=capture)
