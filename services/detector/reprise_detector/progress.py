@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import statistics
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -278,19 +279,31 @@ class HangWatch:
         self.clock = clock
         self.book = book
         self.defaults = defaults
+        self.unfinished = False  # the last check() spent its budget before every due job had its look
 
-    def check(self, overrides: Mapping[str, HangLimits] | None = None) -> list[JobHung]:
+    def check(
+        self, overrides: Mapping[str, HangLimits] | None = None, *, budget_s: float | None = None
+    ) -> list[JobHung]:
         """Jobs that just became hung.
 
         A job is looked at closely only once one of its ranks can have passed its limit (the earliest
         stall + limit seen at the last look, and at least every MAX_SKIP_S), so a pass costs O(jobs), not O(ranks).
+        Jobs placed together come due together, though (a close look at a job of 512 ranks takes about a
+        millisecond): with `budget_s` the pass stops once its close looks spent that much processor time (at least one
+        look is made) and sets `unfinished`; the jobs not looked at stay due for the next call.
         """
         found: list[JobHung] = []
         now = self.clock.monotonic()
+        started, looked = time.perf_counter(), False
+        self.unfinished = False
         for job_id, job in self.book.jobs.items():
             limits = (overrides or {}).get(job_id, self.defaults)
             if job.hung or not job.ranks or (limits == job.limits and now < job.next_check):
                 continue
+            if looked and budget_s is not None and time.perf_counter() - started >= budget_s:
+                self.unfinished = True
+                break
+            looked = True
             job.limits = limits
             if not all(t.alive for t in job.ranks.values()):
                 continue  # a dead rank is a crash, reported as such

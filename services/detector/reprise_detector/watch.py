@@ -41,6 +41,9 @@ MALFORMED_LOG_EVERY_S = 60.0
 # After the detector's own connection came back, nothing is judged until every node had time to report again (agents
 # report every second): a rank's last step seen is from before the outage, which was no stall of its own.
 REHEAR_S = 2.5
+# The longest a hang check holds the event loop at once (reports wait meanwhile); what it did not get to is looked at
+# after the reports waiting were handled, in the same tick.
+HANG_SLICE_S = 0.01
 MALFORMED_REPORTS = Counter(
     "reprise_detector_reports_malformed_total", "Node reports ignored because their subject or payload is unusable"
 )
@@ -189,7 +192,11 @@ class Watcher:
             if now - self._hangs_checked_at >= self.hang_check_interval_s:
                 self._hangs_checked_at = now
                 overrides = await self.overrides() if self.book.jobs else {}
-                self.pending.extend(self.hangs.check(overrides))
+                found = self.hangs.check(overrides, budget_s=HANG_SLICE_S)
+                while self.hangs.unfinished:  # a long pass is cut in slices: the reports waiting go in between
+                    await asyncio.sleep(0)
+                    found += self.hangs.check(overrides, budget_s=HANG_SLICE_S)
+                self.pending.extend(found)
             await self.flush()
 
     def _hearing(self) -> bool:
