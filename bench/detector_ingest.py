@@ -35,7 +35,7 @@ RANKS_PER_NODE = 8
 SLOTS_PER_S = 100
 P99_LIMIT_MS = 100.0
 HANDLED_SHARE = 0.95  # a round counts when it handled at least this share of the rate offered (N reports/s)
-LEAD_S = 1.5  # from sending the generators their round to its first report
+LEAD_S = 2.5  # from sending the generators their round to its first report
 
 
 def pct(samples: list[float], q: float) -> float:

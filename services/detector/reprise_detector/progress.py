@@ -111,7 +111,9 @@ class ProgressBook:
         # Updated in place (a report of 8 ranks a second per node must not churn objects); straggler state carries
         # over. This runs for every rank of every report: what rarely changes (phase, process state) is compared
         # before anything is written for it.
-        seen, track.status, track.node_id = track.status, status, node_id
+        seen, track.status = track.status, status
+        if track.node_id is not node_id:  # the same string object, report after report (msgspec sets cost 60 ns)
+            track.node_id = node_id
         step = status.step
         # A new step is progress, and so is a new launch of the rank: its step counts again from where it restored,
         # and the same number as the replaced process's last step is no stall. It resets the stall, the phase clock
@@ -127,10 +129,11 @@ class ProgressBook:
             if step == seen.step:
                 track.phase_since = now - (status.phase_age_s or 0.0)
             job.next_check = 0.0  # another phase, another limit: what was computed for the old one no longer holds
-        if status.step_time_p99_s:
-            track.p99_s = status.step_time_p99_s
+        p99 = status.step_time_p99_s
+        if p99 and p99 != track.p99_s:
+            track.p99_s = p99
         step_time = status.step_time_last_s or status.step_time_p50_s
-        if step_time:
+        if step_time and step_time != track.step_time_s:
             track.step_time_s = step_time
         if status.proc_state or seen.proc_state:  # "" (unknown, or running) on the common path
             _fold_proc_state(job, track, status.proc_state, seen.proc_state, now)
