@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+from pathlib import Path
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import SettingsConfigDict
@@ -47,7 +48,21 @@ class OrchestratorSettings(ServiceSettings, DatabaseSettings, AuthSettings):
         default="agents",
         min_length=1,
         max_length=200,
-        description="what runs the ranks: a built-in backend (agents) or a factory as package.module:callable",
+        description="what runs the ranks: a built-in backend (agents, slurm) or a factory as package.module:callable",
+    )
+    slurm_conf: Path | None = Field(
+        default=None, description="the slurm backend's slurm.conf (SLURM_CONF of each Slurm command); none: Slurm's own"
+    )
+    slurm_command_timeout_s: float = Field(
+        default=10.0, gt=0, le=120, description="how long a Slurm command may take before the controller counts as gone"
+    )
+    slurm_poll_interval_s: float = Field(
+        default=2.0, ge=0.1, le=60, description="how often the slurm backend reads Slurm's nodes and jobs"
+    )
+    slurm_partition: str | None = Field(
+        default=None,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$",
+        description="the partition Reprise's allocations run in (only its jobs are signalled or cancelled); none: any",
     )
     read_api_key: SecretStr | None = Field(
         default=None, description="a read-only key that exists at start, named bootstrap-read (e.g. the dashboard's)"

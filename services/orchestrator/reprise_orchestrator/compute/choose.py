@@ -1,7 +1,7 @@
 """Which compute backend a replica uses: the one its setting names.
 
-`REPRISE_COMPUTE_BACKEND` names a built-in backend (`agents`) or a factory as `package.module:callable`; the factory
-is called with a `BackendContext` and returns an object that implements `ComputeBackend` (compute/backend.py).
+`REPRISE_COMPUTE_BACKEND` names a built-in backend (`agents`, `slurm`) or a factory as `package.module:callable`; the
+factory is called with a `BackendContext` and returns an object that implements `ComputeBackend` (compute/backend.py).
 Adding a backend needs nothing else: no flow, step or rule knows which backend runs.
 """
 
@@ -16,6 +16,8 @@ from reprise_common.clock import Clock
 from reprise_common.errors import ConfigError
 from reprise_orchestrator.compute.agents import AgentsBackend
 from reprise_orchestrator.compute.backend import ComputeBackend
+from reprise_orchestrator.compute.slurm import SlurmBackend
+from reprise_orchestrator.compute.slurm_cli import SlurmCli
 from reprise_orchestrator.nodes.inventory import Inventory
 from reprise_orchestrator.settings import OrchestratorSettings
 
@@ -33,7 +35,7 @@ class BackendContext:
 BackendFactory = Callable[[BackendContext], ComputeBackend]
 
 
-def _agents(context: BackendContext) -> ComputeBackend:
+def _agents(context: BackendContext) -> AgentsBackend:
     settings = context.settings
     return AgentsBackend(
         bus=context.bus,
@@ -44,7 +46,20 @@ def _agents(context: BackendContext) -> ComputeBackend:
     )
 
 
-BUILT_IN: dict[str, BackendFactory] = {"agents": _agents}
+def _slurm(context: BackendContext) -> ComputeBackend:
+    settings = context.settings
+    if settings.slurm_conf is not None and not settings.slurm_conf.is_file():
+        raise ConfigError(f"REPRISE_SLURM_CONF={str(settings.slurm_conf)!r} is not a file (the cluster's slurm.conf)")
+    return SlurmBackend(
+        agents=_agents(context),  # the ranks are the agents' also on Slurm: they run inside the allocation
+        cli=SlurmCli(conf=settings.slurm_conf, timeout_s=settings.slurm_command_timeout_s),
+        clock=context.clock,
+        poll_interval_s=settings.slurm_poll_interval_s,
+        partition=settings.slurm_partition,
+    )
+
+
+BUILT_IN: dict[str, BackendFactory] = {"agents": _agents, "slurm": _slurm}
 
 
 def open_backend(context: BackendContext) -> ComputeBackend:

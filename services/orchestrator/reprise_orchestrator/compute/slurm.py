@@ -1,0 +1,220 @@
+"""The slurm compute backend: Reprise's agents run the ranks inside Slurm's allocations, Slurm owns the nodes.
+
+Launch and stop go to the agents (one per allocated node, started with `srun` inside the job's allocation), exactly
+as on the built-in backend, so rank supervision, GPU health and every detection path stay the same; agents' node ids
+are Slurm's node names. What Slurm owns goes to Slurm through the one adapter (compute/slurm_cli.py): a cordon drains
+the node with a reason that `sinfo -R` shows, an uncordon resumes it, nodes Slurm will not schedule on (drained by
+anyone, down, not responding) are never offered, a cancel ends the job's allocation, and Slurm's own failure signals
+(compute/slurm_signals.py) are reported by the poller that `watch` runs.
+
+`pool()` is synchronous (placement does not await), so it answers from the poller's last read of Slurm's nodes. A
+read that failed, or one older than two poll intervals plus three command timeouts (the poller is not running), is not
+trusted: `pool()` raises SlurmUnavailableError, as every call does when the controller does not answer in time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Mapping, Sequence, Set
+
+from reprise_common.clock import Clock
+from reprise_common.events import ComputeSignal
+from reprise_common.logging import get_logger
+from reprise_orchestrator.compute.agents import AgentsBackend
+from reprise_orchestrator.compute.backend import Answers, LaunchRequest, NodePool, SignalSink
+from reprise_orchestrator.compute.slurm_cli import SlurmCli, SlurmError, SlurmJob, SlurmNode, SlurmUnavailableError
+from reprise_orchestrator.compute.slurm_signals import ENDED, SlurmView, allocation_name, platform_job, signals
+
+log = get_logger("reprise.orchestrator.compute.slurm")
+REASON_PREFIX = "reprise: "  # how our drains are told from an admin's, which we never overwrite or lift
+_REASON_MAX = 255  # what Slurm's reason field (and the adapter) takes
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]+")
+
+
+def drain_reason(reason: str) -> str:
+    """The reason our drain carries in Slurm: prefixed, on one line, at most 255 characters."""
+    text = " ".join(_CONTROL.sub(" ", reason).split()) or "cordoned"
+    return f"{REASON_PREFIX}{text}"[:_REASON_MAX]
+
+
+def drained_by_us(node: SlurmNode) -> bool:
+    """True when the node is drained with one of our reasons."""
+    return node.drained and node.reason.startswith(REASON_PREFIX)
+
+
+class SlurmBackend:
+    """Ranks through the agents inside Slurm's allocations; cordons, usable nodes, cancels and signals through Slurm."""
+
+    name = "slurm"
+
+    def __init__(
+        self,
+        *,
+        agents: AgentsBackend,
+        cli: SlurmCli,
+        clock: Clock,
+        poll_interval_s: float,
+        partition: str | None = None,
+    ) -> None:
+        self.agents = agents
+        self.cli = cli
+        self.clock = clock
+        self.poll_interval_s = poll_interval_s
+        self.partition = partition
+        self.max_age_s = 2 * poll_interval_s + 3 * cli.timeout_s
+        self._view: SlurmView | None = None
+        self._read_at = 0.0  # monotonic, when the last good read began
+        self._failure: str | None = None  # why the last read failed; None after a good one
+        self._owed: dict[str, str | None] = {}  # node → a drain's reason, or None for a resume, Slurm did not take
+
+    def pool(self, *, exclude: Set[str] = frozenset()) -> NodePool:
+        """The agents' usable nodes that Slurm would schedule on now; SlurmUnavailableError when Slurm's state is not
+        known (the controller does not answer, or the poller has not read it lately)."""
+        nodes = self._trusted_nodes()
+        offered = self.agents.pool(exclude=exclude)
+        return NodePool(
+            workers=[name for name in offered.workers if name in nodes and nodes[name].schedulable],
+            spares=[name for name in offered.spares if name in nodes and nodes[name].schedulable],
+        )
+
+    def known_nodes(self) -> int:
+        """The nodes whose agents reported: the share a cordon takes is of the nodes Reprise runs on, not of the
+        whole cluster."""
+        return self.agents.known_nodes()
+
+    async def launch(self, request: LaunchRequest, *, operation_id: str, fence: int) -> Answers:
+        """The agents in the job's allocation launch the ranks."""
+        return await self.agents.launch(request, operation_id=operation_id, fence=fence)
+
+    async def stop(
+        self, job_id: str, node_ids: Sequence[str], *, operation_id: str, fence: int, stacks_for: str | None = None
+    ) -> Answers:
+        """The agents in the job's allocation stop the ranks."""
+        return await self.agents.stop(job_id, node_ids, operation_id=operation_id, fence=fence, stacks_for=stacks_for)
+
+    async def cordon(self, node_id: str, *, reason: str) -> None:
+        """Drain the node in Slurm with our reason (shown by `sinfo -R`); a node an admin drained keeps the admin's.
+
+        SlurmUnavailableError when the controller does not answer: the drain is then owed, and the poller applies it
+        once the controller answers again.
+        """
+        await self._change(node_id, drain_reason(reason))
+
+    async def uncordon(self, node_id: str) -> None:
+        """Resume the node in Slurm when it is drained by us; an admin's drain, or a node Slurm set down, stays.
+
+        SlurmUnavailableError when the controller does not answer: the resume is then owed, as a drain is.
+        """
+        await self._change(node_id, None)
+
+    async def cancel(self, job_id: str) -> list[int]:
+        """End the platform job's allocation in Slurm (scancel); the Slurm job ids cancelled, none when it has none."""
+        name = allocation_name(job_id)
+        jobs = await self.cli.jobs()
+        found = [job for job in jobs if job.name == name and self._ours(job) and job.state not in ENDED]
+        for job in found:
+            await self.cli.cancel(job.job_id)
+            log.info("Slurm allocation cancelled", extra={"job_id": job_id, "slurm_job_id": job.job_id})
+        return [job.job_id for job in found]
+
+    async def watch(self, emit: SignalSink) -> None:
+        """Poll Slurm every interval until cancelled, emitting each transition's signal once; a read that fails is
+        logged when it starts and ends failing (the next good read reports what changed meanwhile)."""
+        while True:
+            try:
+                found = await self.poll()
+            except SlurmError:
+                pass  # logged by poll; pool() refuses until a read succeeds
+            else:
+                for signal in found:
+                    await emit(signal)
+            await asyncio.sleep(self.poll_interval_s)
+
+    async def poll(self) -> list[ComputeSignal]:
+        """Read Slurm's nodes and jobs once, after applying any drain or resume still owed; the signals of what
+        changed since the last good read (none on the first: it is the baseline)."""
+        started = self.clock.monotonic()
+        try:
+            await self._settle_owed()
+            nodes = await self.cli.nodes()
+            jobs = await self.cli.jobs()
+        except SlurmError as exc:
+            if self._failure is None:
+                log.warning("Slurm not read", extra={"error": str(exc)})
+            self._failure = str(exc)
+            raise
+        if self._failure is not None:
+            log.info("Slurm read again", extra={"after": self._failure})
+        view = SlurmView(
+            nodes={node.name: node for node in nodes},
+            jobs={job.job_id: job for job in jobs if self._ours(job) and platform_job(job) is not None},
+        )
+        before, self._view, self._read_at, self._failure = self._view, view, started, None
+        return [] if before is None else signals(before, view, backend=self.name)
+
+    async def close(self) -> None:
+        """The adapter holds nothing between calls; the agents' backend releases what it holds."""
+        await self.agents.close()
+
+    def _trusted_nodes(self) -> Mapping[str, SlurmNode]:
+        if self._failure is not None:
+            raise SlurmUnavailableError(f"Slurm's node states are not known: {self._failure}")
+        if self._view is None:
+            raise SlurmUnavailableError("Slurm's node states are not read yet (the Slurm backend's poller has not run)")
+        age = self.clock.monotonic() - self._read_at
+        if age > self.max_age_s:
+            raise SlurmUnavailableError(
+                f"Slurm's node states were last read {age:.0f} s ago (more than {self.max_age_s:g} s): not trusted"
+            )
+        return self._view.nodes
+
+    def _ours(self, job: SlurmJob) -> bool:
+        return self.partition is None or job.partition == self.partition
+
+    async def _drain(self, node_id: str, wanted: str) -> None:
+        node = await self.cli.node(node_id)
+        if node.drained and not drained_by_us(node):
+            log.info("node already drained by an admin: reason kept", extra={"node_id": node_id, "reason": node.reason})
+            return
+        await self.cli.drain(node_id, reason=wanted)
+        log.info("node drained in Slurm", extra={"node_id": node_id, "reason": wanted})
+
+    async def _resume(self, node_id: str) -> None:
+        node = await self.cli.node(node_id)
+        if not drained_by_us(node):
+            log.info("node not drained by us: left as Slurm has it", extra={"node_id": node_id, "reason": node.reason})
+            return
+        await self.cli.resume(node_id)
+        log.info("node resumed in Slurm", extra={"node_id": node_id})
+
+    async def _change(self, node_id: str, wanted: str | None) -> None:
+        """Drain (with `wanted` as the reason) or resume (None) the node; owed while the controller does not answer."""
+        self._owed[node_id] = wanted
+        await self._apply(node_id, wanted)
+
+    async def _apply(self, node_id: str, wanted: str | None) -> None:
+        try:
+            await (self._drain(node_id, wanted) if wanted is not None else self._resume(node_id))
+        except SlurmUnavailableError:
+            raise
+        except SlurmError:
+            self._settled(node_id, wanted)  # refused (an unknown node): retrying cannot help
+            raise
+        self._settled(node_id, wanted)
+
+    def _settled(self, node_id: str, wanted: str | None) -> None:
+        if node_id in self._owed and self._owed[node_id] == wanted:  # a newer cordon or uncordon meanwhile stays owed
+            del self._owed[node_id]
+
+    async def _settle_owed(self) -> None:
+        """Apply the drains and resumes the controller did not take; one that Slurm refuses is logged and dropped."""
+        for node_id, wanted in list(self._owed.items()):
+            if node_id not in self._owed or self._owed[node_id] != wanted:
+                continue  # changed or done meanwhile
+            try:
+                await self._apply(node_id, wanted)
+            except SlurmUnavailableError:
+                raise
+            except SlurmError as exc:
+                log.warning("owed Slurm change refused: dropped", extra={"node_id": node_id, "error": str(exc)})
