@@ -8,9 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TypeVar
 
 import pytest
 
@@ -32,9 +30,9 @@ from reprise_orchestrator.compute.slurm_signals import SlurmView, allocation_nam
 from reprise_orchestrator.nodes.inventory import Inventory
 from reprise_orchestrator.settings import OrchestratorSettings
 
+from .slurm_waits import eventually
 from .test_slurm_cli import ONE_TASK_PER_NODE, as_admin, sinfo_reasons
 
-T = TypeVar("T")
 WORKERS = ("node1", "node2", "node3", "node4")
 SPARE = "node5"
 TIMEOUT_S = 4.0
@@ -69,16 +67,6 @@ def open_slurm(conf: Path, tmp_path: Path) -> SlurmBackend:
 def backend(slurm_cluster: SlurmCluster, tmp_path: Path) -> SlurmBackend:
     """The slurm backend on the session's cluster."""
     return open_slurm(slurm_cluster.conf_path, tmp_path)
-
-
-async def eventually(read: Callable[[], Awaitable[T]], holds: Callable[[T], bool], *, timeout_s: float = 30.0) -> T:
-    """Read until `holds` says yes; the last reading either way (the caller asserts on it)."""
-    deadline = time.monotonic() + timeout_s
-    value = await read()
-    while not holds(value) and time.monotonic() < deadline:
-        await asyncio.sleep(0.3)
-        value = await read()
-    return value
 
 
 async def running(backend: SlurmBackend, job_id: int) -> SlurmJob:

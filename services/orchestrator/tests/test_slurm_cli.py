@@ -9,7 +9,6 @@ import subprocess
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TypeVar
 
 import pytest
 
@@ -25,18 +24,9 @@ from reprise_orchestrator.compute.slurm_cli import (
     expand_hostlist,
 )
 
-T = TypeVar("T")
+from .slurm_waits import eventually
+
 ONE_TASK_PER_NODE = "#!/bin/sh\nsrun sh -c 'echo \"$SLURM_PROCID $SLURMD_NODENAME\"; exec sleep 300'\n"
-
-
-async def eventually(read: Callable[[], Awaitable[T]], holds: Callable[[T], bool], *, timeout_s: float = 30.0) -> T:
-    """Read until `holds` says yes; the last reading either way (the caller asserts on it)."""
-    deadline = time.monotonic() + timeout_s
-    value = await read()
-    while not holds(value) and time.monotonic() < deadline:
-        await asyncio.sleep(0.3)
-        value = await read()
-    return value
 
 
 @pytest.fixture
