@@ -419,8 +419,11 @@ class StragglerWatch:
         job = self.book.jobs[job_id]
         track = job.ranks[rank]
         median = job.median_s or 0.0
+        # The launch is part of the id, as for hangs: a relaunch restored from an older checkpoint can turn slow at
+        # the same step again, and without its epoch that straggler would be taken for a redelivery of the last one.
+        epoch = track.status.restart_epoch
         return RankStraggling(
-            event_id=f"straggler:{job_id}:{rank}:{track.step}"[:128],
+            event_id=f"straggler:{job_id}:{epoch}:{rank}:{track.step}"[:128],
             time=self.clock.now(),
             node_id=track.node_id,
             job_id=job_id,
