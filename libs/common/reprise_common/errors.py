@@ -29,6 +29,13 @@ class StaleFenceError(RepriseError):
         self.highest = highest
 
 
+class DependencyUnavailableError(RepriseError):
+    """A system Reprise depends on and does not run itself (a cluster scheduler's controller) did not answer; the
+    request may be repeated once it is back. `dependency` names it for people."""
+
+    dependency = "a dependency"
+
+
 class BusError(RepriseError):
     """The message bus could not do what was asked (not connected, no responder, timeout)."""
 

@@ -26,7 +26,14 @@ except ImportError:  # pragma: no cover - the agent and dashboard have no databa
     _DATABASE_ERRORS: tuple[type[Exception], ...] = ()
 else:  # a connection refused, broken or timed out, a database locked past its timeout: worth retrying later
     _DATABASE_ERRORS = (OperationalError,)
-from reprise_common.errors import BusError, ConflictError, NotFoundError, RepriseError, StaleFenceError
+from reprise_common.errors import (
+    BusError,
+    ConflictError,
+    DependencyUnavailableError,
+    NotFoundError,
+    RepriseError,
+    StaleFenceError,
+)
 from reprise_common.logging import get_logger
 from reprise_common.settings import ServiceSettings
 
@@ -98,6 +105,7 @@ _STATUS_BY_ERROR: tuple[tuple[type[RepriseError], int], ...] = (
     (StaleFenceError, 409),
     (ConflictError, 409),
     (BusError, 503),  # the message bus is unreachable: the caller may repeat the request
+    (DependencyUnavailableError, 503),  # so is a scheduler's controller (Slurm's): the body names it
 )
 
 
@@ -119,7 +127,9 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     403: _error("The API key lacks the scope the route needs"),
     404: _error("No such resource"),
     409: _error("The resource's state, or a newer fencing token, refuses the change"),
-    503: _error("The message bus or the key authority is unreachable: the request may be repeated"),
+    503: _error(
+        "The message bus, the key authority or a scheduler's controller is unreachable: the request may be repeated"
+    ),
 }
 
 _BARE_NUMBER = re.compile(r"\s*[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?\s*")
@@ -145,7 +155,11 @@ def add_error_handlers(app: FastAPI) -> None:
 
     async def handle(_request: Request, exc: Exception) -> JSONResponse:
         status = next((code for kind, code in _STATUS_BY_ERROR if isinstance(exc, kind)), 500)
-        return JSONResponse({"detail": str(exc)}, status_code=status)
+        detail = str(exc)
+        if isinstance(exc, DependencyUnavailableError):  # say what is down, whatever the message's wording
+            log.warning("dependency unavailable", extra={"dependency": exc.dependency, "error": detail})
+            detail = f"{exc.dependency} is unavailable: {detail}"
+        return JSONResponse({"detail": detail}, status_code=status)
 
     for kind, _code in _STATUS_BY_ERROR:
         app.add_exception_handler(kind, handle)

@@ -25,6 +25,7 @@ from reprise_detector.classify import load_rules
 from reprise_detector.incidents import views as incident_views
 from reprise_detector.nodes import views as node_views
 from reprise_detector.nodes.liveness import Liveness
+from reprise_detector.nodes.peers import PeerErrors
 from reprise_detector.nodes.reputation import ReputationRules
 from reprise_detector.partition import Partition
 from reprise_detector.pipeline import Detector
@@ -43,15 +44,28 @@ def build_runtime(settings: DetectorSettings, clock: Clock) -> Runtime:
     bus = Bus.for_service(settings, SERVICE)
     placements = PlacementMap()
     partition = Partition(settings.partition_index, settings.partition_count)
+    rules = load_rules(settings.rules_path)
+    liveness = Liveness(
+        clock=clock, lost_after_s=settings.node_lost_after_s, reconnect_grace_s=settings.reconnect_grace_s
+    )
+    peers = PeerErrors(
+        clock=clock,
+        placements=placements,
+        liveness=liveness,
+        rules=rules,
+        keep_s=settings.node_lost_after_s,
+        factor=settings.node_lost_peer_factor,
+    )
     detector = Detector(
         engine=engine,
         bus=bus,
         placements=placements,
-        rules=load_rules(settings.rules_path),
+        rules=rules,
         window_s=settings.incident_window_s,
         clock=clock,
         clock_skew_s=settings.event_clock_skew_s,
         early_exit_grace_s=settings.early_exit_grace_s,
+        peers=peers,
         partition=partition,
         reputation_rules=ReputationRules(
             xid=settings.reputation_xid,
@@ -74,9 +88,7 @@ def build_runtime(settings: DetectorSettings, clock: Clock) -> Runtime:
         detector=detector,
         placements=placements,
         partition=partition,
-        liveness=Liveness(
-            clock=clock, lost_after_s=settings.node_lost_after_s, reconnect_grace_s=settings.reconnect_grace_s
-        ),
+        liveness=liveness,
         book=book,
         hangs=HangWatch(clock=clock, book=book, defaults=limits),
         stragglers=StragglerWatch(
@@ -86,6 +98,7 @@ def build_runtime(settings: DetectorSettings, clock: Clock) -> Runtime:
         clock=clock,
         hang_check_interval_s=settings.hang_check_interval_s,
         bus=bus,
+        peers=peers,
     )
     return Runtime(settings, engine, bus, clock, placements, detector, Background(bus), partition, watcher)
 

@@ -119,6 +119,9 @@ class ExitRule(TemplateRule):
     """A rank-exit rule: the first whose `when` matches decides."""
 
     when: ExitMatch = Field(default_factory=ExitMatch)
+    peer_failure: bool = Field(
+        default=False, description="its log pattern names a failed peer: early evidence of a silent node's loss"
+    )
 
 
 class RulesFile(BaseModel):
@@ -161,6 +164,19 @@ class RuleBook:
     _exit_rules: dict[tuple[bool, str | None, int | None, tuple[str, ...]], ExitRule | None] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
+    _peer_lines: dict[str, str | None] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def peer_failure(self, text: str) -> str | None:
+        """The first line of an error text that the log pattern of a `peer_failure` rank-exit rule matches (a
+        connection to a peer reset, a gloo or NCCL transport error); None when no line names a failed peer."""
+        if text in self._peer_lines:  # a storm's peers fail alike: their texts are matched once
+            return self._peer_lines[text]
+        patterns = [_pattern(r.when.log) for r in self.rank_exited if r.peer_failure and r.when.log is not None]
+        found = next((line for line in text.splitlines() if any(p.search(line) for p in patterns)), None)
+        if len(self._peer_lines) >= EXIT_RULE_CACHE:
+            self._peer_lines.clear()
+        self._peer_lines[text] = found
+        return found
 
     def classify(self, event: SymptomEvent) -> Classification:
         """Classify one symptom event."""

@@ -37,6 +37,7 @@ from reprise_detector.incidents import service
 from reprise_detector.incidents.flows import PendingChange, pending_change, publish_changes
 from reprise_detector.incidents.models import Incident, IncidentChangeKind, Symptom
 from reprise_detector.nodes import reputation
+from reprise_detector.nodes.peers import PeerErrors
 from reprise_detector.observe import IngestError, Observation, derived, observe
 from reprise_detector.partition import Partition
 from reprise_detector.placements import PlacementMap
@@ -122,6 +123,7 @@ class Detector:
         reputation_rules: reputation.ReputationRules | None = None,
         clock_skew_s: float = DEFAULT_CLOCK_SKEW_S,
         early_exit_grace_s: float = DEFAULT_EARLY_EXIT_GRACE_S,
+        peers: PeerErrors | None = None,
     ) -> None:
         self.engine = engine
         self.bus = bus
@@ -136,6 +138,7 @@ class Detector:
         self._quarantines_pending = True  # check once after a start: a recommendation may be unannounced
         self.drops = Drops(clock)
         self.early_exits = EarlyExits(clock=clock, placements=placements, grace_s=early_exit_grace_s)
+        self.peers = peers  # where the ranks' errors that name a failed peer go (early evidence of node loss)
 
     # --- ingest -----------------------------------------------------------------------------------------------
     async def handle(self, event: Event, delivery: Delivery) -> Outcome:
@@ -217,6 +220,7 @@ class Detector:
                 self.drops.note(w.dropped, w.observation)
             elif w.owned and job_id is not None:
                 self._note_clean_exit(w.observation)
+                self._note_peer_error(w)
         work = [w for w in work if w.owned]
         if not work:
             return Outcome.ACK
@@ -242,6 +246,18 @@ class Detector:
             self.early_exits.note(
                 job_id=observation.job_id, rank=event.rank, node_id=observation.node_id, time=observation.time
             )
+
+    def _note_peer_error(self, work: Work) -> None:
+        """A rank of the job's current launch that failed because of a peer (a secondary exit) is evidence against
+        the job's silent nodes (nodes/peers.py); a rank whose exit is a cause of its own is not."""
+        observation, event = work.observation, work.observation.event
+        if self.peers is None or not isinstance(event, RankExited) or work.classification.root_cause_grade:
+            return
+        job_id = observation.job_id
+        if job_id is None or event.restart_epoch not in (None, self.placements.epoch_of(job_id)):
+            return  # a replaced launch's rank, stopped by the recovery that replaced it
+        text = "\n".join(event.log_tail)
+        self.peers.note(job_id=job_id, node_id=observation.node_id, rank=event.rank, text=text, time=observation.time)
 
     # --- persist ----------------------------------------------------------------------------------------------
     def persist(self, work: list[Work]) -> list[PendingChange]:

@@ -89,6 +89,10 @@ class PlacementMap:
             p.rank for node_id in self._nodes_of.get(job_id, ()) for p in self._by_node[node_id] if p.job_id == job_id
         }
 
+    def nodes_of(self, job_id: str) -> set[str]:
+        """The nodes the job's active placement has ranks on."""
+        return set(self._nodes_of.get(job_id, ()))
+
     def is_placed(self, job_id: str) -> bool:
         """True when the job has an active placement with at least one rank."""
         return bool(self._nodes_of.get(job_id))

@@ -41,6 +41,13 @@ class DetectorSettings(ServiceSettings, DatabaseSettings, AuthSettings):
     node_lost_after_s: float = Field(
         default=5.0, gt=0, description="a node that has reported is lost after this many seconds without a report"
     )
+    node_lost_peer_factor: float = Field(
+        default=1.5,
+        gt=1,
+        le=100,
+        description="a node silent for this many of its report intervals is lost at once when a rank of one of its "
+        "jobs failed naming a failed peer (a connection reset, a gloo or NCCL error)",
+    )
     node_keys_file: Path | None = Field(
         default=None,
         description="the agents' public NATS keys → node ids (`reprise creds` writes credentials/node-keys.json); "

@@ -14,7 +14,9 @@ import zlib
 from collections import deque
 from dataclasses import replace
 from datetime import datetime
+from typing import Annotated
 
+import msgspec
 from prometheus_client import Counter
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
@@ -24,10 +26,11 @@ from reprise_common.bus import Bus, Outcome
 from reprise_common.clock import Clock
 from reprise_common.errors import MalformedEventError
 from reprise_common.logging import get_logger
-from reprise_common.report_view import RankSeen, read_report
+from reprise_common.report_view import RankSeen, ReportSeen
 from reprise_detector.derived import DerivedSymptom
 from reprise_detector.nodes.liveness import Liveness
 from reprise_detector.nodes.models import HangPolicy
+from reprise_detector.nodes.peers import PeerErrors
 from reprise_detector.partition import Partition
 from reprise_detector.pipeline import Detector
 from reprise_detector.placements import PlacementMap
@@ -49,6 +52,24 @@ MALFORMED_REPORTS = Counter(
 )
 
 
+class WatchedReport(ReportSeen, frozen=True, gc=False):
+    """A node report as the watch reads it: the shared view, and how often the node reports (NodeReport.interval_s),
+    which its peers' errors are weighed against (nodes/peers.py)."""
+
+    interval_s: Annotated[float, msgspec.Meta(gt=0)] = 1.0
+
+
+_REPORT_DECODER = msgspec.json.Decoder(WatchedReport)
+
+
+def read_watched_report(data: bytes) -> WatchedReport:
+    """Decode a node report's payload; MalformedEventError (naming the field) when it is not one."""
+    try:
+        return _REPORT_DECODER.decode(data)
+    except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
+        raise MalformedEventError(str(exc)) from exc
+
+
 class Watcher:
     """Feeds liveness and progress from reports; tick() turns silences and stalls into symptoms."""
 
@@ -66,6 +87,7 @@ class Watcher:
         clock: Clock,
         hang_check_interval_s: float,
         bus: Bus | None = None,
+        peers: PeerErrors | None = None,
     ) -> None:
         self.detector = detector
         self.placements = placements
@@ -93,6 +115,9 @@ class Watcher:
         self._here_version = -1  # the placement map's version _here was derived from
         self._node_of: dict[str, str] = {}  # report subject -> its node (as many as liveness keeps nodes)
         self._woken = asyncio.Event()  # a node became suspect: its grace may end before the next tick
+        self.peers = peers
+        if peers is not None:
+            peers.wake = self.wake  # a job's peers failed: look when its quietest node becomes overdue
 
     # --- reports ----------------------------------------------------------------------------------------------
     async def handle_reports(self, reports: dict[str, bytes]) -> None:
@@ -123,12 +148,14 @@ class Watcher:
                 self.liveness.saw(node_id, report_id, now=now)
                 continue
             try:
-                report = read_report(data)
+                report = read_watched_report(data)
             except MalformedEventError as exc:
                 self._malformed(node_id, str(exc))
                 continue
             self.reports_parsed += 1
-            self.liveness.saw(node_id, report_id, report.gpus, stopping=report.stopping, now=now)
+            self.liveness.saw(
+                node_id, report_id, report.gpus, stopping=report.stopping, interval_s=report.interval_s, now=now
+            )
             if here:
                 found.extend(self._progress(node_id, report.ranks, here, now))
             sent.append(report.time)
@@ -187,6 +214,8 @@ class Watcher:
                 await self.flush()
                 return
             self.pending.extend(self.liveness.check())
+            if self.peers is not None:
+                self.pending.extend(self.peers.check())
             self.pending.extend(self.detector.early_exits.check())
             now = self.clock.monotonic()
             if now - self._hangs_checked_at >= self.hang_check_interval_s:
@@ -260,6 +289,9 @@ class Watcher:
             for row in rows
         }
 
+    def _peers_due(self) -> float | None:
+        return self.peers.next_due() if self.peers is not None else None
+
     def wake(self) -> None:
         """A node became suspect: tick when its grace ends rather than at the next interval."""
         self._woken.set()
@@ -269,8 +301,7 @@ class Watcher:
         next one tries again."""
         next_tick = self.clock.monotonic() + interval_s
         while not stopping.is_set():
-            due = self.liveness.next_due()
-            until = next_tick if due is None else min(next_tick, due)
+            until = min(d for d in (next_tick, self.liveness.next_due(), self._peers_due()) if d is not None)
             woken = asyncio.ensure_future(self._woken.wait())
             stop = asyncio.ensure_future(stopping.wait())
             done, _ = await asyncio.wait(

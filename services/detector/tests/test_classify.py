@@ -207,3 +207,23 @@ def test_a_bad_operator_file_is_refused_with_where(tmp_path: Path, text: str, me
 )
 def test_signals_are_normalised(signal: str | None, exit_code: int | None, expected: str | None) -> None:
     assert normalise_signal(signal, exit_code) == expected
+
+
+# error text -> the line that names a failed peer (rules marked peer_failure), None when none does
+PEER_FAILURES = [
+    ("RuntimeError: [gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.2]:4711", "Connection closed"),
+    ("Traceback (most recent call last):\nConnectionResetError: [Errno 104] Connection reset by peer", "Errno 104"),
+    ("torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1970, remote process exited", "NCCL"),
+    ("[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9) ran for 600000 ms", None),
+    ("Fatal Python error: Segmentation fault", None),
+    ("", None),
+]
+
+
+@pytest.mark.parametrize(("text", "names"), PEER_FAILURES)
+def test_only_errors_that_name_a_failed_peer_are_evidence_against_a_silent_node(text: str, names: str | None) -> None:
+    line = load_rules().peer_failure(text)
+    if names is None:
+        assert line is None
+    else:
+        assert line is not None and names in line and "\n" not in line

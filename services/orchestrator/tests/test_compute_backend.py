@@ -110,7 +110,7 @@ def test_a_job_is_placed_and_recovered_through_a_backend_named_by_a_setting(
 
     assert [r["node_id"] for r in after["placement"]] == ["d-1", "d-spare"]  # the spare in the lost GPU's place
     assert calls.stops[0] == ["d-1", "d-2"]
-    assert calls.cordons == [("d-2", xid.root_cause)]  # the backend was told, with the incident's reason
+    assert calls.cordons == [("d-2", f"incident inc-double: {xid.root_cause}")]  # told, naming the incident
     assert calls.launches[-1] == (1, ["d-1", "d-spare"])
     assert nodes["d-2"]["cordoned"] and nodes["d-2"]["cordon_reason"] == xid.root_cause
     signals = asyncio.run(stored(nats_server.url, subjects.compute_signal("double"), subjects.COMPUTE_STREAM))

@@ -18,7 +18,7 @@ from reprise_orchestrator import schema
 from reprise_orchestrator.jobs import service
 from reprise_orchestrator.jobs.models import Job, JobCreate, JobLabel
 
-ADDED_AFTER_0001 = {"reserved_nodes", "master_addr"}  # job columns of later revisions
+ADDED_AFTER_0001 = {"reserved_nodes", "master_addr", "backend"}  # job columns of later revisions
 JOBS = {
     "a": {"team": "ml", "example.com/tier": "gold", "empty": ""},
     "b": {"team": "web", "example.com/tier": "gold"},

@@ -1,11 +1,12 @@
 """Node liveness: when each node last reported (the detector's clock), and which nodes went silent or dropped their
 connection.
 
-Two kinds of evidence make a node lost. Its reports stop for longer than the limit (a frozen host, a cut network: the
-fallback, seconds). Or the NATS server says the agent's connection closed (a killed agent or host: the server knows at
-once) and, within a short grace, the agent neither connected again nor reported: a reconnect (after a NATS restart, a
-network blip) is no loss. An agent whose last report said it is stopping (a graceful restart) is judged by its reports
-alone.
+Three kinds of evidence make a node lost. Its reports stop for longer than the limit (a frozen host, a cut network:
+the fallback, seconds). Or the NATS server says the agent's connection closed (a killed agent or host: the server knows
+at once) and, within a short grace, the agent neither connected again nor reported: a reconnect (after a NATS restart,
+a network blip) is no loss. Or a peer's collective failed naming a lost peer while the node has missed its reports for
+1.5 of its intervals (nodes/peers.py). An agent whose last report said it is stopping (a graceful restart) is judged by
+its reports alone.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from reprise_common.report_view import GpuSeen
 from reprise_detector.derived import NodeLost
 
 REPORT_IN_FLIGHT_S = 0.1  # a report arriving this soon after a dropped connection may have been sent before it
+DEFAULT_INTERVAL_S = 1.0  # a node's report interval until a report read says its own (the agents' default)
 
 
 class NodeState(StrEnum):
@@ -40,6 +42,7 @@ class NodeSeen(msgspec.Struct, gc=False):
     dropped_id: str = ""  # that advisory's id
     dropped_reason: str = ""
     leaving: bool = False  # its agent's last report said it is stopping: a closed connection is expected
+    interval_s: float = DEFAULT_INTERVAL_S  # how often it reports, as its last report read said
 
 
 class Liveness:
@@ -63,11 +66,13 @@ class Liveness:
         gpus: tuple[GpuSeen, ...] | None = None,
         *,
         stopping: bool = False,
+        interval_s: float | None = None,
         now: float | None = None,
     ) -> None:
         """Record a report from a node (identity from the subject); `stopping`: its agent's last before a graceful
-        stop, so the connection that closes next is no evidence (gpus given: the report was read, it is not); `now`:
-        the monotonic time it arrived (the clock's by default; a batch of reports passes its own)."""
+        stop, so the connection that closes next is no evidence (gpus given: the report was read, it is not);
+        `interval_s`: how often it reports (a report read says so); `now`: the monotonic time it arrived (the clock's
+        by default; a batch of reports passes its own)."""
         seen = self.nodes.get(node_id)
         if now is None:
             now = self.clock.monotonic()
@@ -82,6 +87,8 @@ class Liveness:
             seen.dropped_at = None  # reporting again: it reconnected (the advisory may have been missed)
         if gpus is not None:
             seen.gpus = gpus
+        if interval_s is not None and interval_s != seen.interval_s:
+            seen.interval_s = interval_s
 
     def dropped(self, node_id: str, *, advisory_id: str, reason: str) -> bool:
         """The server closed the connection of the node's agent; True when that makes the node suspect.
@@ -136,6 +143,37 @@ class Liveness:
             if seen.state is NodeState.LOST:
                 seen.dropped_at = None
         return lost
+
+    def overdue_at(self, node_id: str, factor: float) -> float | None:
+        """The monotonic time the node's silence passes `factor` times its report interval; None for a node that never
+        reported, is lost already, or whose agent said it is stopping (its silence is expected)."""
+        seen = self.nodes.get(node_id)
+        if seen is None or seen.state is not NodeState.ALIVE or seen.leaving:
+            return None
+        return seen.last_seen + factor * seen.interval_s
+
+    def lost_on_evidence(self, node_id: str, *, factor: float, evidence: str) -> NodeLost | None:
+        """The node lost at once, on other evidence than its silence (its peers' errors), when it has also been
+        silent longer than `factor` times its report interval; None when it has not (or cannot be: overdue_at).
+
+        The id is the one the silence would have had: a replica that calls the same silence lost by the limit instead
+        records the same symptom.
+        """
+        due = self.overdue_at(node_id, factor)
+        now = self.clock.monotonic()
+        if due is None or now <= due:
+            return None
+        seen = self.nodes[node_id]
+        seen.state, seen.dropped_at = NodeState.LOST, None
+        silent, limit = now - seen.last_seen, factor * seen.interval_s
+        return NodeLost(
+            event_id=f"node-lost:{node_id}:{seen.last_report_id}"[:128],
+            time=self.clock.now() - timedelta(seconds=now - due),
+            node_id=node_id,
+            silent_s=silent,
+            limit_s=limit,
+            how=f"{evidence} and it has not reported for {silent:.1f} s"[:512],
+        )
 
     def heard_all(self, now: float) -> None:
         """The detector could not hear any node until `now` (its own connection was down): silences count from now."""

@@ -20,7 +20,7 @@ from typing import Annotated
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from reprise_common.errors import RepriseError
+from reprise_common.errors import DependencyUnavailableError, RepriseError
 
 DEFAULT_TIMEOUT_S = 10.0  # a dead controller fails a command in ~4 s (connect retries); a frozen one never does
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # one node (partition, account): never a list or an option
@@ -42,9 +42,11 @@ class SlurmError(RepriseError):
     """Slurm refused or failed a command (an unknown node, an invalid job id, output we cannot read)."""
 
 
-class SlurmUnavailableError(SlurmError):
+class SlurmUnavailableError(SlurmError, DependencyUnavailableError):
     """Slurm cannot be reached: the controller did not answer in time, a Slurm command is not installed, or there is
-    no Slurm configuration."""
+    no Slurm configuration (the API answers 503, naming the Slurm controller)."""
+
+    dependency = "the Slurm controller"
 
 
 def _name(value: str) -> str:

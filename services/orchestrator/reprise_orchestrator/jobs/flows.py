@@ -28,7 +28,7 @@ async def submit(deps: Deps, spec: JobCreate) -> Job:
             nodes = choose_nodes(spec, deps.compute.pool(exclude=unavailable))
             ranks = assign_ranks(nodes, ranks_per_node=spec.ranks_per_node, inventory=deps.inventory)
             check_placement_fits(deps.bus, spec, ranks)
-            job = service.create(session, spec=spec, placement=ranks)
+            job = service.create(session, spec=spec, placement=ranks, backend=deps.compute.name)
             earlier = service.placement_conflict(session, job)
             if earlier is None:
                 break

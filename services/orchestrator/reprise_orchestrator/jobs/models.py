@@ -197,6 +197,11 @@ class Job(JobBase, table=True):
         description="the rendezvous host of the current launch",
     )
     max_fence: int = Field(default=0, description="highest fencing token that has written to this job")
+    backend: str = Field(
+        default="agents",
+        sa_column=Column(String(200), nullable=False, server_default="agents"),
+        description="the compute backend that runs the job (agents, slurm, or a plugged-in one's name)",
+    )
     created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
     updated_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
 
@@ -236,6 +241,7 @@ class JobPublic(JobBase):
     placement: list[RankAssignment]
     labels: dict[str, str]
     spec: dict[str, Any]
+    backend: str = Field(description="the compute backend that runs the job: agents, slurm, ...")
     created_at: datetime
     updated_at: datetime
 

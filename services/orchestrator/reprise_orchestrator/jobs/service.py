@@ -20,10 +20,11 @@ OCCUPYING_STATES = ACTIVE_STATES | {JobState.PENDING}  # a job in these states h
 JOBS = Job.__table__  # type: ignore[attr-defined]
 
 
-def create(session: Session, *, spec: JobCreate, placement: list[RankAssignment]) -> Job:
-    """Record a new job with its planned placement (pending until launched)."""
+def create(session: Session, *, spec: JobCreate, placement: list[RankAssignment], backend: str = "agents") -> Job:
+    """Record a new job with its planned placement (pending until launched), run by the named compute backend."""
     job = Job(
         id=f"job-{new_id()[:12]}",
+        backend=backend,
         name=spec.name,
         ranks_per_node=spec.ranks_per_node,
         working_dir=spec.working_dir,
