@@ -62,6 +62,7 @@ SERVICES: dict[str, Grant] = {
             Durable(subjects.PLACEMENTS_STREAM, "*", deleted_at_start=True),
             Durable(subjects.AGENT_STREAM, "*", deleted_at_start=True),  # it also drops its retired reports consumer
             Durable(subjects.RECOVERIES_STREAM, "*"),  # a recovery that succeeded mitigates its incident
+            Durable(subjects.COMPUTE_STREAM, "*"),  # the compute backend's failure signals are symptoms
         ),
         stream_info=(subjects.PLACEMENTS_STREAM,),
     ),

@@ -17,6 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from reprise_common.errors import ConfigError
 from reprise_common.events import (
     Category,
+    ComputeSignal,
+    ComputeSignalKind,
     DependencyFailed,
     GpuLost,
     GpuXid,
@@ -142,6 +144,7 @@ class RulesFile(BaseModel):
     rank_exited_early: TemplateRule | None = None
     rank_stacks: TemplateRule | None = None
     rank_numeric: TemplateRule | None = None
+    compute_signal: dict[ComputeSignalKind, TemplateRule] = Field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -160,6 +163,7 @@ class RuleBook:
     rank_exited_early: TemplateRule
     rank_stacks: TemplateRule
     rank_numeric: TemplateRule
+    compute_signals: Mapping[ComputeSignalKind, TemplateRule]
     # The rule each rank exit chose, by what the rules look at: a storm's peers fail alike, so they match once.
     _exit_rules: dict[tuple[bool, str | None, int | None, tuple[str, ...]], ExitRule | None] = field(
         default_factory=dict, init=False, repr=False, compare=False
@@ -190,15 +194,20 @@ class RuleBook:
                 return rule.apply(_Facts.of(event))
             case RankExited():
                 return self._rank_exited(event)
-            case RankStacks() | RankNumeric():
-                return self._rank_report(event)
+            case RankStacks() | RankNumeric() | ComputeSignal():
+                return self._reported(event)
             case NodeLost() | JobHung() | RankStraggling() | RankExitedEarly():
                 return self._derived(event)
 
-    def _rank_report(self, event: RankStacks | RankNumeric) -> Classification:
-        if isinstance(event, RankStacks):
-            return self.rank_stacks.apply(_Facts.of(event, summary=stacks.summary(event)))
-        return self.rank_numeric.apply(_Facts.of(event, summary=numeric_summary(event)))
+    def _reported(self, event: RankStacks | RankNumeric | ComputeSignal) -> Classification:
+        match event:
+            case RankStacks():
+                return self.rank_stacks.apply(_Facts.of(event, summary=stacks.summary(event)))
+            case RankNumeric():
+                return self.rank_numeric.apply(_Facts.of(event, summary=numeric_summary(event)))
+            case ComputeSignal():  # a whole job's signal names no node, a node's no job
+                facts = _Facts.of(event, node_id=event.node_id or "(not named)", job_id=event.job_id or "(not named)")
+                return self.compute_signals[event.kind].apply(facts)
 
     def _derived(self, event: NodeLost | JobHung | RankStraggling | RankExitedEarly) -> Classification:
         match event:
@@ -288,13 +297,28 @@ def load_rules(path: Path | None = None) -> RuleBook:
     early = operator.rank_exited_early or builtin.rank_exited_early
     stacked = operator.rank_stacks or builtin.rank_stacks
     numeric = operator.rank_numeric or builtin.rank_numeric
+    signals = {**builtin.compute_signal, **operator.compute_signal}
     if None in (unknown, lost, dependency, rendezvous, node_lost, hung, straggling, early, stacked, numeric):
         raise ConfigError(f"built-in {BUILTIN_RULES} lacks a required section")
+    if missing := sorted(set(ComputeSignalKind) - set(signals)):
+        raise ConfigError(f"built-in {BUILTIN_RULES} lacks compute_signal rules for {', '.join(missing)}")
     assert unknown and lost and dependency and rendezvous and node_lost and hung and straggling and early  # for mypy
     assert stacked and numeric
     exits = (*operator.rank_exited, *builtin.rank_exited)
     return RuleBook(
-        xids, unknown, lost, dependency, rendezvous, exits, node_lost, hung, straggling, early, stacked, numeric
+        xids,
+        unknown,
+        lost,
+        dependency,
+        rendezvous,
+        exits,
+        node_lost,
+        hung,
+        straggling,
+        early,
+        stacked,
+        numeric,
+        signals,
     )
 
 

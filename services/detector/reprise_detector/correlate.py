@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
 
-from reprise_common.events import CAUSE_DEPTH, Culprit, RankExited, RankNumeric, Severity
+from reprise_common.events import CAUSE_DEPTH, ComputeSignal, Culprit, RankExited, RankNumeric, Severity
 from reprise_detector.classify import Classification
 from reprise_detector.derived import RankExitedEarly
 from reprise_detector.incidents.models import Incident
@@ -39,7 +39,7 @@ class OutOfPlacement(StrEnum):
 
     JOB_NOT_PLACED = "job_not_placed"  # the job id has no active placement (never placed, or no longer running)
     RANK_NOT_ON_NODE = "rank_not_on_node"  # the placement puts that rank elsewhere (or the job has no such rank)
-    JOB_NOT_ON_NODE = "job_not_on_node"  # a job's own dependency, from a node that runs none of the job's ranks
+    JOB_NOT_ON_NODE = "job_not_on_node"  # a job's own dependency or a compute signal, about a node not in its placement
 
 
 def out_of_placement(observation: Observation, placements: PlacementMap) -> OutOfPlacement | None:
@@ -53,12 +53,14 @@ def out_of_placement(observation: Observation, placements: PlacementMap) -> OutO
     if observation.rank is not None:
         placed = placements.has_rank(job_id=job_id, node_id=observation.node_id, rank=observation.rank)
         return None if placed else OutOfPlacement.RANK_NOT_ON_NODE
+    if isinstance(observation.event, ComputeSignal) and not observation.node_id:
+        return None  # the scheduler's word about the whole job (preempted, at its time limit): no node to check
     return None if job_id in placements.jobs_on(observation.node_id) else OutOfPlacement.JOB_NOT_ON_NODE
 
 
 def targets(observation: Observation, placements: PlacementMap) -> list[Target]:
-    """The affected jobs: the exiting rank's job, the job a dependency belongs to, or every job placed on the node for
-    GPU, node and node-wide dependency symptoms."""
+    """The affected jobs: the exiting rank's job, the job a dependency or a compute signal names, or every job placed
+    on the node for GPU, node and node-wide dependency symptoms (and a compute signal about a node)."""
     node_id = observation.node_id
     if observation.job_id is not None and observation.rank is not None:
         gpu = placements.gpu_of(job_id=observation.job_id, node_id=node_id, rank=observation.rank)
@@ -74,6 +76,8 @@ def targets(observation: Observation, placements: PlacementMap) -> list[Target]:
             fault_step=event.step if isinstance(event, RankNumeric) else None,
         )
         return [Target(observation.job_id, culprit)]
+    if isinstance(observation.event, ComputeSignal) and observation.job_id is not None:  # placed: out_of_placement
+        return [Target(observation.job_id, Culprit(node_id=node_id or None))]
     if observation.job_id is not None:  # a job's own dependency (its rendezvous master): that job only
         placed_here = observation.job_id in placements.jobs_on(node_id)
         return [Target(observation.job_id, Culprit(node_id=node_id))] if placed_here else []

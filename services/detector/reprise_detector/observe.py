@@ -9,6 +9,7 @@ from prometheus_client import Counter
 
 from reprise_common import subjects
 from reprise_common.events import (
+    ComputeSignal,
     DependencyFailed,
     Event,
     GpuLost,
@@ -25,7 +26,7 @@ from reprise_detector.derived import DerivedSymptom, JobHung, NodeLost, RankExit
 log = get_logger("reprise.detector.observe")
 
 AgentSymptom = GpuXid | GpuLost | RankExited | DependencyFailed | RankStacks | RankNumeric
-SymptomEvent = AgentSymptom | DerivedSymptom
+SymptomEvent = AgentSymptom | ComputeSignal | DerivedSymptom
 _LOG_TAIL_LINES = 5
 EVENT_TIMES_BOUNDED = Counter(
     "reprise_detector_event_times_bounded_total",
@@ -82,6 +83,8 @@ def observe(event: Event, subject: str, *, stored_ns: int = 0, skew_s: float = 0
 
     Its time is bounded by its arrival (stored_ns, see bounded_time).
     """
+    if isinstance(event, ComputeSignal):
+        return compute_signal(event, subject, stored_ns=stored_ns, skew_s=skew_s)
     if not isinstance(event, GpuXid | GpuLost | RankExited | DependencyFailed | RankStacks | RankNumeric):
         return None
     try:
@@ -111,6 +114,26 @@ def observe(event: Event, subject: str, *, stored_ns: int = 0, skew_s: float = 0
     return Observation(
         event=event, node_id=node_id, kind=event.type, time=time, detail=detail, gpu=gpu, job_id=job_id, rank=rank
     )
+
+
+def compute_signal(event: ComputeSignal, subject: str, *, stored_ns: int, skew_s: float) -> Observation:
+    """The observation for a failure signal of the compute backend (a cluster scheduler such as Slurm).
+
+    Only the orchestrator may publish on a backend's signal subject (the server's permissions), so the node and job
+    the signal names are taken as given, as a placement's are; the backend must be the subject's. A signal about a
+    whole job (preempted, at its time limit, or a node failure that names no node) has no node: node_id "".
+    """
+    try:
+        expected = subjects.compute_signal(event.backend)
+        node_id = subjects.token(event.node_id) if event.node_id is not None else ""
+    except ValueError as exc:
+        raise IngestError(str(exc)) from exc
+    if subject != expected:
+        raise IngestError(f"a {event.backend} signal on {subject}, not on {expected}")
+    job_id = _job_token(event.job_id) if event.job_id is not None else None
+    time = bounded_time(event.time, stored_ns=stored_ns, skew_s=skew_s)
+    detail = f"{event.backend} {event.kind.value}: {event.detail}" if event.detail else f"{event.backend} {event.kind}"
+    return Observation(event=event, node_id=node_id, kind=event.type, time=time, detail=detail, job_id=job_id)
 
 
 def numeric_summary(event: RankNumeric) -> str:

@@ -35,6 +35,7 @@ log = get_logger("reprise.detector.runtime")
 PLACEMENTS_DURABLE = "detector-placements"
 EVENTS_DURABLE = "detector-events"
 RECOVERIES_DURABLE = "detector-recoveries"
+COMPUTE_DURABLE = "detector-compute"  # the compute backend's failure signals (Slurm's node down, preemption)
 RETIRED_REPORTS_DURABLE = "detector-reports"  # reports were stored in AGENT until they moved to core NATS
 PLACEMENTS_CATCH_UP_S = 10.0
 # A detector that dies with a batch of agent events in hand leaves it to a restarted or another one after this ack
@@ -96,6 +97,17 @@ class Runtime:
                 prefetch=True,  # the next batch arrives while this one is in the database
                 ack_wait_s=EVENTS_ACK_WAIT_S,
                 progress_every_s=EVENTS_PROGRESS_S,
+            ),
+            # Created from the newest signal on: a detector's first start does not replay a week of old ones as new
+            # faults; afterwards the durable resumes where it stopped, like the events'.
+            self.bus.batch_consumer(
+                stream=subjects.COMPUTE_STREAM,
+                durable=self.durable(COMPUTE_DURABLE),
+                filter_subject=subjects.COMPUTE_SIGNALS_ALL,
+                handler=self.detector.handle_batch,
+                ack_wait_s=EVENTS_ACK_WAIT_S,
+                progress_every_s=EVENTS_PROGRESS_S,
+                deliver_policy=DeliverPolicy.NEW,
             ),
             self.bus.consumer(
                 stream=subjects.RECOVERIES_STREAM,
