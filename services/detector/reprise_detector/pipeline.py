@@ -249,13 +249,16 @@ class Detector:
 
     def _note_peer_error(self, work: Work) -> None:
         """A rank of the job's current launch that failed because of a peer (a secondary exit) is evidence against
-        the job's silent nodes (nodes/peers.py); a rank whose exit is a cause of its own is not."""
+        the job's silent nodes (nodes/peers.py); one whose exit is a cause of its own (a crash) explains its peers'."""
         observation, event = work.observation, work.observation.event
-        if self.peers is None or not isinstance(event, RankExited) or work.classification.root_cause_grade:
+        if self.peers is None or not isinstance(event, RankExited):
             return
         job_id = observation.job_id
         if job_id is None or event.restart_epoch not in (None, self.placements.epoch_of(job_id)):
             return  # a replaced launch's rank, stopped by the recovery that replaced it
+        if work.classification.root_cause_grade:
+            self.peers.crashed(job_id=job_id)
+            return
         text = "\n".join(event.log_tail)
         self.peers.note(job_id=job_id, node_id=observation.node_id, rank=event.rank, text=text, time=observation.time)
 

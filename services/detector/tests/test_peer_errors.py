@@ -109,6 +109,22 @@ async def test_a_peer_error_while_every_node_reports_calls_no_node_lost(
     assert set(health.values()) == {"alive"}
 
 
+async def test_peer_errors_a_crash_explains_are_no_evidence_against_a_late_node(
+    start_detector: StartDetector, sqlite_url: str
+) -> None:
+    h, clock = await _start(start_detector, sqlite_url)
+    clock.advance(0.5)
+    await h.emit("node-2", _exit("node-2", 1, ["Fatal Python error: Segmentation fault"], exit_code=-11))
+    await h.emit("node-1", _exit("node-1", 0, GLOO_RESET))
+    await h.settled()
+    clock.advance(1.3)
+    await _round(h, ("node-1", "node-2"))  # node-3's report is late (a loaded host): 1.8 s since its last
+    [incident] = await _look(h)
+    assert (incident["category"], incident["culprit_node_id"], incident["culprit_rank"]) == ("application", "node-2", 1)
+    health = {n["node_id"]: n["state"] for n in (await h.client.get("/v1/node-health")).json()["data"]}
+    assert set(health.values()) == {"alive"}
+
+
 async def test_a_node_is_weighed_against_its_own_report_interval(
     start_detector: StartDetector, sqlite_url: str
 ) -> None:

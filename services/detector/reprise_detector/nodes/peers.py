@@ -6,6 +6,10 @@ error alone names no node (a crash of the peer's process reads the same), and a 
 until the limit; together they are: a node of the job's placement that has also missed its reports for longer than
 PEER_SILENCE_FACTOR of its own report intervals is lost at once.
 
+A rank of the job that failed on its own (a crash: a root-cause-grade exit) explains its peers' errors: while one is
+recent, the job's peer errors are no evidence, so a node whose report is merely late on a loaded host is not excluded
+for a crash elsewhere.
+
 The intake (`PeerErrors.note`) takes a job, the node and rank that saw the error, the error's text and its time, so
 that any event carrying a rank's error can feed it (today a `rank.exited`'s log tail).
 """
@@ -69,6 +73,7 @@ class PeerErrors:
         self.keep_s = keep_s
         self.factor = factor
         self.jobs: dict[str, PeerError] = {}  # job -> its first peer error still counting
+        self.crashed_until: dict[str, float] = {}  # job -> until when a rank's own failure explains its peers' errors
         self.wake: Callable[[], None] = lambda: None  # the watch loop's, once it runs
 
     def note(self, *, job_id: str, node_id: str, rank: int, text: str, time: datetime) -> bool:
@@ -78,6 +83,8 @@ class PeerErrors:
         if line is None or (self.clock.now() - time).total_seconds() > self.keep_s:
             return False
         now = self.clock.monotonic()
+        if self.crashed_until.get(job_id, -1.0) >= now:
+            return False
         known = self.jobs.get(job_id)
         if known is None or known.until < now:
             self.jobs[job_id] = PeerError(node_id=node_id, rank=rank, line=line.strip(), until=now + self.keep_s)
@@ -85,12 +92,20 @@ class PeerErrors:
             self.wake()
         return True
 
+    def crashed(self, *, job_id: str) -> None:
+        """A rank of the job failed on its own: for `keep_s` its peers' errors are explained by that, not evidence."""
+        self.crashed_until[job_id] = self.clock.monotonic() + self.keep_s
+        self.jobs.pop(job_id, None)
+
     def check(self) -> list[NodeLost]:
         """The silent nodes of the jobs with peer errors that just passed the factor (each loss once)."""
         now = self.clock.monotonic()
         lost: list[NodeLost] = []
+        for job_id, until in list(self.crashed_until.items()):
+            if until < now:
+                del self.crashed_until[job_id]
         for job_id, error in list(self.jobs.items()):
-            if error.until < now:
+            if error.until < now or job_id in self.crashed_until:
                 del self.jobs[job_id]
                 continue
             for node_id in sorted(self.placements.nodes_of(job_id) - {error.node_id}):
