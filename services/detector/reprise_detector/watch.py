@@ -47,6 +47,9 @@ REHEAR_S = 2.5
 # The longest a hang check holds the event loop at once (reports wait meanwhile); what it did not get to is looked at
 # after the reports waiting were handled, in the same tick.
 HANG_SLICE_S = 0.01
+# The shortest wait between two ticks: a deadline that a tick cannot settle (while the detector hears no node, a node
+# overdue stays overdue) must not make the loop spin.
+MIN_WAIT_S = 0.01
 MALFORMED_REPORTS = Counter(
     "reprise_detector_reports_malformed_total", "Node reports ignored because their subject or payload is unusable"
 )
@@ -305,7 +308,9 @@ class Watcher:
             woken = asyncio.ensure_future(self._woken.wait())
             stop = asyncio.ensure_future(stopping.wait())
             done, _ = await asyncio.wait(
-                {woken, stop}, timeout=max(0.0, until - self.clock.monotonic()), return_when=asyncio.FIRST_COMPLETED
+                {woken, stop},
+                timeout=max(MIN_WAIT_S, until - self.clock.monotonic()),
+                return_when=asyncio.FIRST_COMPLETED,
             )
             woken.cancel()
             stop.cancel()
