@@ -14,7 +14,7 @@ NODES ?= 4
 SPARES ?= 1
 
 .PHONY: venv slurm-deps test lint typecheck pytest chaos soak up demo clean bench-agent bench-sdk bench-registry bench-detector bench-orchestrator \
-	bench-orchestrator-concurrent bench-vs-torchrun bench-hang-limits bench-standby
+	bench-orchestrator-concurrent bench-vs-torchrun bench-hang-limits bench-standby bench-recovery bench-ettr
 
 venv: $(STAMP)
 
@@ -102,3 +102,12 @@ clean:
 # A rank's start cold against warm (a standby that imported torch): medians side by side → bench/results/standby.json
 bench-standby: $(STAMP)
 	$(BIN)/python -m bench.bench_standby
+
+# Recovery side by side: Reprise cold, Reprise's fast path (in place, warm standbys) and a torchrun shell loop, the
+# same faults (5 of each kind per cell) → bench/results/recovery.json and a table in docs/benchmarks.md
+bench-recovery: $(STAMP)
+	$(BIN)/python -m bench.bench_recovery $(RECOVERY_ARGS)
+
+# What the measured overheads mean for ETTR at 1,024 to 131,072 GPUs (reads recovery.json) → bench/results/ettr.json
+bench-ettr: $(STAMP)
+	$(BIN)/python -m bench.ettr

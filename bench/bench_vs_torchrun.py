@@ -44,7 +44,7 @@ from typing import Any
 import httpx
 
 from bench import vs_torchrun_reprise, vs_torchrun_torchrun
-from bench.common import RESULTS_DIR, write_result
+from bench.common import RESULTS_DIR, replace_block, write_result
 from bench.vs_torchrun_common import QUICK, REPO, Fault, Outcome, Settings
 from reprise_common.errors import RepriseError
 
@@ -124,16 +124,7 @@ def render(document: dict[str, Any]) -> str:
 
 def update_doc(table: str) -> bool:
     """Replace the generated block of docs/vs-torchrun.md with `table`; False when the doc has no such block."""
-    try:
-        text = DOC.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return False
-    head, begin, rest = text.partition(BEGIN)
-    _old, end, tail = rest.partition(END)
-    if not begin or not end:
-        return False
-    DOC.write_text(f"{head}{BEGIN}\n{table}\n{END}{tail}", encoding="utf-8")
-    return True
+    return replace_block(DOC, BEGIN, END, table)
 
 
 def parse_args() -> argparse.Namespace:

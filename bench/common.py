@@ -80,3 +80,18 @@ def write_result(name: str, figures: dict[str, Any]) -> Path:
     partial.write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
     os.replace(partial, target)
     return target
+
+
+def replace_block(doc: Path, begin: str, end: str, text: str) -> bool:
+    """Replace what lies between the markers `begin` and `end` in `doc` with `text` (a table a bench generated);
+    False when the doc has no such block."""
+    try:
+        content = doc.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return False
+    head, found_begin, rest = content.partition(begin)
+    _old, found_end, tail = rest.partition(end)
+    if not found_begin or not found_end:
+        return False
+    doc.write_text(f"{head}{begin}\n{text}\n{end}{tail}", encoding="utf-8")
+    return True

@@ -9,7 +9,8 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -29,12 +30,15 @@ STOPPED_STATES = frozenset({"failed", "held", "cancelled"})
 
 
 @contextlib.contextmanager
-def platform(root: Path, settings: Settings) -> Iterator[tuple[Stack, PlatformClient]]:
-    """A fresh local stack and a client for it; everything is stopped on the way out."""
+def platform(
+    root: Path, settings: Settings, *, spares: int = SPARES, standbys: int = 0
+) -> Iterator[tuple[Stack, PlatformClient]]:
+    """A fresh local stack (`standbys` warm interpreters per node) and a client for it; all stopped on the way out."""
     config = StackConfig(
         nodes=settings.world_size,
-        spares=SPARES,
+        spares=spares,
         gpus_per_node=1,
+        standbys=standbys,
         state_dir=root / "state",
         ports=free_stack_ports(DEFAULT_PORTS),
     )
@@ -50,7 +54,7 @@ def platform(root: Path, settings: Settings) -> Iterator[tuple[Stack, PlatformCl
             api_key=read_admin_api_key(config.state_dir),
         )
         try:
-            poll(client.nodes, lambda nodes: len(nodes) >= settings.world_size + SPARES, timeout_s=60)
+            poll(client.nodes, lambda nodes: len(nodes) >= settings.world_size + spares, timeout_s=60)
             yield stack, client
         finally:
             client.close()
@@ -58,21 +62,31 @@ def platform(root: Path, settings: Settings) -> Iterator[tuple[Stack, PlatformCl
         stack.stop()
 
 
-def job_body(fault: Fault, settings: Settings, root: Path) -> dict[str, Any]:
-    """POST /v1/jobs: the example with the same arguments as under torchrun, one rank per node."""
+def job_body(
+    name: str,
+    settings: Settings,
+    root: Path,
+    *,
+    policy: dict[str, Any] | None = None,
+    script_args: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """POST /v1/jobs: the example with the same arguments as under torchrun (plus `script_args`), one rank per node;
+    `policy` adds to (or overrides) the policy every run has."""
     checkpoints = root / "ckpt"
     return {
-        "name": f"vs-torchrun-{fault.value}",
+        "name": name,
         "node_count": settings.world_size,
         "ranks_per_node": 1,
-        "command": [sys.executable, str(SCRIPT), *settings.script_args(checkpoints)],
+        "command": [sys.executable, str(SCRIPT), *settings.script_args(checkpoints), *script_args],
         "working_dir": str(REPO),
         "checkpoint_dir": str(checkpoints),
-        "env": {"OMP_NUM_THREADS": "1"},  # what torchrun sets for its workers
+        "env": {"OMP_NUM_THREADS": "1"} if env is None else env,  # what torchrun sets for its workers
         "policy": {
             "max_restarts": settings.max_restarts,
             "elastic_min_nodes": settings.world_size - 1,
             "hang_timeout_s": settings.hang_timeout_s,
+            **(policy or {}),
         },
     }
 
@@ -100,6 +114,21 @@ class RankZeroLogs:
         return [entry for _epoch, lines in chosen for entry in lines]
 
 
+class StopCheck:
+    """Whether a job has stopped, asked of the orchestrator at most once a second by a loop that polls faster."""
+
+    def __init__(self, client: PlatformClient, job_id: str) -> None:
+        self.client, self.job_id, self._next = client, job_id, 0.0
+
+    def state(self) -> str:
+        """The state the job stopped in ("" while it runs, or when it was asked less than a second ago)."""
+        if time.time() < self._next:
+            return ""
+        self._next = time.time() + 1.0
+        state: str = self.client.job(self.job_id)["state"]
+        return state if state in STOPPED_STATES else ""
+
+
 def fault_event(fault: Fault, *, job_id: str, rank: int, gpu: int) -> InjectFault:
     """The injection request (as the orchestrator's drills build it)."""
     kinds = {
@@ -116,7 +145,7 @@ def run(fault: Fault, settings: Settings, root: Path) -> Outcome:
     """Submit the job on a fresh stack, inject the fault at the fault step, watch it to the end."""
     with platform(root, settings) as (stack, client):
         outcome = Outcome("reprise", fault, launched_at=time.time())
-        job = client.submit(job_body(fault, settings, root))
+        job = client.submit(job_body(f"vs-torchrun-{fault.value}", settings, root))
         if job["state"] != "running":
             outcome.notes.append(f"the job did not start: {job['state']} {job.get('detail', '')}")
             return outcome
@@ -139,35 +168,78 @@ def _watch(
     client: PlatformClient, job: dict[str, Any], logs: RankZeroLogs, outcome: Outcome, settings: Settings
 ) -> None:
     """Inject when rank 0 reports the fault step; return at the digest, a stopped job, or the run timeout."""
-    deadline, next_check = outcome.launched_at + settings.run_timeout_s, 0.0
-    while time.time() < deadline:
-        for epoch, stamp, line in logs.poll():
-            if outcome.fault_due(line, settings):
-                _inject(client, job, outcome, settings)
+
+    def on_line(line: str) -> None:
+        if outcome.fault_due(line, settings):
+            _inject(client, job, outcome, settings)
+
+    end = follow_job(
+        client, job["id"], logs, since=outcome.launched_at, limit_s=settings.run_timeout_s, on_line=on_line
+    )
+    outcome.digest, outcome.finished_at = end.digest, end.at
+    outcome.extra |= {"final_restart_epoch": end.epoch} if end.digest else {}
+    outcome.notes += [end.note] if end.note else []
+
+
+@dataclass(frozen=True)
+class JobEnd:
+    """How following a job's rank 0 ended: its digest (when, in which restart epoch), or why not."""
+
+    digest: str | None = None
+    at: float | None = None
+    epoch: int | None = None
+    note: str = ""
+
+
+def follow_job(
+    client: PlatformClient,
+    job_id: str,
+    logs: RankZeroLogs,
+    *,
+    since: float,
+    limit_s: float,
+    on_line: Callable[[str], None],
+) -> JobEnd:
+    """Hand each of rank 0's lines to `on_line`, in the order written, until the digest, a stopped job, or `limit_s`
+    after `since`."""
+    stopped = StopCheck(client, job_id)
+    while time.time() < since + limit_s:
+        for epoch, stamp, line in sorted(logs.poll(), key=lambda entry: entry[0]):
+            on_line(line)
             if digest := digest_of(line):
-                outcome.digest, outcome.finished_at = digest, stamp
-                outcome.extra["final_restart_epoch"] = epoch
-                return
-        if time.time() > next_check:
-            state = client.job(job["id"])["state"]
-            if state in STOPPED_STATES:
-                outcome.notes.append(f"the job ended {state}")
-                return
-            next_check = time.time() + 1.0
+                return JobEnd(digest, stamp, epoch)
+        if state := stopped.state():
+            return JobEnd(note=f"the job ended {state}")
         time.sleep(POLL_S)
-    outcome.notes.append(f"still running after {settings.run_timeout_s:g} s: stopped")
+    return JobEnd(note=f"still running after {limit_s:g} s: stopped")
+
+
+@dataclass(frozen=True)
+class Injection:
+    """A fault sent to an agent: when (taken before the request), how long the request took, the agent's answer."""
+
+    at: float
+    call_s: float
+    detail: str
+    accepted: bool
+
+
+def inject(client: PlatformClient, job: dict[str, Any], fault: Fault, victim_rank: int) -> Injection:
+    """Inject `fault` into the rank `victim_rank` of `job`'s placement (or its GPU, or its node)."""
+    victim = next(r for r in job["placement"] if r["rank"] == victim_rank)
+    event = fault_event(fault, job_id=job["id"], rank=victim["rank"], gpu=victim.get("gpu") or 0)
+    # Stamped before the call: the NATS connection it opens first counts against Reprise, never for it.
+    at = time.time()
+    reply = client.inject(event, node_id=victim["node_id"])
+    return Injection(at, round(time.time() - at, 3), f"{victim['node_id']}: {reply.detail}", reply.accepted)
 
 
 def _inject(client: PlatformClient, job: dict[str, Any], outcome: Outcome, settings: Settings) -> None:
-    victim = next(r for r in job["placement"] if r["rank"] == settings.victim_rank)
-    event = fault_event(outcome.fault, job_id=job["id"], rank=victim["rank"], gpu=victim.get("gpu") or 0)
-    # Stamped before the call: the NATS connection it opens first counts against Reprise, never for it.
-    outcome.injected_at = time.time()
-    reply = client.inject(event, node_id=victim["node_id"])
-    outcome.extra["inject_call_s"] = round(time.time() - outcome.injected_at, 3)
-    outcome.extra["injected"] = f"{victim['node_id']}: {reply.detail}"
-    if not reply.accepted:
-        outcome.notes.append(f"the fault was refused: {reply.detail}")
+    injection = inject(client, job, outcome.fault, settings.victim_rank)
+    outcome.injected_at = injection.at
+    outcome.extra["inject_call_s"], outcome.extra["injected"] = injection.call_s, injection.detail
+    if not injection.accepted:
+        outcome.notes.append(f"the fault was refused: {injection.detail}")
 
 
 def _analyse(client: PlatformClient, job_id: str, logs: RankZeroLogs, outcome: Outcome) -> None:
@@ -176,28 +248,28 @@ def _analyse(client: PlatformClient, job_id: str, logs: RankZeroLogs, outcome: O
         return
     since = outcome.injected_at - 1.0  # stamps come from other processes' clocks on the same host
     incidents = sorted(
-        (i for i in client.incidents(job_id) if _unix(i["opened_at"]) >= since), key=lambda i: i["opened_at"]
+        (i for i in client.incidents(job_id) if unix_time(i["opened_at"]) >= since), key=lambda i: i["opened_at"]
     )
     if incidents:
         first = incidents[0]
-        outcome.detected_at = _unix(first["opened_at"])
+        outcome.detected_at = unix_time(first["opened_at"])
         outcome.detected_by = f"incident {first['category']}: {first['root_cause']}"[:160]
         outcome.extra["incidents"] = len(incidents)
-    recoveries = [r for r in client.recoveries(job_id) if _unix(r["started_at"]) >= since]
+    recoveries = [r for r in client.recoveries(job_id) if unix_time(r["started_at"]) >= since]
     if recoveries:
-        outcome.extra |= _recovery_figures(recoveries[-1], outcome.injected_at)  # newest first: the earliest
+        outcome.extra |= recovery_figures(recoveries[-1], outcome.injected_at)  # newest first: the earliest
         outcome.extra["recoveries"] = len(recoveries)
     outcome.resume_from_lines(logs.lines(min_epoch=1), since=outcome.injected_at)
 
 
-def _recovery_figures(recovery: dict[str, Any], injected_at: float) -> dict[str, Any]:
+def recovery_figures(recovery: dict[str, Any], injected_at: float) -> dict[str, Any]:
     """What the orchestrator did: outcome, placement, checkpoint, each step's seconds."""
     data = {step["step"]: step.get("data") or {} for step in recovery["steps"]}
     finished = recovery.get("finished_at")
     return {
         "recovery_outcome": recovery.get("outcome"),
         "recovery_attempts": recovery.get("attempt"),
-        "recovery_running_after_s": round(_unix(finished) - injected_at, 2) if finished else None,
+        "recovery_running_after_s": round(unix_time(finished) - injected_at, 2) if finished else None,
         "placement_decision": data.get("placing", {}).get("decision"),
         "cordoned": data.get("isolating", {}).get("cordoned"),
         "restored_checkpoint": data.get("restoring", {}).get("checkpoint"),
@@ -209,5 +281,6 @@ def _rounded(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds, 3)
 
 
-def _unix(stamp: str) -> float:
+def unix_time(stamp: str) -> float:
+    """A service's ISO 8601 timestamp as unix time."""
     return datetime.fromisoformat(stamp).timestamp()

@@ -51,6 +51,15 @@ def children(pid: int) -> list[int]:
     return found
 
 
+def descendants(pid: int, *, depth: int = 2) -> list[int]:
+    """The processes below `pid` down to `depth` generations (a shell loop's torchrun, then its workers)."""
+    found, generation = [], [pid]
+    for _ in range(depth):
+        generation = [child for parent in generation for child in children(parent)]
+        found += generation
+    return found
+
+
 def environment_of(pid: int) -> dict[str, str]:
     """A process's environment as it started (empty if it is gone)."""
     try:
@@ -62,9 +71,9 @@ def environment_of(pid: int) -> dict[str, str]:
 
 
 def worker_ranks(agent: ManagedProcess) -> dict[int, int]:
-    """An agent's live workers: global rank → pid."""
+    """An agent's live workers (or those of the torchrun a shell loop runs now): global rank → pid."""
     ranks = {}
-    for pid in children(agent.pid):
+    for pid in descendants(agent.pid):
         rank = environment_of(pid).get("RANK")
         if rank is not None and rank.isdigit():
             ranks[int(rank)] = pid
@@ -81,10 +90,12 @@ class Agents:
     workers: set[int] = field(default_factory=set)
     _next_scan: float = 0.0
 
-    def start(self, name: str, torchrun_args: list[str], settings: Settings) -> ManagedProcess:
-        """Start one torchrun agent running the example."""
+    def start(self, name: str, torchrun_args: list[str], settings: Settings, *, loop: bool = False) -> ManagedProcess:
+        """Start one torchrun agent running the example; with `loop`, a shell that re-runs it until it exits 0."""
         log = self.root / f"{name}.log"
         argv = [venv_command("torchrun"), *torchrun_args, str(SCRIPT), *settings.script_args(self.root / "ckpt")]
+        if loop:
+            argv = ["bash", "-c", 'until "$@"; do :; done', "torchrun-loop", *argv]
         agent = ManagedProcess(name, argv, log, env=dict(OUTSIDE_REPRISE), cwd=REPO)
         agent.start()
         self.agents.append(agent)
@@ -98,14 +109,16 @@ class Agents:
             self._next_scan = now + WORKER_SCAN_S
             for agent in self.agents:
                 if agent.alive():
-                    self.workers.update(children(agent.pid))
+                    self.workers.update(descendants(agent.pid))
         return [(i, stamp, line) for i, follower in enumerate(self.followers) for stamp, line in follower.poll(now)]
 
     def kill_all(self) -> None:
-        """SIGKILL every worker (stopped ones included), then stop the agents."""
+        """SIGKILL the agents (a shell loop first, so that it starts no torchrun again), then every worker (stopped ones
+        included: they are in sessions of their own)."""
         for agent in self.agents:
             if agent.alive():
-                self.workers.update(children(agent.pid))
+                self.workers.update(descendants(agent.pid))
+                agent.signal(signal.SIGKILL)
         for pid in self.workers:
             if str(SCRIPT) in _cmdline(pid):  # the pid still belongs to a worker, not to a recycled process
                 with contextlib.suppress(ProcessLookupError):

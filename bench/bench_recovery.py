@@ -1,0 +1,177 @@
+"""Recovery side by side: the same script through the same faults, Reprise cold, Reprise's fast path, a torchrun loop.
+
+Run from the repository root: ``make bench-recovery`` (or ``.venv/bin/python -m bench.bench_recovery``). ``--quick``
+is a smoke run (one fault per cell; saved as recovery-quick.json, never over the full figures), ``--only fast``
+or ``--only loop.hang`` (repeatable) runs a subset and replaces just those cells in the saved file (each cell keeps
+its own date and load average), ``--render`` prints the saved table again and writes it into docs/benchmarks.md.
+
+examples/ddp_train.py (4 ranks, gloo on CPU, ``--resume-latest --log-steps``, a checkpoint every 10 steps) runs once
+per cell, a cell being a system and a fault kind:
+
+  cold   Reprise, policy ``restart_mode: "cold"``, no standbys: every recovery restarts every rank as a new process
+  fast   Reprise, policy ``restart_mode: "auto"``, the script with ``--in-place`` (surviving ranks restart in their
+         processes), 2 warm standbys per node; skipped, with the reason, while the script has no ``--in-place``
+  loop   ``until torchrun --max-restarts 0 ...; do :; done`` (bench/recovery_loop.py): every failure restarts it all
+
+Faults, each on rank 3: a rank crash (SIGKILL), XID 79 (Reprise: the agent's simulated GPU falls off the bus and the
+rank dies; the loop: the same SIGKILL, all a process sees), a hang (SIGSTOP; Reprise's job limit hang_timeout_s 3 s),
+a node loss (Reprise: the agent and its ranks vanish; the loop: one of two node loops, bench/recovery_loop.py).
+
+Several faults hit one run (5 per cell; --quick 1): the first when rank 0 prints step 25, each next one at the first
+step past the last fault's that is 5 past a checkpoint (35, 45, ...), and only once training has moved again after
+the last fault at the full world size (the fast path also waits for a ready standby on every node; the loop's node
+loss for its replacement node). Every fault therefore redoes 5 steps, and no fault hits a recovery still under way.
+
+Per cell (bench/results/recovery.json, ``figures.cells.<system>.<fault>``): fault → the first step completed after
+the restart (the script's own ``step N t=`` line), its median and range over the faults, detection (Reprise: the
+incident's opened_at; the loop: torchrun's first line about the failed worker), steps redone, whether the final
+parameters equal the fault-free reference's (the script alone, world 1: the result does not depend on the world size
+nor on restarts, examples/README.md), the standbys' memory (their RSS in the node reports), the checkpoint save cost
+the registry's advisor measured, and the load average. The Markdown table is printed and written into
+docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench import recovery_loop, recovery_reprise
+from bench.common import RESULTS_DIR, write_result
+from bench.recovery_render import render, update_doc
+from bench.recovery_track import FAULTS, FULL, QUICK, CellRun, RecoverySettings, System
+from bench.vs_torchrun_common import OUTSIDE_REPRISE, REPO, SCRIPT, Fault, digest_of
+from reprise_common.errors import RepriseError
+
+IN_PLACE_FLAG = "--in-place"
+
+
+def fast_path_missing() -> str:
+    """Why the fast path cannot run ("" when it can): the script must take --in-place."""
+    helped = subprocess.run(
+        [sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=120, check=False
+    )
+    return "" if IN_PLACE_FLAG in helped.stdout else f"examples/ddp_train.py has no {IN_PLACE_FLAG} yet"
+
+
+def reference_digest(settings: RecoverySettings, root: Path) -> str | None:
+    """The fault-free result: the script alone (a world of one, no sleeps, no checkpoints)."""
+    argv = [sys.executable, str(SCRIPT), "--steps", str(settings.steps), "--checkpoint-every", "0",
+            "--checkpoint-dir", str(root / "reference")]  # fmt: skip
+    env = {**os.environ, **OUTSIDE_REPRISE, "WORLD_SIZE": "1", "RANK": "0"}
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=False, env=env, cwd=REPO)
+    return next((d for line in done.stdout.splitlines() if (d := digest_of(line))), None)
+
+
+def run_cell(system: System, fault: Fault, settings: RecoverySettings, root: Path) -> CellRun:
+    """One cell in a directory of its own; a run that breaks is recorded, not fatal."""
+    try:
+        if system is System.LOOP:
+            return recovery_loop.run_cell(fault, settings, root)
+        return recovery_reprise.run_cell(system, fault, settings, root)
+    except (RuntimeError, RepriseError, httpx.HTTPError) as exc:  # the other cells are still worth their minutes
+        broken = CellRun(system, fault, launched_at=time.time())
+        broken.notes.append(f"the run broke: {exc}")
+        return broken
+
+
+def summary(cell: CellRun) -> str:
+    """One line per cell, printed as the bench goes."""
+    f = cell.figures(None)
+    if cell.skipped:
+        return f"{cell.system:<5} {cell.fault.value:<10} skipped: {cell.skipped}"
+    return (
+        f"{cell.system:<5} {cell.fault.value:<10} {f['faults_recovered']}/{f['faults_injected']} recovered, "
+        f"progress median {f['time_to_progress_s_median']} s {f['time_to_progress_s_range']}, detected "
+        f"{f['time_to_detect_s_median']} s, redone {f['steps_redone_median']}, wall {f['wall_s']} s "
+        f"{'; '.join(cell.notes)}"
+    )
+
+
+def selected(only: list[str]) -> list[tuple[System, Fault]]:
+    """The cells `--only` names (a system, or system.fault), all of them without it."""
+    cells = [(system, fault) for system in System for fault in FAULTS]
+    return [(s, f) for s, f in cells if not only or s.value in only or f"{s.value}.{f.value}" in only]
+
+
+def save(cells: list[CellRun], settings: RecoverySettings, *, name: str, reference: str | None) -> dict[str, Any]:
+    """Write bench/results/<name>.json, keeping the cells of the saved file this run did not run."""
+    previous = RESULTS_DIR / f"{name}.json"
+    kept: dict[str, Any] = {}
+    if previous.exists():
+        old = json.loads(previous.read_text(encoding="utf-8"))["figures"]
+        if old.get("settings") == dataclasses.asdict(settings):
+            kept = old.get("cells", {})
+    for cell in cells:
+        kept.setdefault(cell.system.value, {})[cell.fault.value] = cell.figures(reference)
+    figures = {
+        "settings": dataclasses.asdict(settings),
+        "quick": settings.faults == QUICK.faults,
+        "torch": version("torch"),
+        "reference_params_sha256": reference,
+        "cells": kept,
+    }
+    saved = write_result(name, figures)
+    print("saved", saved)
+    document: dict[str, Any] = json.loads(saved.read_text(encoding="utf-8"))
+    return document
+
+
+def parse_args() -> argparse.Namespace:
+    """The command line."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--quick", action="store_true", help="one fault per cell, for a smoke run")
+    parser.add_argument("--only", action="append", default=[], metavar="SYSTEM[.FAULT]", help="e.g. fast, loop.hang")
+    parser.add_argument("--keep", action="store_true", help="keep every run's directory (logs, checkpoints)")
+    parser.add_argument("--render", action="store_true", help="only print (and write into the doc) the saved table")
+    return parser.parse_args()
+
+
+def main() -> None:
+    """Run the selected cells, save the figures, print the table and write it into the doc."""
+    args = parse_args()
+    name = "recovery-quick" if args.quick else "recovery"
+    if args.render:
+        table = render(json.loads((RESULTS_DIR / f"{name}.json").read_text(encoding="utf-8")))
+        print(table)
+        if update_doc(table, quick=args.quick):
+            print("updated docs/benchmarks.md")
+        return
+    settings = QUICK if args.quick else FULL
+    chosen = selected(args.only)
+    root = Path(tempfile.mkdtemp(prefix="bench-recovery-"))
+    missing = fast_path_missing() if any(system is System.FAST for system, _ in chosen) else ""
+    reference = reference_digest(settings, root)
+    print(f"{len(chosen)} cells under {root}; reference {reference}", flush=True)
+    cells = []
+    for system, fault in chosen:
+        if system is System.FAST and missing:
+            cells.append(CellRun(system, fault, launched_at=time.time(), skipped=missing))
+        else:
+            cells.append(run_cell(system, fault, settings, root / f"{system.value}-{fault.value}"))
+        print(summary(cells[-1]), flush=True)
+    document = save(cells, settings, name=name, reference=reference)
+    table = render(document)
+    print(table)
+    if update_doc(table, quick=args.quick):
+        print("updated docs/benchmarks.md")
+    if args.keep or any(not cell.digest and not cell.skipped for cell in cells):
+        print(f"run directories kept under {root}")
+    else:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,250 @@
+"""What the recovery overheads measured by bench_recovery mean for a fleet: expected ETTR at 1,024 to 131,072 GPUs.
+
+Run from the repository root: ``make bench-ettr`` (or ``.venv/bin/python -m bench.ettr``) after ``make bench-recovery``;
+it reads bench/results/recovery.json (recovery-quick.json when there is no full run, and says so), prints the formulas
+and every input, saves bench/results/ettr.json and writes a table and a plot into docs/benchmarks.md.
+
+The arithmetic is the checkpoint registry's advisor's (reprise_registry.advisor.formulas), not a copy of it:
+
+  M    = 86,400 / (N · r)                         the job's mean time between failures (s), N nodes, r per node-day
+  T    = √(2δM)·[1 + ⅓·√(δ/2M) + (δ/2M)/9] - δ    Daly's checkpoint interval (the advisor's recommendation)
+  ETTR = [1 - (u0 + T/2)/M] / (1 + δ/T)           expected effective training time ratio
+
+with δ the checkpoint save cost and u0 the restart overhead: what one failure costs besides the work since the last
+checkpoint, i.e. fault → training moving again. u0 is the mean, over the four fault kinds, of each system's median
+(equal weights: the published rates do not split failures by kind); δ is the registry's measured save cost of the
+benchmark's job, the same for every system (the same script writes the same checkpoints). A cell that never
+recovered (the torchrun loop's hang) gets an estimate, printed as one: the script's collective timeout, after which the
+loop restarts, plus that system's rank-crash recovery.
+
+Failure rates, with 8 GPUs per node: Llama 3's (419 unexpected interruptions in 54 days on 16,384 GPUs, "The Llama 3
+Herd of Models", 2024), and the ends of the range issue 15 cites for large clusters, 2.3 and 6.5 per 1,000 node-days.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from bench.common import RESULTS_DIR, replace_block, write_result
+from bench.recovery_render import DOC, SYSTEM_NAMES
+from bench.recovery_track import SCRIPT_COLLECTIVE_TIMEOUT_S, System
+from bench.vs_torchrun_common import Fault
+from reprise_registry.advisor import formulas
+from reprise_registry.advisor.views import DEFAULT_SAVE_COST_S
+
+GPU_COUNTS = (1_024, 16_384, 131_072)
+GPUS_PER_NODE = 8
+BEGIN, END = "<!-- bench-ettr:begin -->", "<!-- bench-ettr:end -->"
+PLOT_WIDTH = 50  # characters of the widest bar
+
+
+@dataclass(frozen=True)
+class FailureRate:
+    """A published failure rate, per node per day."""
+
+    name: str
+    per_node_day: float
+    source: str
+
+
+def llama3_per_node_day() -> float:
+    """Llama 3's 419 unexpected interruptions in 54 days on 16,384 GPUs, per 8-GPU node per day."""
+    return 419 / (54 * 16_384 / GPUS_PER_NODE)
+
+
+RATES = (
+    FailureRate("2.3 per 1,000 node-days", 2.3e-3, "the low end of the range issue 15 cites"),
+    FailureRate("Llama 3", llama3_per_node_day(), "419 interruptions in 54 days on 16,384 GPUs = 3.79 per 1,000"),
+    FailureRate("6.5 per 1,000 node-days", 6.5e-3, "the high end of the range issue 15 cites"),
+)
+
+
+@dataclass(frozen=True)
+class Overhead:
+    """One system's restart overhead u0 and where it came from."""
+
+    system: System
+    restart_overhead_s: float
+    per_fault_s: dict[str, float]
+    estimated: dict[str, str]
+    detection_s: float | None
+
+
+def overheads(cells: dict[str, Any]) -> dict[System, Overhead]:
+    """Each measured system's u0: the mean over the fault kinds of its median fault → training again."""
+    found = {}
+    for system in System:
+        mine = {f: c for f, c in cells.get(system.value, {}).items() if not c.get("skipped")}
+        per_fault = {f: c["time_to_progress_s_median"] for f, c in mine.items() if c["time_to_progress_s_median"]}
+        estimated = {}
+        crash = per_fault.get(Fault.RANK_CRASH.value)
+        if Fault.HANG.value in mine and Fault.HANG.value not in per_fault and crash is not None:
+            per_fault[Fault.HANG.value] = SCRIPT_COLLECTIVE_TIMEOUT_S + crash
+            estimated[Fault.HANG.value] = (
+                f"not recovered in the run: the collective timeout ({SCRIPT_COLLECTIVE_TIMEOUT_S:g} s) "
+                f"+ its rank-crash recovery ({crash:g} s)"
+            )
+        if not per_fault:
+            continue
+        detections = [c["time_to_detect_s_median"] for c in mine.values() if c["time_to_detect_s_median"] is not None]
+        found[system] = Overhead(
+            system,
+            restart_overhead_s=statistics.mean(per_fault.values()),
+            per_fault_s=per_fault,
+            estimated=estimated,
+            detection_s=statistics.mean(detections) if detections else None,
+        )
+    return found
+
+
+def save_cost_s(cells: dict[str, Any]) -> float:
+    """The checkpoint save cost: the median of what the registry's advisor measured in the Reprise cells."""
+    costs = [c["save_cost_s"] for by_fault in cells.values() for c in by_fault.values() if c.get("save_cost_s")]
+    if not costs:
+        raise SystemExit("no checkpoint save cost in the recovery results: run make bench-recovery first")
+    return float(statistics.median(costs))
+
+
+@dataclass(frozen=True)
+class Projection:
+    """One fleet size at one failure rate: the job's MTBF, the advisor's interval, and the ETTR it buys."""
+
+    gpus: int
+    nodes: int
+    rate: str
+    failures_per_day: float
+    mtbf_s: float
+    interval_s: float
+    ettr: float
+
+
+def project(*, gpus: int, rate: FailureRate, save_cost: float, restart_overhead: float) -> Projection:
+    """The advisor's arithmetic for a job on `gpus` GPUs."""
+    nodes = gpus // GPUS_PER_NODE
+    mtbf = formulas.job_mtbf_s(node_count=nodes, failures_per_node_day=rate.per_node_day)
+    interval = formulas.daly_interval_s(save_cost_s=save_cost, mtbf_s=mtbf)
+    ettr = formulas.expected_ettr(
+        interval_s=interval, save_cost_s=save_cost, mtbf_s=mtbf, restart_overhead_s=restart_overhead
+    )
+    return Projection(gpus, nodes, rate.name, nodes * rate.per_node_day, mtbf, interval, ettr)
+
+
+def load(name: str | None = None) -> tuple[str, dict[str, Any]]:
+    """The recovery results: the full run's, else the smoke run's."""
+    for candidate in [name] if name else ["recovery", "recovery-quick"]:
+        path = RESULTS_DIR / f"{candidate}.json"
+        if path.exists():
+            return candidate, json.loads(path.read_text(encoding="utf-8"))
+    raise SystemExit("no bench/results/recovery.json nor recovery-quick.json: run make bench-recovery first")
+
+
+def projections(measured: dict[System, Overhead], save_cost: float) -> dict[str, list[dict[str, Any]]]:
+    """Every fleet size at every rate for every measured system, at one save cost."""
+    return {
+        system.value: [
+            asdict(project(gpus=g, rate=r, save_cost=save_cost, restart_overhead=o.restart_overhead_s))
+            for g in GPU_COUNTS
+            for r in RATES
+        ]
+        for system, o in measured.items()
+    }
+
+
+def figures(source: str, document: dict[str, Any], save_cost: float | None = None) -> dict[str, Any]:
+    """Every input and every projection, as saved in ettr.json."""
+    cells = document["figures"]["cells"]
+    measured = overheads(cells)
+    delta = save_cost_s(cells) if save_cost is None else save_cost
+    return {
+        "source": f"bench/results/{source}.json",
+        "source_measured": document["machine"]["date"],
+        "source_quick": document["figures"]["quick"],
+        "save_cost_s": delta,
+        "save_cost_given": save_cost is not None,
+        "gpus_per_node": GPUS_PER_NODE,
+        "rates": [asdict(rate) for rate in RATES],
+        "overheads": {s.value: asdict(o) for s, o in measured.items()},
+        "missing_systems": [s.value for s in System if s not in measured],
+        "projections": projections(measured, delta),
+        "advisor_default_save_cost_s": DEFAULT_SAVE_COST_S,
+        "projections_at_advisor_default": projections(measured, DEFAULT_SAVE_COST_S),
+    }
+
+
+def render(result: dict[str, Any]) -> str:
+    """The inputs, a table of ETTR per fleet size, rate and system, and a plot at the Llama 3 rate (Markdown)."""
+    systems = [System(s) for s in result["projections"]]
+    lines = [
+        f"From `{result['source']}` ({'**smoke run, 1 fault per cell**' if result['source_quick'] else 'full run'},"
+        f" measured {result['source_measured']}); checkpoint save cost δ = {result['save_cost_s']:.3f} s "
+        f"({'given' if result['save_cost_given'] else 'the registry advisor measured it'}); "
+        f"{result['gpus_per_node']} GPUs per node.",
+        "",
+    ]
+    for system in systems:
+        o = result["overheads"][system.value]
+        kinds = ", ".join(f"{k} {v:.2f} s" for k, v in o["per_fault_s"].items())
+        lines.append(f"- u0 {SYSTEM_NAMES[system]} = **{o['restart_overhead_s']:.2f} s** (mean of {kinds})")
+        lines += [f"  - {kind}: estimated, {why}" for kind, why in o["estimated"].items()]
+    lines += [f"- not measured: {SYSTEM_NAMES[System(s)]}" for s in result["missing_systems"]]
+    default = result["projections_at_advisor_default"]
+    lines += [
+        "", f"At the measured save cost, δ = {result['save_cost_s']:.3f} s:", "",
+        _table(result["projections"], systems), "", "```", *_plot(result["projections"]), "```", "",
+        f"At the advisor's default save cost (what it assumes for a job with no measured checkpoint), "
+        f"δ = {result['advisor_default_save_cost_s']:g} s:", "",
+        _table(default, systems), "", "```", *_plot(default), "```",
+    ]  # fmt: skip
+    return "\n".join(lines)
+
+
+def _table(projected: dict[str, list[dict[str, Any]]], systems: list[System]) -> str:
+    header = "| GPUs | failure rate | failures/day | job MTBF | advisor's interval | " + " | ".join(
+        f"ETTR {SYSTEM_NAMES[s]}" for s in systems
+    )
+    rows = [header + " |", "|---" * (5 + len(systems)) + "|"]
+    for index, p in enumerate(projected[systems[0].value]):
+        ettrs = " | ".join(f"{projected[s.value][index]['ettr']:.2%}" for s in systems)
+        rows.append(
+            f"| {p['gpus']:,} | {p['rate']} | {p['failures_per_day']:.1f} | {p['mtbf_s'] / 60:.1f} min | "
+            f"{p['interval_s']:.1f} s | {ettrs} |"
+        )
+    return "\n".join(rows)
+
+
+def _plot(projected: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """ETTR at the Llama 3 rate as horizontal bars from a floor (the lowest ETTR rounded down to 5 %) to 100 %."""
+    llama = [(s, p) for s, ps in projected.items() for p in ps if p["rate"] == "Llama 3"]
+    floor = min(0.95, int(min(p["ettr"] for _, p in llama) * 20) / 20)
+    lines = [f"ETTR at the Llama 3 rate{'':>11}{floor:<{PLOT_WIDTH - 2}.0%}100%"]
+    for gpus in GPU_COUNTS:
+        for system, p in ((s, p) for s, p in llama if p["gpus"] == gpus):
+            filled = round((p["ettr"] - floor) / (1 - floor) * PLOT_WIDTH)
+            label = f"{gpus:>7,} GPUs, {SYSTEM_NAMES[System(system)]}"
+            lines.append(f"{label:<34}|{'#' * filled}{' ' * (PLOT_WIDTH - filled)}| {p['ettr']:.2%}")
+    return lines
+
+
+def main() -> None:
+    """Project, print, save, write into the doc."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--save-cost-s", type=float, help="a checkpoint save cost instead of the measured one")
+    args = parser.parse_args()
+    source, document = load()
+    if source != "recovery":
+        print("bench/results/recovery.json is missing: projecting from the smoke run, recovery-quick.json")
+    print("\n\n".join((__doc__ or "").split("\n\n")[2:6]))
+    result = figures(source, document, args.save_cost_s)
+    text = render(result)
+    print(text)
+    print("saved", write_result("ettr", result))
+    if args.save_cost_s is None and replace_block(DOC, BEGIN, END, text):
+        print("updated docs/benchmarks.md")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""bench_recovery's saved figures as a Markdown table, and that table in docs/benchmarks.md between its markers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bench.common import RESULTS_DIR, replace_block
+from bench.recovery_track import FAULTS, System
+from bench.vs_torchrun_common import REPO, Fault
+
+DOC = REPO / "docs" / "benchmarks.md"
+BEGIN, END = "<!-- bench-recovery:begin -->", "<!-- bench-recovery:end -->"
+FAULT_NAMES = {Fault.RANK_CRASH: "rank crash", Fault.XID79: "XID 79", Fault.HANG: "hang", Fault.NODE_LOSS: "node loss"}
+SYSTEM_NAMES = {System.COLD: "Reprise cold", System.FAST: "Reprise fast path", System.LOOP: "torchrun loop"}
+
+
+def seconds(value: float | None, missing: str = "—") -> str:
+    """A duration as the table shows it: two digits under 10 s, one above."""
+    if value is None:
+        return missing
+    return f"{value:.2f} s" if value < 10 else f"{value:.1f} s"
+
+
+def render(document: dict[str, Any]) -> str:
+    """The cells as a Markdown table, with the machine, the date, the settings and each cell's notes."""
+    figures, machine = document["figures"], document["machine"]
+    settings, cells = figures["settings"], figures["cells"]
+    lines = [
+        f"{'**Smoke run (`--quick`), 1 fault per cell**' if figures['quick'] else 'Full run'}, saved "
+        f"{machine['date']} on {machine['cores']} cores ({machine['cpu_model']}, {machine['kernel']}), "
+        f"{machine['python']}, torch {figures['torch']}; {settings['world_size']} ranks, {settings['steps']} steps, "
+        f"a checkpoint every {settings['checkpoint_every']} steps, first fault at step {settings['fault_step']}, "
+        f"{settings['step_sleep']} s sleep per step, hang limit {settings['hang_timeout_s']:g} s.",
+        "",
+        "| fault | system | faults recovered | fault → training again, median (range) | vs cold | detected after "
+        "(median) | steps redone | final = reference | standbys' RSS | load (1 min) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    notes = []
+    for fault in FAULTS:
+        cold = cells.get(System.COLD.value, {}).get(fault.value, {}).get("time_to_progress_s_median")
+        for system in System:
+            cell = cells.get(system.value, {}).get(fault.value)
+            if cell is not None:
+                lines.append(_row(fault, system, cell, cold))
+                notes += [f"- {SYSTEM_NAMES[system]}, {FAULT_NAMES[fault]}: {n}" for n in _notes(cell)]
+    return "\n".join([*lines, "", *notes]) if notes else "\n".join(lines)
+
+
+def _row(fault: Fault, system: System, cell: dict[str, Any], cold: float | None) -> str:
+    head = f"| {FAULT_NAMES[fault]} | {SYSTEM_NAMES[system]} |"
+    if cell.get("skipped"):
+        return f"{head} not run: {cell['skipped']} | | | | | | | |"
+    median, spread = cell["time_to_progress_s_median"], cell["time_to_progress_s_range"]
+    progress = "**not recovered**" if median is None else seconds(median)
+    if spread and spread[0] != spread[1]:
+        progress += f" ({seconds(spread[0])} to {seconds(spread[1])})"
+    ratio = f"{cold / median:.1f} x" if cold and median and system is not System.COLD else "—"
+    equal = {True: "yes", False: "**no**", None: "—"}[cell["final_equal_to_reference"]]
+    redone = "—" if cell["steps_redone_median"] is None else f"{cell['steps_redone_median']:g}"
+    rss = "—" if not cell.get("standby_rss_mb_median") else f"{cell['standby_rss_mb_median']:.0f} MB each"
+    load = " to ".join(f"{x:.1f}" for x in cell["load_average_1m"])
+    return (
+        f"{head} {cell['faults_recovered']} of {cell['faults_injected']} | {progress} | {ratio} | "
+        f"{seconds(cell['time_to_detect_s_median'])} | {redone} | {equal} | {rss} | {load} |"
+    )
+
+
+def _notes(cell: dict[str, Any]) -> list[str]:
+    return [note for note in cell.get("notes", []) if "logs kept" not in note]
+
+
+def update_doc(table: str, *, quick: bool) -> bool:
+    """Write `table` between the markers of docs/benchmarks.md; a smoke run never replaces a full run's table."""
+    if quick and (RESULTS_DIR / "recovery.json").exists():
+        return False
+    return replace_block(DOC, BEGIN, END, table)

@@ -1,0 +1,253 @@
+"""Reprise's cells of bench_recovery: the example as a job on a fresh local stack, several faults, the recoveries.
+
+Cold: ``restart_mode: "cold"``, no standbys (every recovery stops all ranks and starts them again as new processes).
+Fast path: ``restart_mode: "auto"``, the script run with ``--in-place`` (surviving ranks re-enter the training function
+in their processes), agents with warm standbys. The stack has 4 nodes and a spare per fault a recovery may leave behind
+(a cordoned GPU's node, a lost node), 1 rank per node; the policy allows every fault of the cell (restarts, the same
+root cause in a row, cordons). On the fast path each fault waits until every live node has a warm standby ready again
+(a fleet's standbys are back long before its next fault), and the standbys' memory is read from the node reports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.recovery_track import CellRun, FaultRecord, FaultTracker, RecoverySettings, System
+from bench.vs_torchrun_common import Fault
+from bench.vs_torchrun_reprise import (
+    RankZeroLogs,
+    follow_job,
+    inject,
+    job_body,
+    platform,
+    recovery_figures,
+    unix_time,
+)
+from reprise_cli.client import PlatformClient
+from reprise_cli.stack import Stack
+from reprise_common import subjects
+from reprise_common.bus import Bus
+from reprise_common.events import NodeReport
+
+REPORT_FRESH_S = 3.0  # a node whose last report is older is gone (lost) and has no standbys to wait for
+
+
+class NodeReports:
+    """The latest report of every node, read from NATS in a thread of its own, for the standbys' state and memory."""
+
+    def __init__(self, client: PlatformClient) -> None:
+        self.client = client
+        self.latest: dict[str, tuple[float, NodeReport]] = {}
+        self.rss_bytes: dict[int, int] = {}  # a ready standby's pid → its largest RSS seen
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._follow()), name="node-reports", daemon=True)
+
+    def __enter__(self) -> NodeReports:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    async def _follow(self) -> None:
+        bus = Bus(url=self.client.nats_url, service="bench-recovery", nkey_seed_file=self.client.nkey_seed_file)
+        await bus.connect(attempts=5)
+        try:
+            await bus.nc.subscribe(subjects.AGENT_REPORTS, cb=self._on_report)
+            while not self._stop.is_set():
+                await asyncio.sleep(0.2)
+        finally:
+            await bus.close()
+
+    async def _on_report(self, msg: Any) -> None:
+        report = NodeReport.model_validate_json(msg.data)
+        self.latest[report.node_id] = (time.time(), report)
+        for standby in report.standbys:
+            if standby.ready and standby.rss_bytes:
+                self.rss_bytes[standby.pid] = max(standby.rss_bytes, self.rss_bytes.get(standby.pid, 0))
+
+    def ready_standbys(self) -> dict[str, int]:
+        """Ready standbys per live node."""
+        now = time.time()
+        return {
+            node: sum(s.ready for s in report.standbys)
+            for node, (seen, report) in list(self.latest.items())
+            if now - seen < REPORT_FRESH_S
+        }
+
+    def warm(self, at_least: int) -> bool:
+        """Every live node (the spares too) has `at_least` ready standbys."""
+        ready = self.ready_standbys()
+        return bool(ready) and all(count >= at_least for count in ready.values())
+
+    def memory(self) -> dict[str, Any]:
+        """The ready standbys' resident memory (the largest reading of each)."""
+        sizes = sorted(self.rss_bytes.values())
+        if not sizes:
+            return {"standbys_seen": 0}
+        return {
+            "standbys_seen": len(sizes),
+            "standby_rss_mb_median": round(statistics.median(sizes) / 2**20, 1),
+            "standby_rss_mb_max": round(sizes[-1] / 2**20, 1),
+        }
+
+
+def policy(system: System, settings: RecoverySettings) -> dict[str, Any]:
+    """The job's policy: every fault of the cell allowed, the hang limit, and the restart mode of the system."""
+    allowance = settings.faults + 3
+    return {
+        "max_restarts": allowance,
+        "max_same_error": allowance,  # the same fault five times in a row is the bench, not a broken job
+        "max_cordon_share": 1.0,  # one node cordoned per XID 79: the circuit breaker would stop the third
+        "restart_mode": "auto" if system is System.FAST else "cold",
+    }
+
+
+def run_cell(system: System, fault: Fault, settings: RecoverySettings, root: Path) -> CellRun:
+    """One run of the job with `settings.faults` faults of one kind on a fresh stack."""
+    root.mkdir(parents=True)
+    standbys = settings.standbys if system is System.FAST else 0
+    with (
+        platform(root, settings, spares=settings.spares(fault), standbys=standbys) as (stack, client),
+        NodeReports(client) as reports,
+    ):
+        if standbys and not _wait(lambda: reports.warm(standbys), settings.ready_timeout_s):
+            raise RuntimeError(f"the standbys were not ready after {settings.ready_timeout_s:g} s")
+        run = _Run(stack, client, settings, CellRun(system, fault, launched_at=time.time()))
+        job = run.submit(root)
+        if job is None:
+            return run.cell
+        try:
+            run.watch(job, RankZeroLogs(stack.config.state_dir, job["id"]), reports if standbys else None)
+            _analyse(client, job["id"], run.cell)
+            run.cell.extra |= _save_cost(client, job["id"], settings) | (reports.memory() if standbys else {})
+        finally:
+            with contextlib.suppress(httpx.HTTPError):
+                client.cancel(job["id"])
+        if not run.cell.digest:
+            run.cell.notes.append(f"logs kept under {stack.log_dir} and {stack.config.state_dir / 'agents'}")
+    run.cell.load_average.append(round(os.getloadavg()[0], 2))
+    return run.cell
+
+
+def _wait(ready: Callable[[], bool], timeout_s: float) -> bool:
+    deadline = time.time() + timeout_s
+    while not ready():
+        if time.time() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+@dataclass
+class _Run:
+    """One cell's run on its stack: the job's submission, its faults, its end."""
+
+    stack: Stack
+    client: PlatformClient
+    settings: RecoverySettings
+    cell: CellRun
+
+    def submit(self, root: Path) -> dict[str, Any] | None:
+        """Submit the job; None (with the reason in the cell) when it is refused or does not start."""
+        system, cell = self.cell.system, self.cell
+        in_place = ["--in-place"] if system is System.FAST else []
+        body = job_body(f"recovery-{system.value}-{cell.fault.value}", self.settings, root,
+                        policy=policy(system, self.settings), script_args=in_place, env={})  # fmt: skip
+        try:
+            job = self.client.submit(body)
+        except httpx.HTTPStatusError as exc:
+            refused = exc.response.text[:300]
+            if system is System.FAST or "restart_mode" not in refused:
+                cell.skipped = f"the orchestrator refused the job: {refused}"
+                return None
+            # An orchestrator without the field has one path, the cold one: the cell measures it all the same.
+            cell.notes.append("the orchestrator has no restart_mode: its only path is the cold one")
+            body["policy"].pop("restart_mode")
+            job = self.client.submit(body)
+        if job["state"] != "running":
+            cell.skipped = f"the job did not start: {job['state']} {job.get('detail', '')}"
+            return None
+        return job
+
+    def watch(self, job: dict[str, Any], logs: RankZeroLogs, reports: NodeReports | None) -> None:
+        """Inject each fault when due, until the digest, a stopped job, or the run timeout."""
+        tracker, cell = FaultTracker(self.settings), self.cell
+        cell.records = tracker.records
+
+        def on_line(line: str) -> None:
+            tracker.feed(line)
+            if tracker.due(line) and (reports is None or reports.warm(1)):
+                self._inject(job["id"], tracker)
+
+        end = follow_job(
+            self.client, job["id"], logs, since=cell.launched_at, limit_s=self.settings.run_timeout_s, on_line=on_line
+        )
+        cell.digest, cell.finished_at = end.digest, end.at
+        cell.extra |= {"final_restart_epoch": end.epoch} if end.digest else {}
+        cell.notes += [end.note] if end.note else []
+
+    def _inject(self, job_id: str, tracker: FaultTracker) -> None:
+        job = self.client.job(job_id)  # the placement now: an earlier recovery may have moved the victim
+        victim = self.settings.victim_rank
+        if self.cell.fault is Fault.NODE_LOSS:  # the victim's agent kills itself: the supervisor must leave it dead
+            self.stack.hold_node_down(next(r for r in job["placement"] if r["rank"] == victim)["node_id"])
+        injection = inject(self.client, job, self.cell.fault, victim)
+        record = tracker.injected(injection.at, injection.detail)
+        record.extra["inject_call_s"] = injection.call_s
+        if not injection.accepted:
+            record.extra["refused"] = True
+
+
+def _analyse(client: PlatformClient, job_id: str, cell: CellRun) -> None:
+    """Each fault's first incident (detection) and recovery (what the orchestrator did, step by step)."""
+    incidents = sorted(client.incidents(job_id), key=lambda i: i["opened_at"])
+    recoveries = sorted(client.recoveries(job_id), key=lambda r: r["started_at"])
+    for record, until in zip(cell.records, _window_ends(cell.records), strict=True):
+        since = record.injected_at - 1.0  # stamps come from other processes' clocks on the same host
+        incident = next((i for i in incidents if since <= unix_time(i["opened_at"]) < until), None)
+        if incident is not None:
+            record.detected_at = unix_time(incident["opened_at"])
+            record.detected_by = f"incident {incident['category']}: {incident['root_cause']}"[:160]
+        recovery = next((r for r in recoveries if since <= unix_time(r["started_at"]) < until), None)
+        if recovery is not None:
+            record.extra |= recovery_figures(recovery, record.injected_at) | _restart_path(recovery)
+
+
+def _window_ends(records: list[FaultRecord]) -> list[float]:
+    return [record.injected_at - 1.0 for record in records[1:]] + [float("inf")]
+
+
+def _restart_path(recovery: dict[str, Any]) -> dict[str, Any]:
+    """The path the orchestrator chose and why, from whichever step recorded it."""
+    for step in recovery["steps"]:
+        data = step.get("data") or {}
+        chosen = {key: value for key, value in data.items() if "mode" in key or "path" in key or key == "why"}
+        if chosen:
+            return {"restart_path": chosen}
+    return {}
+
+
+def _save_cost(client: PlatformClient, job_id: str, settings: RecoverySettings) -> dict[str, Any]:
+    """The checkpoint save cost the registry's advisor measured for this job (median begin → commit)."""
+    try:
+        advice = (
+            client.http.get(f"{client.registry}/v1/jobs/{job_id}/advisor", params={"node_count": settings.world_size})
+            .raise_for_status()
+            .json()
+        )
+    except httpx.HTTPError as exc:
+        return {"save_cost_s": None, "save_cost_source": f"advisor unavailable: {exc}"}
+    return {"save_cost_s": advice["save_cost_s"], "save_cost_source": advice["save_cost_source"]}
