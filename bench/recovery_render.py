@@ -33,8 +33,8 @@ def render(document: dict[str, Any]) -> str:
         f"{settings['step_sleep']} s sleep per step, hang limit {settings['hang_timeout_s']:g} s.",
         "",
         "| fault | system | faults recovered | fault → training again, median (range) | vs cold | detected after "
-        "(median) | steps redone | final = reference | standbys' RSS | load (1 min) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "(median) | steps redone | final = reference | restart path | standbys' RSS | load (1 min) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     notes = []
     for fault in FAULTS:
@@ -50,7 +50,7 @@ def render(document: dict[str, Any]) -> str:
 def _row(fault: Fault, system: System, cell: dict[str, Any], cold: float | None) -> str:
     head = f"| {FAULT_NAMES[fault]} | {SYSTEM_NAMES[system]} |"
     if cell.get("skipped"):
-        return f"{head} not run: {cell['skipped']} | | | | | | | |"
+        return f"{head} not run: {cell['skipped']} | | | | | | | | |"
     median, spread = cell["time_to_progress_s_median"], cell["time_to_progress_s_range"]
     progress = "**not recovered**" if median is None else seconds(median)
     if spread and spread[0] != spread[1]:
@@ -60,9 +60,10 @@ def _row(fault: Fault, system: System, cell: dict[str, Any], cold: float | None)
     redone = "—" if cell["steps_redone_median"] is None else f"{cell['steps_redone_median']:g}"
     rss = "—" if not cell.get("standby_rss_mb_median") else f"{cell['standby_rss_mb_median']:.0f} MB each"
     load = " to ".join(f"{x:.1f}" for x in cell["load_average_1m"])
+    paths = ", ".join(f"{path.replace('_', ' ')} x{count}" for path, count in cell.get("restart_paths", {}).items())
     return (
         f"{head} {cell['faults_recovered']} of {cell['faults_injected']} | {progress} | {ratio} | "
-        f"{seconds(cell['time_to_detect_s_median'])} | {redone} | {equal} | {rss} | {load} |"
+        f"{seconds(cell['time_to_detect_s_median'])} | {redone} | {equal} | {paths or '—'} | {rss} | {load} |"
     )
 
 

@@ -38,6 +38,7 @@ class RecoverySettings(Settings):
 
     faults: int = 5  # faults per cell
     standbys: int = 2  # warm standbys per node on the fast path
+    standby_refill_delay_s: float = 2.0  # the agents' REPRISE_STANDBY_REFILL_DELAY_S (10 s by default)
     ready_timeout_s: float = 240.0  # how long a system may take to be whole again (standbys, a replacement node)
 
     def spares(self, fault: Fault) -> int:
@@ -46,7 +47,7 @@ class RecoverySettings(Settings):
 
 
 FULL = RecoverySettings(
-    steps=200, checkpoint_every=20, fault_step=30, step_sleep=0.1, hang_timeout_s=3.0, hang_bound_s=60.0,
+    steps=400, checkpoint_every=10, fault_step=25, step_sleep=0.05, hang_timeout_s=3.0, hang_bound_s=60.0,
     max_restarts=8, run_timeout_s=900.0, faults=5,
 )  # fmt: skip
 QUICK = RecoverySettings(
