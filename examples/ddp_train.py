@@ -90,6 +90,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="without a checkpoint from Reprise, resume from the newest committed one under --checkpoint-dir",
     )
     parser.add_argument("--log-steps", action="store_true", help="rank 0 prints `step N t=<unix time>` every step")
+    parser.add_argument(
+        "--in-place",
+        action="store_true",
+        help="under Reprise, a rank that survives a peer's failure restarts in place (reprise_sdk.run), not cold",
+    )
     args = parser.parse_args(argv)
     if args.steps < 1 or args.micro_batch < 1 or args.global_batch % args.micro_batch:
         parser.error("--steps and --micro-batch must be positive and --micro-batch must divide --global-batch")
@@ -307,16 +312,16 @@ def init_process_group(world_size: int) -> None:
         dist.init_process_group("gloo", init_method="env://", timeout=COLLECTIVE_TIMEOUT)
 
 
-def run(args: argparse.Namespace) -> str:
+def run(args: argparse.Namespace, info: reprise_sdk.ResumeInfo) -> str:
     """Train to --steps, checkpointing and heartbeating; returns the final parameters' digest."""
     config = TrainConfig(args.steps, args.global_batch, args.micro_batch, args.seed, args.lr, args.dataset_size)
-    checkpoint = resume_point(args, reprise_sdk.resume().checkpoint)
+    checkpoint = resume_point(args, info.checkpoint)
     state = None
     if checkpoint:
         with reprise_sdk.phase("restoring"):  # a slow read from shared storage is not a hang
             state = read_checkpoint(checkpoint, config)
     trainer = build_trainer(config, state)
-    trainer.skip, trainer.bad_data_step = reprise_sdk.resume().skip_steps, args.bad_data_step
+    trainer.skip, trainer.bad_data_step = info.skip_steps, args.bad_data_step
     rank0 = dist.get_rank() == 0
     if rank0:
         origin = f"from {checkpoint} (saved by {state['world_size']} ranks)" if state else "from scratch"
@@ -375,18 +380,25 @@ def write_output(module: nn.Module, output: Path) -> None:
     partial.replace(output)
 
 
+def train(args: argparse.Namespace, info: reprise_sdk.ResumeInfo) -> str:
+    """Join the group, train, leave the group; returns the final parameters' digest."""
+    init_process_group(info.world_size)
+    digest = run(args, info)
+    dist.barrier()  # rank 0 hosts the store: nobody tears down while a peer still talks to it
+    dist.destroy_process_group()
+    return digest
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point: join the group, train, leave the group."""
+    """Entry point: train once, or (--in-place) under reprise_sdk.run, which enters `train` again after a restart."""
     args = parse_args(argv)
     # One intra-op thread: ranks share the CPU cores, and a matmul's blocking (hence its rounding) must not vary
     # with how many threads a machine happens to give each rank.
     torch.set_num_threads(1)
-    init_process_group(reprise_sdk.resume().world_size)
-    try:
-        run(args)
-        dist.barrier()  # rank 0 hosts the store: nobody tears down while a peer still talks to it
-    finally:
-        dist.destroy_process_group()
+    if args.in_place:
+        reprise_sdk.run(lambda info: train(args, info))
+    else:
+        train(args, reprise_sdk.resume())
     return 0
 
 

@@ -181,6 +181,13 @@ async def test_detector_reads_agent_events_reports_placements_and_recovery_outco
     await planner.publish(subjects.recovery("job-1", "succeeded"), succeeded)
     assert await poll_until(lambda: outcomes, timeout_s=5), outcomes
     await _acknowledged(js, subjects.RECOVERIES_STREAM, outcomes_durable, 1)
+    # The compute backend's failure signals are symptoms: the detector reads them through a durable of its own.
+    signals_durable = replica.durable(detector.COMPUTE_DURABLE)
+    signals = await _consume(bus, subjects.COMPUTE_STREAM, signals_durable, subjects.COMPUTE_SIGNALS_ALL)
+    down = ComputeSignal(source="orchestrator", backend="slurm", kind=ComputeSignalKind.NODE_DOWN, node_id="node-1")
+    await planner.publish(subjects.compute_signal("slurm"), down)
+    assert await poll_until(lambda: signals, timeout_s=5), signals
+    await _acknowledged(js, subjects.COMPUTE_STREAM, signals_durable, 1)
     for each in (agent, bus, planner):
         await each.close()
 

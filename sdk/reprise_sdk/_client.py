@@ -5,6 +5,8 @@ Wire format, protocol version 1 (the agent's reader is ``reprise_agent.progress.
     {"v":1,"job":"j1","rank":0,"epoch":0,"k":"hb","step":12,"t_ns":1767225600000000000,"phase":"","m":{"loss":0.5}}
     {"v":1,"job":"j1","rank":0,"epoch":0,"k":"phase","t_ns":1767225600000000000,"phase":"checkpointing"}
     {"v":1,"job":"j1","rank":0,"epoch":0,"k":"ckpt","step":12,"t_ns":...,"path":"/ckpt/12","files":["/ckpt/12/a"]}
+    {"v":1,"job":"j1","rank":0,"epoch":0,"k":"inplace","t_ns":...}              (reprise_sdk.run: can restart in place)
+    {"v":1,"job":"j1","rank":0,"epoch":0,"k":"parked","t_ns":...,"why":"..."}   (waiting for the next epoch)
 
 ``t_ns`` is the sender's wall time (``time.time_ns()``); ``phase`` is "" while the script has set none. Heartbeats
 are built by string formatting, not ``json.dumps``, because that is three times cheaper: the job id, phase and
@@ -135,6 +137,14 @@ class _Channel:
 _channel: _Channel | None = None
 _lock = threading.Lock()
 _metric_keys: dict[str, str] = {}
+restart_ordered = False  # set by the in-place restart's inbox (_inplace.py) when the agent orders a restart
+
+
+class RestartRequested(BaseException):
+    """Raised by ``heartbeat`` under ``reprise_sdk.run`` when the agent orders a restart in place; ``run`` catches it.
+
+    A BaseException, so that a script's ``except Exception`` does not swallow it.
+    """
 
 
 def _open() -> _Channel:
@@ -163,7 +173,8 @@ def _new_channel(env: Mapping[str, str]) -> _Channel:
 
 
 def _reset() -> None:
-    """Forget the channel so the next call reads the environment again (tests; a forked child gets its own)."""
+    """Forget the channel so the next call reads the environment again (a forked child gets its own; a rank restarted
+    in place has a new rank and epoch)."""
     global _channel, _lock  # noqa: PLW0603
     if _channel is not None and _channel.sock is not None:
         _channel.sock.close()
@@ -190,7 +201,10 @@ def _encode_metrics(metrics: dict[str, float]) -> str:
 
 
 def heartbeat(step: int, **metrics: float) -> None:
-    """Report that training step `step` finished, with optional metrics; never blocks, never raises."""
+    """Report that training step `step` finished, with optional metrics; never blocks, and never raises except
+    RestartRequested under ``reprise_sdk.run`` once the agent ordered a restart in place."""
+    if restart_ordered:
+        raise RestartRequested(f"the agent ordered a restart in place (at step {step})")
     channel = _channel or _open()
     sock = channel.sock
     if sock is None:
@@ -338,6 +352,16 @@ def _send_patiently(channel: _Channel, sock: socket.socket, data: bytes, patienc
             return
         channel.sent += 1
         return
+
+
+def say(kind: str, body: Mapping[str, str]) -> None:
+    """Send a message of `kind` with string fields `body` (the in-place restart's "inplace" and "parked")."""
+    channel = _channel or _open()
+    if channel.sock is None:
+        return
+    _flush(channel)
+    fields = "".join(f",{json.dumps(name)}:{json.dumps(value)}" for name, value in body.items())
+    _send_patiently(channel, channel.sock, f'{channel.head}"{kind}","t_ns":{_time_ns()}{fields}}}'.encode(), 1.0)
 
 
 def stats() -> SdkStats:

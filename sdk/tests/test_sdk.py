@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -30,14 +28,6 @@ RANK_ENV = {
     "REPRISE_RESUME_CHECKPOINT": "/ckpt/job-7/step-1200",
 }
 ALL_ENV = [*RANK_ENV, "REPRISE_SDK_SOCKET", "REPRISE_SDK_INTERVAL_S", "REPRISE_SKIP_STEPS"]
-
-
-@pytest.fixture
-def short_dir() -> Iterator[Path]:
-    """A directory with a short path: a Unix socket path must fit in 107 bytes, pytest's tmp_path may not."""
-    path = Path(tempfile.mkdtemp(prefix="rp-sdk-", dir="/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 class Agent:

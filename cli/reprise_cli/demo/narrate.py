@@ -48,7 +48,12 @@ def step_lines(recovery: dict[str, Any], origin: datetime, printed: set[tuple[in
 
 
 def _stopping(data: dict[str, Any]) -> str:
-    return ": the ranks' Python stacks captured first (a hang)" if data.get("stacks_for") else ""
+    stacks = "; the ranks' Python stacks captured first (a hang)" if data.get("stacks_for") else ""
+    if data.get("restart_mode") == "in_place":
+        return f": restart in place, {data.get('parked', 0)} rank(s) parked with their processes{stacks}"
+    if data.get("restart_mode") == "cold":
+        return f": cold restart ({data.get('why', '')}){stacks}"
+    return f":{stacks[1:]}" if stacks else ""
 
 
 def _isolating(data: dict[str, Any]) -> str:

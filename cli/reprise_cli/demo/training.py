@@ -33,6 +33,7 @@ class Training:
     micro_batch: int = 8
     seed: int = 0
     step_sleep: float = 0.1  # slows the job so faults land mid-run; changes no number (examples/README.md)
+    in_place: bool = True  # under Reprise the ranks that survive a fault restart in place (reprise_sdk.run)
 
     def argv(self, *, checkpoint_dir: Path, output: Path, step_sleep: float | None = None) -> list[str]:
         """The script's command line, interpreter first."""
@@ -66,7 +67,10 @@ def job_spec(
         "name": name,
         "node_count": nodes,
         "ranks_per_node": 1,
-        "command": training.argv(checkpoint_dir=checkpoints, output=work_dir / "output" / "final.pt"),
+        "command": [
+            *training.argv(checkpoint_dir=checkpoints, output=work_dir / "output" / "final.pt"),
+            *(["--in-place"] if training.in_place else []),
+        ],
         "working_dir": str(work_dir),
         "checkpoint_dir": str(checkpoints),
         "policy": {

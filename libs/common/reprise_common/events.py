@@ -19,6 +19,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    NonNegativeInt,
     TypeAdapter,
     ValidationError,
     field_validator,
@@ -669,6 +670,16 @@ class StopArgs(Wire):
 
     grace_s: float = Field(default=5.0, gt=0, le=3600)
     capture_stacks: StackCapture | None = None
+    park_within_s: float | None = Field(
+        default=None,
+        gt=0,
+        le=600,
+        description="restart in place: ranks that can (reprise_sdk.run) are parked, not stopped; one not parked"
+        " within this bound is stopped as usual. None: stop every rank (a cold restart)",
+    )
+    kill_ranks: list[NonNegativeInt] = Field(
+        default_factory=list, max_length=1024, description="ranks stopped even when parking (the culprits)"
+    )
 
 
 class AgentCommand(Wire):

@@ -18,7 +18,7 @@ from reprise_agent.gpu.factory import open_backend
 from reprise_agent.gpu.sim import SimulatedGpus
 from reprise_agent.numeric import NumericWatcher
 from reprise_agent.outbox import Outbox
-from reprise_agent.progress import ProgressBook, SdkMessage, SdkServer, default_socket_path
+from reprise_agent.progress import ProgressBook, SdkMessage, SdkServer, default_inbox_dir, default_socket_path
 from reprise_agent.ranks import LostRank, RankProcess, RankSupervisor
 from reprise_agent.settings import AgentSettings
 from reprise_agent.stacks import capture, find_py_spy
@@ -84,11 +84,13 @@ class Agent:
         self.supervisor = RankSupervisor(
             standbys=self.standbys,
             sdk_socket=self.sdk.path,
+            inbox_dir=default_inbox_dir(settings.state_dir),
             node_id=self.node_id,
             state_dir=settings.state_dir,
             on_exit=self._on_rank_exit,
             tail_lines=settings.log_tail_lines,
         )
+        self.progress.on_restart_message(self.supervisor.on_sdk_message)
         self.py_spy = find_py_spy(settings.py_spy)
         self._captured: dict[str, None] = {}  # incident ids, oldest first
         self.book = CommandBook(node_id=self.node_id, state_file=settings.state_dir / "fences.json")
@@ -341,7 +343,8 @@ class Agent:
             data = {"ranks": len(self.supervisor.ranks()), "spare": self.settings.spare}
         elif isinstance(command, LaunchCommand):
             spec = command.args
-            data = {"pids": await self.supervisor.launch(command.job_id, spec)}
+            pids, in_place = await self.supervisor.launch(command.job_id, spec)
+            data = {"pids": pids, "in_place": in_place}
             for assignment in spec.ranks:  # startup begins now; a no-op for a rank that already reported
                 self.progress.begin(command.job_id, assignment.rank, restart_epoch=spec.restart_epoch)
         else:
@@ -349,10 +352,20 @@ class Agent:
             if command.args.capture_stacks is not None:
                 await self._capture_stacks(command.job_id, command.args.capture_stacks)
             self.depchecks.clear_rendezvous(command.job_id)
-            stopped = await self.supervisor.stop(command.job_id, grace_s=grace)
+            kept: set[int] = set()
+            stopped = []
+            if command.args.park_within_s is not None:  # a restart in place: who can, parks; the rest is stopped
+                # The culprits go first: a frozen rank holds its peers in their collective until it is gone.
+                kill = set(command.args.kill_ranks)
+                others = {r.rank for r in self.supervisor.ranks() if r.job_id == command.job_id} - kill
+                stopped = await self.supervisor.stop(command.job_id, grace_s=grace, keep=others)
+                parked = await self.supervisor.park(command.job_id, within_s=command.args.park_within_s, kill=kill)
+                kept = {r.rank for r in parked}
+            stopped += await self.supervisor.stop(command.job_id, grace_s=grace, keep=kept)
             self.progress.forget(command.job_id)
             self.numeric.forget(command.job_id)
-            data = {"stopped": [{"rank": r.rank, "exit_code": r.exit_code, "signal": r.exit_signal} for r in stopped]}
+            outcomes = {r.rank: {"rank": r.rank, "exit_code": r.exit_code, "signal": r.exit_signal} for r in stopped}
+            data = {"stopped": list(outcomes.values()), "parked": sorted(kept)}
         return CommandReply(command_id=command.command_id, node_id=self.node_id, result=CommandResult.DONE, data=data)
 
     async def _capture_stacks(self, job_id: str, order: StackCapture) -> None:

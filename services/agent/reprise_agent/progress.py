@@ -53,6 +53,8 @@ class MessageKind(StrEnum):
     HEARTBEAT = "hb"
     PHASE = "phase"
     CHECKPOINT = "ckpt"
+    IN_PLACE = "inplace"  # the rank runs under reprise_sdk.run: it can restart in place
+    PARKED = "parked"  # the rank left its training function and waits for the next epoch (`why`: what it caught)
 
 
 class MalformedSdkMessage(ValueError):
@@ -74,6 +76,7 @@ class SdkMessage:
     path: str = ""
     files: tuple[str, ...] = ()
     sha256: tuple[tuple[str, int, str], ...] = ()  # (file, size, SHA-256 hex) computed by the writer
+    why: str = ""  # a parked rank's reason
 
 
 def parse_message(data: bytes) -> SdkMessage:
@@ -96,6 +99,8 @@ def parse_message(data: bytes) -> SdkMessage:
     rank, epoch, sent_ns = _count(raw, "rank"), _count(raw, "epoch"), _count(raw, "t_ns")
     if kind is MessageKind.PHASE:
         return SdkMessage(kind, job_id, rank, epoch, sent_ns, phase=_text(raw, "phase"))
+    if kind is MessageKind.IN_PLACE or kind is MessageKind.PARKED:
+        return SdkMessage(kind, job_id, rank, epoch, sent_ns, why=_text(raw, "why"))
     step = _count(raw, "step")
     if kind is MessageKind.HEARTBEAT:
         return SdkMessage(kind, job_id, rank, epoch, sent_ns, step, phase=_text(raw, "phase"), metrics=_metrics(raw))
@@ -198,10 +203,15 @@ class ProgressBook:
         self._training_jobs: set[str] = set()
         self._rank_callbacks: list[Callable[[str, int], None]] = []
         self._metrics_callbacks: list[Callable[[SdkMessage], None]] = []
+        self._restart_callbacks: list[Callable[[SdkMessage], None]] = []
 
     def on_metrics(self, callback: Callable[[SdkMessage], None]) -> None:
         """Call `callback(message)` for every heartbeat of the rank's current launch that carries metrics."""
         self._metrics_callbacks.append(callback)
+
+    def on_restart_message(self, callback: Callable[[SdkMessage], None]) -> None:
+        """Call `callback(message)` for every in-place restart message ("inplace", "parked"); they are no progress."""
+        self._restart_callbacks.append(callback)
 
     def on_rank_training(self, callback: Callable[[str, int], None]) -> None:
         """Call `callback(job_id, rank)` at each rank's first heartbeat of a launch (its restart epoch)."""
@@ -232,6 +242,9 @@ class ProgressBook:
 
     def record(self, message: SdkMessage) -> None:
         """Apply one SDK message; a rank's first message from a newer restart epoch starts its progress afresh."""
+        if message.kind is MessageKind.IN_PLACE or message.kind is MessageKind.PARKED:
+            _notify(self._restart_callbacks, "restart message", message.job_id, message)
+            return
         ranks = self._jobs.get(message.job_id)
         progress = ranks.get(message.rank) if ranks is not None else None
         known_epoch = progress.restart_epoch if progress is not None else None
@@ -358,6 +371,16 @@ def default_socket_path(state_dir: Path) -> Path:
         return path
     digest = hashlib.sha256(os.fsencode(path)).hexdigest()[:16]
     return Path(tempfile.gettempdir()) / f"reprise-sdk-{digest}.sock"
+
+
+def default_inbox_dir(state_dir: Path) -> Path:
+    """Where ranks that restart in place bind their inboxes (``<pid>.sock``): ``<state_dir>/inbox``, or like the SDK
+    socket a short directory in the temp directory when a pid's socket path there would pass the 107-byte limit."""
+    path = state_dir.absolute() / "inbox"
+    if len(os.fsencode(path / f"{2**22}.sock")) <= MAX_SOCKET_PATH:  # pids stay below 2**22 on Linux
+        return path
+    digest = hashlib.sha256(os.fsencode(path)).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / f"reprise-inbox-{digest}"
 
 
 class SdkServer:

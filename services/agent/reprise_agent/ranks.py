@@ -6,14 +6,16 @@ import asyncio
 import json
 import os
 import signal
+import socket
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Set
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
 from pydantic import TypeAdapter
 
+from reprise_agent.progress import MessageKind, SdkMessage
 from reprise_agent.standby import StandbyPool
 from reprise_common.events import LaunchArgs, RankAssignment, RankStatus, ResumeFile
 from reprise_common.logging import get_logger
@@ -74,6 +76,9 @@ class RankProcess:
     exit_signal: str | None = None
     oom_killed: bool = False
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    in_place: bool = False  # it runs under reprise_sdk.run: it can be parked and handed the next epoch
+    parked: asyncio.Event = field(default_factory=asyncio.Event)  # it waits for the next epoch
+    parked_why: str = ""
 
     @property
     def alive(self) -> bool:
@@ -110,11 +115,17 @@ class RankSupervisor:
         on_exit: ExitCallback,
         tail_lines: int = 50,
         sdk_socket: Path | None = None,
+        inbox_dir: Path | None = None,
         standbys: StandbyPool | None = None,
     ) -> None:
         self.node_id = node_id
         self.standbys = standbys
         self.sdk_socket = sdk_socket
+        self.inbox_dir = inbox_dir
+        if inbox_dir is not None:
+            inbox_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._orders = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)  # the agent → rank channel (in place)
+        self._orders.setblocking(False)
         self.launches: dict[str, LaunchArgs] = {}  # job id → its latest launch on this node
         self.log_dir = state_dir / "ranks"
         self.ledger = self.log_dir / "live.json"  # the ranks running now, for the next agent if this one dies
@@ -131,20 +142,79 @@ class RankSupervisor:
         """The live rank using a GPU, if any."""
         return next((r for r in self._ranks.values() if r.gpu == gpu and r.alive), None)
 
-    async def launch(self, job_id: str, spec: LaunchArgs) -> list[int]:
-        """Start this node's ranks of a job (any earlier ranks of the job must be stopped first)."""
-        if any(r.alive for r in self._ranks.values() if r.job_id == job_id):
+    async def launch(self, job_id: str, spec: LaunchArgs) -> tuple[list[int], list[int]]:
+        """Start this node's ranks of a job: a parked rank (restart in place) takes an assignment on its own GPU, the
+        others start afresh; parked ranks left over are stopped. Any other earlier rank must be stopped first.
+
+        Returns the pids of the ranks and the ranks restarted in place.
+        """
+        parked = [r for r in self._ranks.values() if r.job_id == job_id and r.alive and r.parked.is_set()]
+        if any(r.alive and not r.parked.is_set() for r in self._ranks.values() if r.job_id == job_id):
             raise RuntimeError(f"job {job_id} already has live ranks on {self.node_id}: stop it first")
         self._forget(job_id)
+        for rank in parked:  # they are re-keyed by their new rank below
+            del self._ranks[(job_id, rank.rank)]
         self.launches[job_id] = spec
         resume_files = self._write_resume_files(job_id, spec)
-        pids = []
+        pids, in_place = [], []
         for assignment in spec.ranks:
+            taken = next((r for r in parked if r.gpu == assignment.gpu), None)
+            if taken is not None:
+                parked.remove(taken)
+                if self._assign(taken, job_id, spec, assignment, resume_files):
+                    self._ranks[(job_id, assignment.rank)] = taken
+                    pids.append(taken.proc.pid)
+                    in_place.append(assignment.rank)
+                    continue
+                self._discard(taken)
             rank = await self._start(job_id, spec, assignment, resume_files)
             self._ranks[(job_id, assignment.rank)] = rank
             pids.append(rank.proc.pid)
+        for rank in parked:  # more parked ranks than this node's share of the new epoch
+            self._discard(rank)
         self._record()
-        return pids
+        return pids, in_place
+
+    def _assign(
+        self, rank: RankProcess, job_id: str, spec: LaunchArgs, assignment: RankAssignment, resume_files: Path | None
+    ) -> bool:
+        """Hand a parked rank the next epoch through its inbox; False when it is unreachable (it is then replaced)."""
+        env = self._rank_env(job_id, spec, assignment, resume_files)
+        if not self._order(rank, {"k": "assign", "env": env}):
+            return False
+        rank.rank, rank.local_rank, rank.restart_epoch = assignment.rank, assignment.local_rank, spec.restart_epoch
+        rank.parked.clear()
+        rank.parked_why = ""
+        rank.tail.clear()  # an exit's log tail must be this epoch's, not the peer error that parked it
+        log.info("rank restarted in place", extra={"job_id": job_id, "rank": rank.rank, "pid": rank.proc.pid})
+        return True
+
+    def _order(self, rank: RankProcess, order: dict[str, object]) -> bool:
+        """Send one order to a rank's inbox (``<inbox dir>/<pid>.sock``); False when it is not there."""
+        if self.inbox_dir is None:
+            return False
+        try:
+            self._orders.sendto(json.dumps(order).encode(), str(self.inbox_dir / f"{rank.proc.pid}.sock"))
+        except OSError as exc:
+            log.warning("rank's inbox unreachable", extra={"job_id": rank.job_id, "rank": rank.rank, "error": str(exc)})
+            return False
+        return True
+
+    def _discard(self, rank: RankProcess) -> None:
+        """Stop a parked rank the new epoch has no place for (its exit is not a fault)."""
+        rank.stopping = True
+        signal_group(rank.proc.pid, rank.started, signal.SIGKILL)
+
+    def on_sdk_message(self, message: SdkMessage) -> None:
+        """A rank says it can restart in place, or that it is parked; a message of an earlier epoch is ignored."""
+        rank = self._ranks.get((message.job_id, message.rank))
+        if rank is None or not rank.alive or rank.restart_epoch != message.restart_epoch:
+            return
+        if message.kind is MessageKind.IN_PLACE:
+            rank.in_place = True
+        elif message.kind is MessageKind.PARKED and rank.in_place:
+            rank.parked_why = message.why
+            rank.parked.set()
 
     def _record(self) -> None:
         """Write the ledger of running ranks (atomically): a rank whose agent dies is not forgotten."""
@@ -181,11 +251,11 @@ class RankSupervisor:
         path.write_text(RESUME_FILES.dump_json(spec.resume_files).decode(), encoding="utf-8")
         return path
 
-    async def _start(
+    def _rank_env(
         self, job_id: str, spec: LaunchArgs, assignment: RankAssignment, resume_files: Path | None
-    ) -> RankProcess:
+    ) -> dict[str, str]:
+        """What a rank of this launch finds in its environment on top of the agent's own."""
         env = {
-            **os.environ,
             **spec.env,
             "RANK": str(assignment.rank),
             "LOCAL_RANK": str(assignment.local_rank),
@@ -204,6 +274,14 @@ class RankSupervisor:
             env["CUDA_VISIBLE_DEVICES"] = str(assignment.gpu)
         if self.sdk_socket is not None:
             env["REPRISE_SDK_SOCKET"] = str(self.sdk_socket)
+            if self.inbox_dir is not None:
+                env["REPRISE_SDK_INBOX_DIR"] = str(self.inbox_dir)
+        return env
+
+    async def _start(
+        self, job_id: str, spec: LaunchArgs, assignment: RankAssignment, resume_files: Path | None
+    ) -> RankProcess:
+        env = {**os.environ, **self._rank_env(job_id, spec, assignment, resume_files)}
         log_path = self.log_dir / job_id / f"epoch-{spec.restart_epoch}-rank-{assignment.rank}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         proc = None
@@ -280,9 +358,20 @@ class RankSupervisor:
         """Signal a rank's whole process group, as a fault would (the exit is reported)."""
         signal_group(rank.proc.pid, rank.started, sig)
 
-    async def stop(self, job_id: str, *, grace_s: float) -> list[RankProcess]:
-        """SIGTERM every rank of the job, wait up to grace_s, then SIGKILL their process groups."""
-        ranks = [r for r in self._ranks.values() if r.job_id == job_id]
+    async def park(self, job_id: str, *, within_s: float, kill: Set[int] = frozenset()) -> list[RankProcess]:
+        """Have the job's ranks that can restart in place (not those in `kill`) park: each is ordered to, and the
+        ones parked within `within_s` are returned; they are left alive for the next launch."""
+        able = [r for r in self._ranks.values() if r.job_id == job_id and r.alive and r.in_place and r.rank not in kill]
+        for rank in able:
+            if not rank.parked.is_set():
+                self._order(rank, {"k": "park"})
+        waits = [asyncio.wait_for(r.parked.wait(), timeout=within_s) for r in able if not r.parked.is_set()]
+        await asyncio.gather(*waits, return_exceptions=True)
+        return [r for r in able if r.alive and r.parked.is_set()]
+
+    async def stop(self, job_id: str, *, grace_s: float, keep: Set[int] = frozenset()) -> list[RankProcess]:
+        """SIGTERM every rank of the job but those in `keep` (parked), wait up to grace_s, then SIGKILL them."""
+        ranks = [r for r in self._ranks.values() if r.job_id == job_id and r.rank not in keep]
         for rank in ranks:
             rank.stopping = True
             if rank.alive:

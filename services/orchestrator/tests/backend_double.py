@@ -23,7 +23,7 @@ from reprise_common.events import (
     NodeReport,
     RankStatus,
 )
-from reprise_orchestrator.compute.backend import Answers, LaunchRequest, NodeAnswer, NodePool, SignalSink
+from reprise_orchestrator.compute.backend import Answers, InPlace, LaunchRequest, NodeAnswer, NodePool, SignalSink
 from reprise_orchestrator.compute.choose import BackendContext
 
 WORKERS = ("d-1", "d-2", "d-3")
@@ -80,7 +80,14 @@ class SchedulerDouble:
         return self._done(request.nodes(), f"{operation_id}:launch")
 
     async def stop(
-        self, job_id: str, node_ids: Sequence[str], *, operation_id: str, fence: int, stacks_for: str | None = None
+        self,
+        job_id: str,
+        node_ids: Sequence[str],
+        *,
+        operation_id: str,
+        fence: int,
+        stacks_for: str | None = None,
+        in_place: InPlace | None = None,
     ) -> Answers:
         """Forget the job's ranks on these nodes."""
         CALLS.stops.append(list(node_ids))

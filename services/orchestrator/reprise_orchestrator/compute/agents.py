@@ -23,7 +23,7 @@ from reprise_common.events import (
     StopCommand,
 )
 from reprise_common.logging import get_logger
-from reprise_orchestrator.compute.backend import Answers, LaunchRequest, NodeAnswer, NodePool, SignalSink
+from reprise_orchestrator.compute.backend import Answers, InPlace, LaunchRequest, NodeAnswer, NodePool, SignalSink
 from reprise_orchestrator.nodes.inventory import Inventory
 
 log = get_logger("reprise.orchestrator.compute")
@@ -42,12 +42,14 @@ class AgentsBackend:
         command_timeout_s: float,
         stop_grace_s: float,
         stack_capture_s: float = 2.0,
+        in_place_limit_s: float = 5.0,
     ) -> None:
         self.bus = bus
         self.inventory = inventory
         self.command_timeout_s = command_timeout_s
         self.stop_grace_s = stop_grace_s
         self.stack_capture_s = stack_capture_s
+        self.in_place_limit_s = in_place_limit_s
 
     def pool(self, *, exclude: Set[str] = frozenset()) -> NodePool:
         """Nodes with fresh reports and usable GPUs, workers and spares apart."""
@@ -79,16 +81,34 @@ class AgentsBackend:
         return await command_nodes(self.bus, commands, timeout_s=self.command_timeout_s)
 
     async def stop(
-        self, job_id: str, node_ids: Sequence[str], *, operation_id: str, fence: int, stacks_for: str | None = None
+        self,
+        job_id: str,
+        node_ids: Sequence[str],
+        *,
+        operation_id: str,
+        fence: int,
+        stacks_for: str | None = None,
+        in_place: InPlace | None = None,
     ) -> Answers:
-        """A stop with the grace period to each node (after the stacks' capture, when asked); the wait covers both."""
+        """A stop with the grace period to each node (after the stacks' capture, when asked; parking first, for a
+        restart in place); the wait covers all of it."""
         issued_at = utcnow()
         capture = StackCapture(incident_id=stacks_for, within_s=self.stack_capture_s) if stacks_for else None
-        args = StopArgs(grace_s=self.stop_grace_s, capture_stacks=capture)
+        cold = StopArgs(grace_s=self.stop_grace_s, capture_stacks=capture)
+        parking = cold
+        if in_place is not None:
+            parking = cold.model_copy(
+                update={"park_within_s": self.in_place_limit_s, "kill_ranks": sorted(in_place.kill_ranks)}
+            )
         timeout_s = self.command_timeout_s + self.stop_grace_s + (self.stack_capture_s if capture else 0.0)
+        timeout_s += self.in_place_limit_s if in_place is not None else 0.0
         commands = {
             node_id: StopCommand(
-                command_id=f"{operation_id}:stop:{node_id}", job_id=job_id, fence=fence, issued_at=issued_at, args=args
+                command_id=f"{operation_id}:stop:{node_id}",
+                job_id=job_id,
+                fence=fence,
+                issued_at=issued_at,
+                args=cold if in_place is None or node_id in in_place.cold_nodes else parking,
             )
             for node_id in dict.fromkeys(node_ids)
         }

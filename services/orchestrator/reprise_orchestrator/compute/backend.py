@@ -125,6 +125,24 @@ class NodePool:
         return {*self.workers, *self.spares}
 
 
+@dataclass(frozen=True)
+class InPlace:
+    """A stop that keeps what can restart in place: ranks that can (reprise_sdk.run) park, except the culprits in
+    `kill_ranks` and every rank on `cold_nodes` (nodes the job leaves); the backend bounds how long parking may take."""
+
+    kill_ranks: frozenset[int] = frozenset()
+    cold_nodes: frozenset[str] = frozenset()
+
+
+def parked_ranks(answers: Answers) -> list[int]:
+    """The ranks the nodes parked for a restart in place (their answers' `parked`), sorted."""
+    found: list[int] = []
+    for answer in answers.items:
+        if answer.reply is not None and answer.ok:
+            found.extend(int(rank) for rank in answer.reply.data.get("parked", ()))
+    return sorted(found)
+
+
 SignalSink = Callable[[ComputeSignal], Awaitable[None]]
 
 
@@ -149,12 +167,20 @@ class ComputeBackend(Protocol):
         ...
 
     async def stop(
-        self, job_id: str, node_ids: Sequence[str], *, operation_id: str, fence: int, stacks_for: str | None = None
+        self,
+        job_id: str,
+        node_ids: Sequence[str],
+        *,
+        operation_id: str,
+        fence: int,
+        stacks_for: str | None = None,
+        in_place: InPlace | None = None,
     ) -> Answers:
         """Stop the job's ranks on these nodes (graceful, then killed), under `fence`; silence counts as stopped.
 
         With `stacks_for` (an incident id: a hang), first capture the ranks' Python stacks as evidence for it (within
-        the backend's bound; a capture that fails is reported and does not keep the ranks alive).
+        the backend's bound; a capture that fails is reported and does not keep the ranks alive). With `in_place`,
+        ranks that can restart in place are parked instead, each node's answer listing them (`parked`).
         """
         ...
 

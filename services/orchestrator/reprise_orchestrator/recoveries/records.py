@@ -8,7 +8,7 @@ records written before the types existed read back as they are.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, SerializeAsAny, ValidationInfo, field_validator
 
@@ -53,6 +53,11 @@ class Stopped(StepData):
     answers: CommandRecord = Field(default_factory=CommandRecord)
     agents_gone: list[str] = Field(default_factory=list)
     stacks_for: str | None = Field(default=None, description="the incident the ranks' stacks were captured for")
+    restart_mode: Literal["in_place", "cold"] = Field(
+        default="cold", description="in_place: some ranks parked and keep their processes; cold: every rank stopped"
+    )
+    parked: int = Field(default=0, ge=0, description="ranks parked for a restart in place")
+    why: str = Field(default="", description="why the recovery took that path")
 
 
 class Isolated(StepData):
@@ -103,6 +108,7 @@ class Launched(StepData):
     restart_epoch: int | None = None
     master_port: int | None = None
     answers: CommandRecord | None = None
+    in_place: int = Field(default=0, ge=0, description="ranks handed the new epoch in their running processes")
     error: str = ""
 
 

@@ -28,7 +28,7 @@ from reprise_orchestrator.jobs.placement import PlacementDecision, assign_ranks,
 from reprise_orchestrator.locks import LockHandle
 from reprise_orchestrator.nodes import flows as node_flows
 from reprise_orchestrator.nodes import service as nodes
-from reprise_orchestrator.recoveries import rules, service
+from reprise_orchestrator.recoveries import restart, rules, service
 from reprise_orchestrator.recoveries.records import (
     Baseline,
     CheckpointRef,
@@ -153,17 +153,33 @@ class RecoverySteps:
             return run.take_news(service.learned_incident(session, recovery_id=run.recovery_id))
 
     async def stop_ranks(self, run: RecoveryRun) -> StepResult:
-        """A fenced stop to every node the job ran on (or was just launched on); silence counts as stopped."""
+        """A fenced stop to every node the job ran on (or was just launched on); silence counts as stopped. Ranks
+        that can restart in place are parked instead, when the policy and the attempt allow (recoveries/restart.py)."""
         node_ids = list(dict.fromkeys([*run.job.nodes(), *(r.node_id for r in run.ranks)]))
         stacks_for = rules.stacks_wanted(run.incident, attempt=run.attempt)
+        chosen = restart.plan(run.incident, run.policy, attempt=run.attempt)
         answers = await self.deps.compute.stop(
-            run.job.id, node_ids, operation_id=run.operation, fence=run.handle.fence, stacks_for=stacks_for
+            run.job.id,
+            node_ids,
+            operation_id=run.operation,
+            fence=run.handle.fence,
+            stacks_for=stacks_for,
+            in_place=chosen.in_place,
         )
         if answers.stale:
             raise FencedOutError("a node refused our fence as stale")
         gone = answers.gone()
         run.exclude |= set(gone)  # no agent listens there: do not wait for the detector to call the node lost
-        return StepResult(Stopped(answers=answers.record(), agents_gone=gone, stacks_for=stacks_for))
+        mode, parked, why = restart.outcome(chosen, answers)
+        stopped = Stopped(
+            answers=answers.record(),
+            agents_gone=gone,
+            stacks_for=stacks_for,
+            restart_mode=mode,
+            parked=len(parked),
+            why=why,
+        )
+        return StepResult(stopped)
 
     async def isolate(self, run: RecoveryRun) -> StepResult:
         """Cordon the culprit node of a hardware fault (if the circuit breaker allows); leave a lost node out."""
@@ -312,7 +328,10 @@ class RecoverySteps:
             return StepResult(Launched(restart_epoch=epoch, error=str(exc)), Then.RETRY, detail=str(exc))
         if answers.stale:
             raise FencedOutError("a node refused our fence as stale")
-        data = Launched(restart_epoch=epoch, master_port=rendezvous.master_port, answers=answers.record())
+        in_place = sum(len(a.reply.data.get("in_place", ())) for a in answers.items if a.reply is not None and a.ok)
+        data = Launched(
+            restart_epoch=epoch, master_port=rendezvous.master_port, answers=answers.record(), in_place=in_place
+        )
         if not answers.all_done:
             return StepResult(data, Then.RETRY, detail="launch not confirmed by every node")
         launched: dict[str, Any] = {

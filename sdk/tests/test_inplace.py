@@ -1,0 +1,185 @@
+"""reprise_sdk.run in a real subprocess, with a real Unix datagram socket standing in for the agent's two ends.
+
+`short_dir` is sdk/tests/conftest.py's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from reprise_sdk._inplace import peer_failure
+
+SCRIPT = """
+import os, sys, time
+import reprise_sdk
+
+def train(info):
+    print(f"enter rank={info.rank} epoch={info.restart_epoch} pid={os.getpid()}", flush=True)
+    if info.restart_epoch >= 1:
+        if os.environ.get("FAIL_AFTER") == "bug":
+            raise ValueError("the script's own bug")
+        return "done"
+    if os.environ.get("FAIL_AFTER") == "peer":
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer")
+    if os.environ.get("FAIL_AFTER") == "bug":
+        raise ValueError("the script's own bug")
+    step = 0
+    while True:
+        step += 1
+        try:
+            reprise_sdk.heartbeat(step)
+        except Exception:
+            print("a script's except Exception caught the order", flush=True)
+            raise
+        time.sleep(0.01)
+
+print("result", reprise_sdk.run(train), flush=True)
+"""
+
+
+class FakeAgent:
+    """The agent's SDK socket (what ranks send) and its order socket (what it writes to a rank's inbox)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.inbox_dir = directory / "inbox"
+        self.inbox_dir.mkdir(mode=0o700)
+        self.path = directory / "sdk.sock"
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(str(self.path))
+        self.sock.settimeout(20)
+        self.orders = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+
+    def next_of(self, kind: str) -> dict[str, Any]:
+        while True:
+            message: dict[str, Any] = json.loads(self.sock.recv(256 * 1024))
+            if message["k"] == kind:
+                return message
+
+    def order(self, pid: int, order: dict[str, Any]) -> None:
+        self.orders.sendto(json.dumps(order).encode(), str(self.inbox_dir / f"{pid}.sock"))
+
+    def env(self) -> dict[str, str]:
+        base = {k: v for k, v in os.environ.items() if not k.startswith(("REPRISE_", "RANK", "WORLD_SIZE"))}
+        return {
+            **base,
+            "REPRISE_SDK_SOCKET": str(self.path),
+            "REPRISE_SDK_INBOX_DIR": str(self.inbox_dir),
+            "REPRISE_JOB_ID": "job-1",
+            "RANK": "2",
+            "REPRISE_RESTART_EPOCH": "0",
+            "REPRISE_SDK_PARK_S": "20",
+        }
+
+
+def start(agent: FakeAgent, tmp: Path, **env: str) -> subprocess.Popen[str]:
+    script = tmp / "rank.py"
+    script.write_text(SCRIPT)
+    return subprocess.Popen(
+        [sys.executable, str(script)],
+        env={**agent.env(), **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def test_an_ordered_restart_parks_the_rank_and_the_next_epoch_enters_train_again_in_the_same_process(
+    short_dir: Path,
+) -> None:
+    agent = FakeAgent(short_dir)
+    proc = start(agent, short_dir)
+    try:
+        hello = agent.next_of("inplace")
+        assert (hello["job"], hello["rank"], hello["epoch"]) == ("job-1", 2, 0)
+        agent.next_of("hb")  # training
+        agent.order(proc.pid, {"k": "park"})
+        parked = agent.next_of("parked")
+        assert parked["why"] == "restart ordered" and parked["epoch"] == 0
+        agent.order(proc.pid, {"k": "assign", "env": {"RANK": "5", "REPRISE_RESTART_EPOCH": "1"}})
+        out, _ = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out
+    assert f"enter rank=2 epoch=0 pid={proc.pid}" in out
+    assert f"enter rank=5 epoch=1 pid={proc.pid}" in out
+    assert "result done" in out
+    assert "a script's except Exception caught the order" not in out  # a BaseException: it goes past the script
+    assert not list(agent.inbox_dir.iterdir())  # the inbox is removed when run() returns
+
+
+def test_a_peers_failure_parks_the_rank_and_a_message_of_the_new_epoch_carries_its_new_rank(short_dir: Path) -> None:
+    agent = FakeAgent(short_dir)
+    proc = start(agent, short_dir, FAIL_AFTER="peer")
+    try:
+        parked = agent.next_of("parked")
+        assert "Connection reset by peer" in parked["why"]
+        agent.order(proc.pid, {"k": "assign", "env": {"RANK": "0", "REPRISE_RESTART_EPOCH": "3"}})
+        out, _ = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and "enter rank=0 epoch=3" in out, out
+
+
+def test_the_scripts_own_error_ends_the_process_as_before(short_dir: Path) -> None:
+    agent = FakeAgent(short_dir)
+    proc = start(agent, short_dir, FAIL_AFTER="bug")
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 1 and "ValueError: the script's own bug" in out, out
+    agent.sock.settimeout(0.2)
+    with pytest.raises(TimeoutError):
+        agent.next_of("parked")
+
+
+def test_a_parked_rank_that_gets_no_assignment_in_time_exits_with_the_peers_error(short_dir: Path) -> None:
+    agent = FakeAgent(short_dir)
+    proc = start(agent, short_dir, FAIL_AFTER="peer", REPRISE_SDK_PARK_S="0.5")
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 1 and "Connection reset by peer" in out, out
+
+
+def test_a_malformed_order_is_ignored(short_dir: Path) -> None:
+    agent = FakeAgent(short_dir)
+    proc = start(agent, short_dir, FAIL_AFTER="peer")
+    try:
+        agent.next_of("parked")
+        for garbage in (b"not json", b"[]", json.dumps({"k": "assign", "env": {"A=B": "1"}}).encode()):
+            agent.orders.sendto(garbage, str(agent.inbox_dir / f"{proc.pid}.sock"))
+        agent.order(proc.pid, {"k": "assign", "env": {"RANK": "1", "REPRISE_RESTART_EPOCH": "1"}})
+        out, _ = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and "enter rank=1 epoch=1" in out, out
+
+
+def test_outside_reprise_run_is_one_call() -> None:
+    import reprise_sdk
+
+    env_before = dict(os.environ)
+    os.environ.pop("REPRISE_SDK_INBOX_DIR", None)
+    try:
+        assert reprise_sdk.run(lambda info: (info.rank, info.restart_epoch)) == (0, 0)
+    finally:
+        os.environ.clear()
+        os.environ.update(env_before)
+
+
+def test_a_failed_collective_is_told_from_the_scripts_own_errors() -> None:
+    reset = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer")
+    assert peer_failure(reset)
+    try:
+        try:
+            raise reset
+        finally:
+            raise RuntimeError("cleanup failed")
+    except RuntimeError as during:
+        assert peer_failure(during)
+    assert not peer_failure(RuntimeError("Tensors must be contiguous"))
+    assert not peer_failure(ValueError("Connection reset by peer"))  # not what a collective raises
