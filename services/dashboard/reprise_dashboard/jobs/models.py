@@ -49,6 +49,11 @@ class RecoveryRecord(Record):
     started_at: AwareDatetime
     finished_at: AwareDatetime | None = None
 
+    def restart_path(self) -> dict[str, Any] | None:
+        """The latest stop's choice of path (restart_mode, parked, why), when the orchestrator recorded one."""
+        stops = [s.data for s in self.steps if s.step == "stopping_ranks" and "restart_mode" in s.data]
+        return stops[-1] if stops else None
+
     @property
     def recovered(self) -> bool:
         """True when the recovery got training going again."""
