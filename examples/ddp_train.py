@@ -32,7 +32,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import reprise_sdk
-from reprise_sdk.torch import COMMIT_MARKER, load_checkpoint, save_checkpoint
+from reprise_sdk.torch import COMMIT_MARKER, kept, load_checkpoint, save_checkpoint
 
 FEATURES, HIDDEN, CLASSES, DROPOUT = 32, 128, 10, 0.1  # 22k parameters: ~20 steps/s with 4 ranks on 2 CPU cores
 COLLECTIVE_TIMEOUT = timedelta(minutes=5)  # a rank that died mid-step fails its peers in minutes, not gloo's 30
@@ -317,14 +317,17 @@ def run(args: argparse.Namespace, info: reprise_sdk.ResumeInfo) -> str:
     config = TrainConfig(args.steps, args.global_batch, args.micro_batch, args.seed, args.lr, args.dataset_size)
     checkpoint = resume_point(args, info.checkpoint)
     state = None
+    from_memory = kept.restored
     if checkpoint:
         with reprise_sdk.phase("restoring"):  # a slow read from shared storage is not a hang
             state = read_checkpoint(checkpoint, config)
+    from_memory = kept.restored > from_memory  # a rank restarted in place read its own validated copy
     trainer = build_trainer(config, state)
     trainer.skip, trainer.bad_data_step = info.skip_steps, args.bad_data_step
     rank0 = dist.get_rank() == 0
     if rank0:
         origin = f"from {checkpoint} (saved by {state['world_size']} ranks)" if state else "from scratch"
+        origin += ", read from memory" if from_memory else ""
         print(f"world {dist.get_world_size()}: starting at step {trainer.step + 1} {origin}", flush=True)
     began, first = time.perf_counter(), trainer.step
     while trainer.step < config.steps:

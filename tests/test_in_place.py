@@ -1,5 +1,6 @@
 """Restart in place end to end: the real DDP example under reprise_sdk.run on the real platform, a rank crash then an
-XID 79; the survivors keep their processes, only the failed ranks are replaced, and the result is bit-identical."""
+XID 79; the survivors keep their processes (and restore from their copy in memory), only the failed ranks are
+replaced, and the result is bit-identical."""
 
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ def test_survivors_restart_in_place_after_a_crash_and_an_xid_and_the_result_is_b
         poll(client.nodes, lambda n: len(n) == 3, timeout_s=15)
         job = client.submit(
             {"name": "in-place", "node_count": 2, "ranks_per_node": 2, "command": command,
-             "policy": {"backoff_initial_s": 0}}
+             "env": {"REPRISE_SDK_KEEP_BYTES": str(1 << 20)}, "policy": {"backoff_initial_s": 0}}
         )  # fmt: skip
         poll(lambda: client.latest_checkpoint(job["id"]).status_code, lambda code: code == 200, timeout_s=120)
         before = poll(lambda: pids(stack, client, job["id"]), lambda p: len(p) == 4, timeout_s=60)
@@ -79,6 +80,10 @@ def test_survivors_restart_in_place_after_a_crash_and_an_xid_and_the_result_is_b
         assert steps["stopping_ranks"]["parked"] == 3 and steps["launching"]["in_place"] == 3
         after = poll(lambda: pids(stack, client, job["id"]), lambda p: len(p) == 4, timeout_s=60)
         assert [after[r] for r in (0, 1, 2)] == [before[r] for r in (0, 1, 2)] and after[3] != before[3]
+        # Rank 0 kept its process: it restored the validated checkpoint from its own copy in memory.
+        rank0 = next(stack.config.state_dir.glob(f"**/ranks/{job['id']}/epoch-0-rank-0.log")).read_text()
+        restored = steps["restoring"]["checkpoint"]["path"]
+        assert f"from {restored} (saved by 4 ranks), read from memory" in rank0, rank0[-2000:]
 
         # An XID 79 on rank 1's GPU: its node is cordoned, the spare takes its ranks; the other node's stay.
         step = client.latest_checkpoint(job["id"]).json()["step"]

@@ -10,6 +10,12 @@ Two layouts:
 
 Every save runs in the "checkpointing" phase (a long save is not taken for a hang) and ends with
 ``checkpoint_saved(directory, step, files)`` listing the absolute paths of the files this rank wrote.
+
+Checkpoints from memory (opt-in, per-rank files): with ``REPRISE_SDK_KEEP_BYTES`` set to a size, each rank keeps the
+bytes of the newest file it saved (when no larger) in host memory. A rank restarted in place (``reprise_sdk.run``)
+that restores a checkpoint then reads it from that copy instead of storage, but only when the copy's SHA-256 equals
+the digest the registry validated for the file being loaded (the state of ``examples/ddp_train.py`` is replicated,
+so every rank's copy serves rank 0's file); otherwise, and for new ranks, storage is read and checked as always.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import io
 import os
 import warnings
 from collections.abc import Iterator
@@ -31,6 +38,28 @@ from ._resume import resume
 from ._verify import expected_files, verify_files, verify_share
 
 StrPath = str | os.PathLike[str]
+KEEP_ENV = "REPRISE_SDK_KEEP_BYTES"
+
+
+class _Kept:
+    """The bytes of the newest checkpoint file this process saved, by SHA-256 (at most one file: the newest)."""
+
+    def __init__(self) -> None:
+        self.by_digest: dict[str, bytes] = {}
+        self.restored = 0  # loads served from memory
+        self.read = 0  # loads that read storage
+
+    def limit(self) -> int:
+        try:
+            return max(0, int(os.environ.get(KEEP_ENV) or 0))
+        except ValueError:
+            return 0
+
+    def keep(self, digest: str, data: bytes) -> None:
+        self.by_digest = {digest: data} if 0 < len(data) <= self.limit() else {}
+
+
+kept = _Kept()
 
 
 def rank_file(directory: StrPath, rank: int) -> Path:
@@ -44,9 +73,12 @@ def save_checkpoint(directory: StrPath, step: int, state: dict[str, Any], *, ran
     with phase("checkpointing"):
         target.parent.mkdir(parents=True, exist_ok=True)
         partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        data = buffer.getbuffer()
         try:
             with partial.open("wb") as sink:
-                torch.save(state, sink)
+                sink.write(data)
                 sink.flush()
                 os.fsync(sink.fileno())
             os.replace(partial, target)
@@ -60,7 +92,9 @@ def save_checkpoint(directory: StrPath, step: int, state: dict[str, Any], *, ran
         _fsync_directory(target.parent)
         _commit_when_all_saved(target.parent)
     files = [str(target)]
-    checkpoint_saved(str(target.parent), step, files, sha256=sha256_files(files))
+    digest = hashlib.sha256(data).hexdigest()
+    kept.keep(digest, bytes(data))
+    checkpoint_saved(str(target.parent), step, files, sha256={str(target): (len(data), digest)})
     return files
 
 
@@ -120,11 +154,19 @@ def load_checkpoint(
     """Read this rank's state written by save_checkpoint (tensors land on `map_location`).
 
     When it is the checkpoint Reprise restores, the file is first checked against the registry's digest
-    (CheckpointCorruptError when it differs).
+    (CheckpointCorruptError when it differs); a copy kept in memory with exactly that digest is read instead of the
+    file (``REPRISE_SDK_KEEP_BYTES``).
     """
     source = rank_file(directory, resume().rank if rank is None else rank)
+    entry = expected_files(directory).get(source.name)
+    copy = kept.by_digest.get(entry.digest) if entry is not None and entry.algorithm == "sha256" else None
+    if copy is not None and entry is not None and len(copy) == entry.size_bytes:  # exactly the validated bytes
+        kept.restored += 1
+        state: dict[str, Any] = torch.load(io.BytesIO(copy), map_location=map_location, weights_only=weights_only)
+        return state
     verify_files(directory, [source.name])
-    state: dict[str, Any] = torch.load(source, map_location=map_location, weights_only=weights_only)
+    kept.read += 1
+    state = torch.load(source, map_location=map_location, weights_only=weights_only)
     return state
 
 

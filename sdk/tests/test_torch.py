@@ -245,3 +245,40 @@ def test_a_distributed_checkpoint_is_checked_before_it_is_loaded(
     _flip_byte(tmp_path / "dcp" / "__0_0.distcp")
     with pytest.raises(CheckpointCorruptError, match=r"__0_0\.distcp"):
         helpers.load_distributed(tmp_path / "dcp", {"w": torch.zeros(64)})
+
+
+def test_a_kept_copy_with_the_validated_digest_is_restored_from_memory_and_nothing_else_is(
+    helpers: ModuleType, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from reprise_sdk import CheckpointCorruptError
+
+    monkeypatch.setenv("REPRISE_SDK_KEEP_BYTES", str(1 << 20))
+    older, newer = tmp_path / "step-10", tmp_path / "step-20"
+    helpers.save_checkpoint(older, 10, {"w": torch.arange(100.0)})
+    helpers.save_checkpoint(newer, 20, {"w": torch.arange(200.0)})  # the newest is the one kept
+    _manifest(monkeypatch, newer, ["rank-00002.pt"], tmp_path)
+    (newer / "rank-00002.pt").unlink()  # storage gone: only the copy in memory can serve it
+    before = helpers.kept.restored
+    assert torch.equal(helpers.load_checkpoint(newer)["w"], torch.arange(200.0))
+    assert helpers.kept.restored == before + 1
+
+    _manifest(monkeypatch, older, ["rank-00002.pt"], tmp_path)  # a restore of an older one: not in memory
+    _flip_byte(older / "rank-00002.pt")
+    with pytest.raises(CheckpointCorruptError, match="differs from the validated"):
+        helpers.load_checkpoint(older)  # storage is read and checked, as always
+
+
+def test_nothing_is_kept_without_the_setting_or_above_its_size(
+    helpers: ModuleType, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from reprise_sdk import CheckpointCorruptError
+
+    for keep in ("", "64"):  # off, and smaller than the file
+        monkeypatch.setenv("REPRISE_SDK_KEEP_BYTES", keep)
+        directory = tmp_path / f"step-{keep or 0}"
+        helpers.save_checkpoint(directory, 1, {"w": torch.arange(100.0)})
+        assert helpers.kept.by_digest == {}
+        _manifest(monkeypatch, directory, ["rank-00002.pt"], tmp_path)
+        (directory / "rank-00002.pt").unlink()
+        with pytest.raises(CheckpointCorruptError, match="is missing"):
+            helpers.load_checkpoint(directory)

@@ -71,6 +71,8 @@ def job_spec(
             *training.argv(checkpoint_dir=checkpoints, output=work_dir / "output" / "final.pt"),
             *(["--in-place"] if training.in_place else []),
         ],
+        # A rank restarted in place restores from its own copy of the newest checkpoint when the registry validated it.
+        "env": {"REPRISE_SDK_KEEP_BYTES": str(64 << 20)} if training.in_place else {},
         "working_dir": str(work_dir),
         "checkpoint_dir": str(checkpoints),
         "policy": {
