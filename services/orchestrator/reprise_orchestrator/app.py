@@ -31,12 +31,14 @@ from reprise_orchestrator.auth import flows as auth_flows
 from reprise_orchestrator.auth import views as auth_views
 from reprise_orchestrator.auth.audit import AuditMiddleware
 from reprise_orchestrator.auth.keys import LocalKeys
+from reprise_orchestrator.compute.allocation import AllocatingBackend
 from reprise_orchestrator.compute.backend import ComputeBackend
 from reprise_orchestrator.compute.choose import BackendContext, open_backend
 from reprise_orchestrator.deps import Deps
 from reprise_orchestrator.drills import views as drill_views
 from reprise_orchestrator.drills.flows import DrillRunner
 from reprise_orchestrator.jobs import views as job_views
+from reprise_orchestrator.jobs.allocations import AllocationReconciler
 from reprise_orchestrator.locks import RedisJobLocks
 from reprise_orchestrator.nodes import views as node_views
 from reprise_orchestrator.nodes.flows import QuarantineFlow
@@ -115,6 +117,7 @@ def create_app(settings: OrchestratorSettings) -> FastAPI:
     claims = Claims(deps, flow, runner)
     reconciler = Reconciler(deps, runner, interval_s=settings.reconcile_interval_s)
     drills = DrillRunner(deps)
+    allocations = _allocation_reconciler(deps)
     background = Background(bus)
     keys = LocalKeys(engine, deps.clock)
     tasks: list[asyncio.Task[None]] = []
@@ -144,6 +147,8 @@ def create_app(settings: OrchestratorSettings) -> FastAPI:
         ).start()
         tasks.append(asyncio.create_task(reconciler.run(), name="reconciler"))
         tasks.append(asyncio.create_task(compute.watch(_announce(bus, compute)), name="compute-signals"))
+        if allocations is not None:  # its first pass now: a restarted replica catches up at once
+            tasks.append(asyncio.create_task(allocations.run(), name="allocations"))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -178,6 +183,14 @@ def create_app(settings: OrchestratorSettings) -> FastAPI:
     app.add_middleware(AuditMiddleware, engine=engine, clock=deps.clock)
     _mount_routes(app, keys if settings.auth_enabled else None)
     return app
+
+
+def _allocation_reconciler(deps: Deps) -> AllocationReconciler | None:
+    """The reconciler of jobs and allocations when the backend's scheduler allocates nodes (Slurm); else None."""
+    if not isinstance(deps.compute, AllocatingBackend):
+        return None
+    settings = deps.settings
+    return AllocationReconciler(deps, deps.compute, interval_s=settings.slurm_poll_interval_s)
 
 
 def _registry_key(settings: OrchestratorSettings) -> str | None:

@@ -29,12 +29,6 @@ class OrchestratorSettings(ServiceSettings, DatabaseSettings, AuthSettings):
     lock_ttl_s: float = Field(default=15.0, gt=0, description="job lock lease; renewed every third of it")
     command_timeout_s: float = Field(default=15.0, gt=0)
     stop_grace_s: float = Field(default=5.0, gt=0)
-    in_place_limit_s: float = Field(
-        default=5.0,
-        gt=0,
-        le=600,
-        description="a rank asked to restart in place that has not parked within this is stopped and replaced cold",
-    )
     stack_capture_s: float = Field(
         default=2.0, gt=0, le=10, description="how long a stop for a hang may wait for the ranks' stacks first"
     )
@@ -69,6 +63,26 @@ class OrchestratorSettings(ServiceSettings, DatabaseSettings, AuthSettings):
         default=None,
         pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$",
         description="the partition Reprise's allocations run in (only its jobs are signalled or cancelled); none: any",
+    )
+    slurm_agent_command: str = Field(
+        default="reprise-agent",
+        min_length=1,
+        max_length=4096,
+        description="how a Slurm node starts Reprise's agent (a path, or a command on the batch job's PATH)",
+    )
+    slurm_agent_nats_url: str | None = Field(
+        default=None, max_length=4096, description="where agents in an allocation reach NATS; none: this replica's URL"
+    )
+    slurm_agent_creds_dir: Path | None = Field(
+        default=None,
+        description="a directory the Slurm nodes see holding each node's NATS seed (<node>.nk, as `reprise creds` "
+        "writes them); none: agents connect without one",
+    )
+    slurm_agent_http_port: int = Field(
+        default=8800, ge=0, le=65000, description="an agent's HTTP port: this plus its node's index; 0: any free one"
+    )
+    slurm_agent_env: dict[str, str] = Field(
+        default_factory=dict, description="further settings of the agents in an allocation (JSON), e.g. GPU backend"
     )
     read_api_key: SecretStr | None = Field(
         default=None, description="a read-only key that exists at start, named bootstrap-read (e.g. the dashboard's)"

@@ -17,6 +17,7 @@ from reprise_common.errors import ConfigError
 from reprise_orchestrator.compute.agents import AgentsBackend
 from reprise_orchestrator.compute.backend import ComputeBackend
 from reprise_orchestrator.compute.slurm import SlurmBackend
+from reprise_orchestrator.compute.slurm_agents import AgentLaunch
 from reprise_orchestrator.compute.slurm_cli import SlurmCli
 from reprise_orchestrator.nodes.inventory import Inventory
 from reprise_orchestrator.settings import OrchestratorSettings
@@ -42,7 +43,6 @@ def _agents(context: BackendContext) -> AgentsBackend:
         inventory=context.inventory,
         command_timeout_s=settings.command_timeout_s,
         stop_grace_s=settings.stop_grace_s,
-        in_place_limit_s=settings.in_place_limit_s,
         stack_capture_s=settings.stack_capture_s,
     )
 
@@ -57,6 +57,13 @@ def _slurm(context: BackendContext) -> ComputeBackend:
         clock=context.clock,
         poll_interval_s=settings.slurm_poll_interval_s,
         partition=settings.slurm_partition,
+        launch=AgentLaunch(
+            command=settings.slurm_agent_command,
+            nats_url=settings.slurm_agent_nats_url or settings.nats_url,
+            creds_dir=settings.slurm_agent_creds_dir,
+            http_port=settings.slurm_agent_http_port,
+            env=settings.slurm_agent_env,
+        ),
     )
 
 

@@ -17,16 +17,28 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import Mapping, Sequence, Set
+from pathlib import Path
 
 from reprise_common.clock import Clock
 from reprise_common.events import ComputeSignal
 from reprise_common.logging import get_logger
 from reprise_orchestrator.compute.agents import AgentsBackend
-from reprise_orchestrator.compute.backend import Answers, InPlace, LaunchRequest, NodePool, SignalSink
-from reprise_orchestrator.compute.slurm_cli import SlurmCli, SlurmError, SlurmJob, SlurmNode, SlurmUnavailableError
+from reprise_orchestrator.compute.allocation import Allocation, AllocationRequest, AllocationState
+from reprise_orchestrator.compute.backend import Answers, LaunchRequest, NodePool, SignalSink
+from reprise_orchestrator.compute.slurm_agents import AgentLaunch, batch_script
+from reprise_orchestrator.compute.slurm_cli import (
+    SlurmCli,
+    SlurmError,
+    SlurmJob,
+    SlurmJobState,
+    SlurmNode,
+    SlurmSubmission,
+    SlurmUnavailableError,
+)
 from reprise_orchestrator.compute.slurm_signals import ENDED, SlurmView, allocation_name, platform_job, signals
 
 log = get_logger("reprise.orchestrator.compute.slurm")
+ENDING = ENDED | {SlurmJobState.COMPLETING}  # a completing job is ending: nothing left to cancel
 REASON_PREFIX = "reprise: "  # how our drains are told from an admin's, which we never overwrite or lift
 _REASON_MAX = 255  # what Slurm's reason field (and the adapter) takes
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]+")
@@ -56,12 +68,14 @@ class SlurmBackend:
         clock: Clock,
         poll_interval_s: float,
         partition: str | None = None,
+        launch: AgentLaunch | None = None,
     ) -> None:
         self.agents = agents
         self.cli = cli
         self.clock = clock
         self.poll_interval_s = poll_interval_s
         self.partition = partition
+        self.agent_launch = launch  # how an allocation starts its agents; None: this replica submits none
         self.max_age_s = 2 * poll_interval_s + 3 * cli.timeout_s
         self._view: SlurmView | None = None
         self._read_at = 0.0  # monotonic, when the last good read began
@@ -88,19 +102,10 @@ class SlurmBackend:
         return await self.agents.launch(request, operation_id=operation_id, fence=fence)
 
     async def stop(
-        self,
-        job_id: str,
-        node_ids: Sequence[str],
-        *,
-        operation_id: str,
-        fence: int,
-        stacks_for: str | None = None,
-        in_place: InPlace | None = None,
+        self, job_id: str, node_ids: Sequence[str], *, operation_id: str, fence: int, stacks_for: str | None = None
     ) -> Answers:
-        """The agents in the job's allocation stop the ranks (or park them, for a restart in place)."""
-        return await self.agents.stop(
-            job_id, node_ids, operation_id=operation_id, fence=fence, stacks_for=stacks_for, in_place=in_place
-        )
+        """The agents in the job's allocation stop the ranks."""
+        return await self.agents.stop(job_id, node_ids, operation_id=operation_id, fence=fence, stacks_for=stacks_for)
 
     async def cordon(self, node_id: str, *, reason: str) -> None:
         """Drain the node in Slurm with our reason (shown by `sinfo -R`); a node an admin drained keeps the admin's.
@@ -121,11 +126,44 @@ class SlurmBackend:
         """End the platform job's allocation in Slurm (scancel); the Slurm job ids cancelled, none when it has none."""
         name = allocation_name(job_id)
         jobs = await self.cli.jobs()
-        found = [job for job in jobs if job.name == name and self._ours(job) and job.state not in ENDED]
+        found = [job for job in jobs if job.name == name and self._ours(job) and job.state not in ENDING]
         for job in found:
             await self.cli.cancel(job.job_id)
             log.info("Slurm allocation cancelled", extra={"job_id": job_id, "slurm_job_id": job.job_id})
         return [job.job_id for job in found]
+
+    async def allocate(self, request: AllocationRequest) -> str:
+        """Submit the job's allocation (sbatch, named `reprise-<job id>`, requeueable), whose batch script starts one
+        agent per node with srun; Slurm's job id."""
+        if self.agent_launch is None:
+            raise SlurmError("this replica has no agent launch configured (REPRISE_SLURM_AGENT_*): it cannot submit")
+        partition = request.partition or self.partition
+        if self.partition is not None and partition != self.partition:
+            raise SlurmError(
+                f"this orchestrator runs its allocations in partition {self.partition!r}, not {partition!r}"
+            )
+        submission = SlurmSubmission(
+            name=allocation_name(request.job_id),
+            nodes=request.nodes,
+            script=batch_script(request, self.agent_launch),
+            partition=partition,
+            account=request.account,
+            time_limit_min=request.time_limit_min,
+            output=Path(request.output) if request.output else None,
+            extra_args=request.extra_args,
+        )
+        slurm_id = await self.cli.submit(submission)
+        log.info("Slurm allocation submitted", extra={"job_id": request.job_id, "slurm_job_id": slurm_id})
+        return str(slurm_id)
+
+    async def allocations(self) -> dict[str, Allocation]:
+        """Each platform job's newest allocation Slurm still knows (squeue), by platform job id."""
+        found: dict[str, SlurmJob] = {}
+        for job in await self.cli.jobs():
+            job_id = platform_job(job)
+            if job_id is not None and self._ours(job) and (job_id not in found or job.job_id > found[job_id].job_id):
+                found[job_id] = job
+        return {job_id: _allocation(job_id, job) for job_id, job in found.items()}
 
     async def watch(self, emit: SignalSink) -> None:
         """Poll Slurm every interval until cancelled, emitting each transition's signal once; a read that fails is
@@ -227,3 +265,18 @@ class SlurmBackend:
                 raise
             except SlurmError as exc:
                 log.warning("owed Slurm change refused: dropped", extra={"node_id": node_id, "error": str(exc)})
+
+
+def _allocation(job_id: str, job: SlurmJob) -> Allocation:
+    """A Slurm job as the platform's view of an allocation: running, ended, or waiting (queued, held, requeued)."""
+    if job.state is SlurmJobState.RUNNING:
+        state = AllocationState.RUNNING
+    elif job.state in ENDING:
+        state = AllocationState.ENDED
+    else:
+        state = AllocationState.WAITING
+    detail = f"Slurm job {job.job_id} {job.state.value}" + (f" ({job.reason})" if job.reason else "")
+    nodes = job.nodes if state is AllocationState.RUNNING else ()
+    return Allocation(
+        job_id=job_id, scheduler_id=str(job.job_id), state=state, nodes=nodes, detail=detail, restarts=job.restart_count
+    )

@@ -35,7 +35,21 @@ _UNREACHABLE = (
     "munge",  # no munged, or a credential it refused: Slurm cannot authenticate us to anything
     "configuration source",  # no slurm.conf (SLURM_CONF unset, no /etc/slurm/slurm.conf) and no DNS record of one
 )
-_OWN_SBATCH_OPTIONS = {"--parsable", "--wrap", "--job-name", "--nodes", "--ntasks-per-node", "--output"}
+_OWN_SBATCH_OPTIONS = {"--parsable", "--wrap", "--job-name", "--nodes", "--ntasks-per-node", "--output"} | {
+    "--partition",
+    "--account",
+    "--time",
+    "--exclude",
+    "--nodelist",
+    "--requeue",
+    "--no-requeue",
+    "--export",
+    "--ntasks",
+    "--array",
+}
+# What a batch submission's environment holds of the orchestrator's (sbatch passes its environment on to the job):
+# never the orchestrator's secrets or settings, which the agents and the ranks must not see.
+_SUBMIT_ENVIRONMENT = ("PATH", "HOME", "LANG", "LC_ALL", "USER", "LOGNAME", "TMPDIR")
 
 
 class SlurmError(RepriseError):
@@ -170,10 +184,7 @@ class SlurmSubmission(BaseModel):
     @classmethod
     def _options_only(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         for arg in value:
-            if not _EXTRA_OPTION.fullmatch(arg) or "\n" in arg:
-                raise ValueError(f"an extra sbatch argument must be one --name[=value] token: {arg!r}")
-            if arg.split("=", 1)[0] in _OWN_SBATCH_OPTIONS:
-                raise ValueError(f"{arg.split('=', 1)[0]} is set by Reprise, not by the job spec")
+            sbatch_option(arg)
         return value
 
     def argv(self) -> list[str]:
@@ -191,6 +202,20 @@ class SlurmSubmission(BaseModel):
         if self.output:
             args.append(f"--output={self.output}")
         return [*args, *self.extra_args]
+
+
+def sbatch_option(arg: str) -> str:
+    """An extra sbatch option from a job spec: one --name[=value] token on one line, none Reprise sets itself."""
+    if not _EXTRA_OPTION.fullmatch(arg) or "\n" in arg:
+        raise ValueError(f"an extra sbatch argument must be one --name[=value] token: {arg!r}")
+    if arg.split("=", 1)[0] in _OWN_SBATCH_OPTIONS:
+        raise ValueError(f"{arg.split('=', 1)[0]} is set by Reprise, not by the job spec")
+    return arg
+
+
+def slurm_name(value: str) -> str:
+    """A node, partition or account name, or ValueError: never a list or an option."""
+    return _name(value)
 
 
 def expand_hostlist(expression: str) -> tuple[str, ...]:
@@ -299,7 +324,8 @@ class SlurmCli:
 
     async def submit(self, submission: SlurmSubmission) -> int:
         """Submit a batch allocation (sbatch --parsable, the script on stdin); returns its job id."""
-        out = await self._run("sbatch", *submission.argv(), stdin=submission.script)
+        environment = {name: os.environ[name] for name in _SUBMIT_ENVIRONMENT if name in os.environ}
+        out = await self._run("sbatch", *submission.argv(), stdin=submission.script, environment=environment)
         job_id = out.strip().split(";", 1)[0]  # "<id>" or "<id>;<cluster>"
         if not job_id.isdigit():
             raise SlurmError(f"sbatch answered no job id: {out.strip()[:200]!r}")
@@ -345,10 +371,14 @@ class SlurmCli:
             raise SlurmUnavailableError(f"`{command} --json` got no answer from the Slurm controller: {parsed.errors}")
         return parsed
 
-    async def _run(self, *argv: str, stdin: str | None = None) -> str:
-        """Run one Slurm command within the timeout; its stdout, or a SlurmError saying why not."""
+    async def _run(self, *argv: str, stdin: str | None = None, environment: dict[str, str] | None = None) -> str:
+        """Run one Slurm command within the timeout (in `environment`, else ours); its stdout, or a SlurmError."""
         shown = " ".join(argv)
-        env = {**os.environ, "SLURM_CONF": str(self.conf)} if self.conf is not None else None
+        env = dict(os.environ if environment is None else environment)
+        if self.conf is not None:
+            env["SLURM_CONF"] = str(self.conf)
+        elif "SLURM_CONF" in os.environ:
+            env["SLURM_CONF"] = os.environ["SLURM_CONF"]
         try:
             proc = await asyncio.create_subprocess_exec(
                 *argv,

@@ -9,9 +9,10 @@ from sqlmodel import Session
 
 from reprise_common.errors import ConflictError
 from reprise_common.logging import get_logger
+from reprise_orchestrator.compute.allocation import AllocatingBackend
 from reprise_orchestrator.deps import Deps
-from reprise_orchestrator.jobs import service
-from reprise_orchestrator.jobs.launch import check_placement_fits, launch, publish_inactive, rendezvous_for
+from reprise_orchestrator.jobs import allocations, service
+from reprise_orchestrator.jobs.launch import check_placement_fits, publish_inactive, start_job
 from reprise_orchestrator.jobs.models import Job, JobCreate, JobState
 from reprise_orchestrator.jobs.placement import assign_ranks, choose_nodes
 from reprise_orchestrator.nodes import service as nodes_service
@@ -21,7 +22,11 @@ PLACEMENT_ATTEMPTS = 3  # a submission that loses its nodes to a concurrent one 
 
 
 async def submit(deps: Deps, spec: JobCreate) -> Job:
-    """Place a new job and launch it; the job is RUNNING when every node confirmed, FAILED otherwise."""
+    """Place a new job and launch it; the job is RUNNING when every node confirmed, FAILED otherwise. On a backend
+    whose scheduler allocates the nodes (Slurm), the job's allocation is submitted and the job waits, PENDING, for it
+    to run (jobs/allocations.py)."""
+    if isinstance(deps.compute, AllocatingBackend):
+        return await allocations.submit(deps, deps.compute, spec)
     with Session(deps.engine) as session:
         for _ in range(PLACEMENT_ATTEMPTS):
             unavailable = service.busy_nodes(session) | nodes_service.cordoned_ids(session)
@@ -37,46 +42,7 @@ async def submit(deps: Deps, spec: JobCreate) -> Job:
         else:
             raise ConflictError(f"the job's nodes were taken by other submissions {PLACEMENT_ATTEMPTS} times in a row")
         job_id = job.id
-    handle = await deps.locks.acquire(job_id, owner=deps.settings.replica_id)
-    if handle is None:
-        raise ConflictError(f"job {job_id} is locked by another replica")
-    try:
-        with Session(deps.engine) as session:
-            if not service.claim_fence(session, job_id=job_id, fence=handle.fence):
-                raise ConflictError(f"job {job_id}: a newer fencing token already owns it")
-        rendezvous = rendezvous_for(
-            ranks,
-            job_id=job_id,
-            epoch=0,
-            inventory=deps.inventory,
-            port_base=deps.settings.master_port_base,
-            engine=deps.engine,
-        )
-        answers = await launch(
-            deps.bus,
-            deps.compute,
-            operation_id=f"{job_id}:submit",
-            job_id=job_id,
-            fence=handle.fence,
-            spec=spec,
-            ranks=ranks,
-            rendezvous=rendezvous,
-            restore=None,
-        )
-        state = JobState.RUNNING if answers.all_done else JobState.FAILED
-        with Session(deps.engine) as session:
-            service.update_fenced(
-                session,
-                job_id=job_id,
-                fence=handle.fence,
-                state=state,
-                master_port=rendezvous.master_port,
-                master_addr=rendezvous.master_addr,
-            )
-        if state is JobState.FAILED:
-            log.error("job launch failed", extra={"job_id": job_id, "answers": answers.record().model_dump()})
-    finally:
-        await deps.locks.release(handle)
+    await start_job(deps, job_id=job_id, spec=spec, ranks=ranks)
     with Session(deps.engine) as session:
         return service.get(session, job_id=job_id)
 

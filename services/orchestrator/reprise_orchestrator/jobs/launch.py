@@ -1,4 +1,5 @@
-"""Launching a job's ranks with a fresh rendezvous: publish the placement, then a fenced launch to every node."""
+"""Launching a job's ranks with a fresh rendezvous: publish the placement, then a fenced launch to every node; and
+starting a pending job's first epoch under its lock."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ from reprise_common.errors import BusError, ConflictError
 from reprise_common.events import JobPlacement, LaunchArgs, RankAssignment, StepSpan
 from reprise_common.logging import get_logger
 from reprise_orchestrator.compute.backend import Answers, ComputeBackend, LaunchRequest
+from reprise_orchestrator.deps import Deps
 from reprise_orchestrator.jobs import service
-from reprise_orchestrator.jobs.models import Job, JobCreate
+from reprise_orchestrator.jobs.models import Job, JobCreate, JobState
 from reprise_orchestrator.nodes.inventory import Inventory
 from reprise_orchestrator.registry_client import RestorePoint
 
@@ -112,6 +114,51 @@ async def launch(
         skip_steps=skip_steps,
     )
     return await backend.launch(LaunchRequest(job_id=job_id, args=args), operation_id=operation_id, fence=fence)
+
+
+async def start_job(deps: Deps, *, job_id: str, spec: JobCreate, ranks: list[RankAssignment]) -> None:
+    """Launch a pending job's first epoch on `ranks` under its lock and a fresh fence; the job is RUNNING when every
+    node confirmed, FAILED otherwise. ConflictError when another replica holds the job."""
+    handle = await deps.locks.acquire(job_id, owner=deps.settings.replica_id)
+    if handle is None:
+        raise ConflictError(f"job {job_id} is locked by another replica")
+    try:
+        with Session(deps.engine) as session:
+            if not service.claim_fence(session, job_id=job_id, fence=handle.fence, placement=ranks):
+                raise ConflictError(f"job {job_id}: a newer fencing token already owns it")
+        rendezvous = rendezvous_for(
+            ranks,
+            job_id=job_id,
+            epoch=0,
+            inventory=deps.inventory,
+            port_base=deps.settings.master_port_base,
+            engine=deps.engine,
+        )
+        answers = await launch(
+            deps.bus,
+            deps.compute,
+            operation_id=f"{job_id}:submit",
+            job_id=job_id,
+            fence=handle.fence,
+            spec=spec,
+            ranks=ranks,
+            rendezvous=rendezvous,
+            restore=None,
+        )
+        state = JobState.RUNNING if answers.all_done else JobState.FAILED
+        with Session(deps.engine) as session:
+            service.update_fenced(
+                session,
+                job_id=job_id,
+                fence=handle.fence,
+                state=state,
+                master_port=rendezvous.master_port,
+                master_addr=rendezvous.master_addr,
+            )
+        if state is JobState.FAILED:
+            log.error("job launch failed", extra={"job_id": job_id, "answers": answers.record().model_dump()})
+    finally:
+        await deps.locks.release(handle)
 
 
 async def publish_inactive(bus: Bus, job: Job, *, msg_id: str) -> None:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from datetime import datetime
 from enum import StrEnum
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
-from pydantic import AwareDatetime, StringConstraints, model_validator
+from pydantic import AfterValidator, AwareDatetime, StringConstraints, model_validator
 from sqlalchemy import JSON, Column, Index, String
 from sqlmodel import Field, SQLModel
 from sqlmodel.main import SQLModelConfig
@@ -16,6 +16,7 @@ from reprise_common.db import TypedJSON, UTCDateTime
 from reprise_common.events import NumericWatch, RankAssignment
 from reprise_common.labels import MAX_LABELS, MAX_NAME, MAX_PREFIX, MAX_VALUE, Labels
 from reprise_common.settings import IdStr
+from reprise_orchestrator.compute.slurm_cli import sbatch_option, slurm_name
 
 
 class JobState(StrEnum):
@@ -106,11 +107,6 @@ class RecoveryPolicy(SQLModel):
     )
     max_attempts: int = Field(default=3, ge=1, le=20, description="attempts of one recovery (launch or verify failing)")
     recovery_time_objective_s: float = Field(default=120.0, gt=0, description="what drills measure recoveries against")
-    restart_mode: Literal["auto", "cold"] = Field(
-        default="auto",
-        description="auto: ranks that can (reprise_sdk.run) restart in place, only the failed ones are replaced;"
-        " cold: every rank is stopped and started afresh",
-    )
 
     @model_validator(mode="after")
     def _elastic_bounds(self) -> RecoveryPolicy:
@@ -138,6 +134,28 @@ class JobBase(SQLModel):
     checkpoint_dir: str | None = Field(default=None, max_length=4096)
 
 
+SlurmNameStr = Annotated[str, AfterValidator(slurm_name)]
+SbatchOption = Annotated[str, AfterValidator(sbatch_option)]
+
+
+class SlurmSpec(SQLModel):
+    """Where and how the job's Slurm allocation runs (the slurm backend only): its spares, partition, account, time
+    limit and further sbatch options; the allocation is the job's nodes plus `spares`."""
+
+    model_config = STRICT
+
+    spares: int = Field(default=1, ge=0, le=64, description="nodes allocated beyond the job's, as its spares")
+    partition: SlurmNameStr | None = Field(default=None, description="sbatch --partition; none: the cluster's default")
+    account: SlurmNameStr | None = Field(default=None, description="sbatch --account; none: the user's default")
+    time_limit_min: int | None = Field(default=None, ge=1, le=525_600, description="sbatch --time, in minutes")
+    extra_args: list[SbatchOption] = Field(
+        default_factory=list, max_length=32, description="further sbatch options, each one --name[=value] token"
+    )
+    output: str | None = Field(
+        default=None, min_length=1, max_length=4096, description="the batch output file (%j: Slurm's job id)"
+    )
+
+
 class JobCreate(JobBase):
     """Body of POST /v1/jobs: either a node list or a node count."""
 
@@ -151,6 +169,7 @@ class JobCreate(JobBase):
         default_factory=dict, max_length=MAX_LABELS, description="key/value pairs to route alerts and filter jobs by"
     )
     policy: RecoveryPolicy = Field(default_factory=RecoveryPolicy)
+    slurm: SlurmSpec | None = Field(default=None, description="the job's Slurm allocation (the slurm backend only)")
 
     @model_validator(mode="after")
     def _nodes_or_count(self) -> JobCreate:

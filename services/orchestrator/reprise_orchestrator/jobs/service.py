@@ -69,6 +69,12 @@ def get_all(
     return session.exec(query).all()
 
 
+def get_all_by_backend(session: Session, *, backend: str, states: Iterable[JobState]) -> Sequence[Job]:
+    """The jobs a compute backend runs that are in one of `states`, oldest first."""
+    query = select(Job).where(Job.backend == backend, col(Job.state).in_(list(states)))
+    return session.exec(query.order_by(col(Job.created_at))).all()
+
+
 def get_all_epochs(session: Session, *, state: JobState) -> list[tuple[str, int]]:
     """(id, restart epoch) of every job in a state, without loading their specs and placements."""
     query = select(Job.id, Job.restart_epoch).where(Job.state == state)

@@ -1,0 +1,75 @@
+"""Backends whose scheduler allocates a job's nodes (Slurm): the job runs where its allocation runs.
+
+On the built-in backend a job is placed on nodes whose agents already report. A scheduler such as Slurm first grants
+an allocation, and the agents start inside it: such a backend also implements `AllocatingBackend`, and the job flows
+(jobs/allocations.py) submit an allocation for each new job, place the job on it once it runs, and keep the platform's
+jobs and the scheduler's in step. A backend without it is placed on as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from enum import StrEnum
+from typing import Protocol, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class AllocationRequest(BaseModel):
+    """One job's allocation: its workers plus its spares, and the scheduler's options from the job spec."""
+
+    model_config = ConfigDict(frozen=True)
+
+    job_id: str
+    workers: int = Field(ge=1)
+    spares: int = Field(ge=0)
+    partition: str | None = None
+    account: str | None = None
+    time_limit_min: int | None = None
+    extra_args: tuple[str, ...] = ()
+    output: str | None = None
+
+    @property
+    def nodes(self) -> int:
+        """How many nodes the allocation holds."""
+        return self.workers + self.spares
+
+
+class AllocationState(StrEnum):
+    """Where a job's allocation is, as the platform needs to know it."""
+
+    WAITING = "waiting"  # submitted, not running (queued, held, or requeued and waiting to run again)
+    RUNNING = "running"  # its nodes are granted: agents start (or run) on them
+    ENDED = "ended"  # finished, cancelled, failed, preempted or out of time: it runs no more
+
+
+class Allocation(BaseModel):
+    """A job's allocation as the scheduler shows it now."""
+
+    model_config = ConfigDict(frozen=True)
+
+    job_id: str
+    scheduler_id: str = Field(description="the scheduler's own id (Slurm's job id)")
+    state: AllocationState
+    nodes: tuple[str, ...] = Field((), description="the granted nodes in the scheduler's order (none while waiting)")
+    detail: str = Field("", description="the scheduler's state and reason, for people")
+    restarts: int = Field(0, description="how many times the scheduler requeued it")
+
+
+@runtime_checkable
+class AllocatingBackend(Protocol):
+    """What a backend whose scheduler allocates nodes adds to ComputeBackend (compute/backend.py)."""
+
+    name: str
+
+    async def allocate(self, request: AllocationRequest) -> str:
+        """Submit the job's allocation, with one agent per node started in it; the scheduler's id for it."""
+        ...
+
+    async def allocations(self) -> dict[str, Allocation]:
+        """Every job's newest allocation the scheduler still knows, by platform job id."""
+        ...
+
+    async def cancel(self, job_id: str) -> Sequence[int]:
+        """End the job's allocation (nothing when it has none); the scheduler's ids of what was ended."""
+        ...

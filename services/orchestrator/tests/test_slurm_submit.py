@@ -1,0 +1,137 @@
+"""Jobs on the slurm backend, through the orchestrator's REST API, against the real Slurm cluster on this host (the
+session's, conftest.py): a job gets an allocation of its nodes plus its spares, whose batch script starts one real
+Reprise agent per node with srun; the job's ranks run on the allocation's workers. The spec's `slurm` section is
+validated as the rest of the spec is."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from reprise_cli.client import poll
+from reprise_cli.servers import NatsServer
+from reprise_cli.slurm import SlurmCluster
+from reprise_orchestrator.compute.slurm_cli import SlurmCli, SlurmJob, SlurmJobState
+from reprise_orchestrator.compute.slurm_signals import allocation_name
+
+from .test_slurm_api import deps_of
+
+AGENT = str(Path(sys.executable).parent / "reprise-agent")
+SLEEPS = ["sh", "-c", "exec sleep 300"]
+
+
+@pytest.fixture
+def slurm_client(
+    slurm_cluster: SlurmCluster, nats_server: NatsServer, admin_client: Any, tmp_path: Path
+) -> Iterator[TestClient]:
+    """The orchestrator with REPRISE_COMPUTE_BACKEND=slurm on the session's cluster, its allocations starting this
+    checkout's agent (simulated GPUs) on the test's NATS."""
+    agents_env = {"REPRISE_GPU_COUNT": "1", "REPRISE_ADVERTISE_ADDR": "127.0.0.1", "REPRISE_REPORT_INTERVAL_S": "0.5"}
+    with admin_client(
+        nats_server.url,
+        compute_backend="slurm",
+        slurm_conf=slurm_cluster.conf_path,
+        slurm_command_timeout_s=5.0,
+        slurm_poll_interval_s=0.5,
+        slurm_agent_command=AGENT,
+        slurm_agent_http_port=0,  # any free port: the cluster's nodes, and their agents, share this host
+        slurm_agent_env={**agents_env, "REPRISE_STATE_DIR": str(tmp_path / "agents")},
+        command_timeout_s=10.0,
+        stop_grace_s=1.0,
+    ) as client:
+        yield client
+
+
+def allocation_of(cluster: SlurmCluster, job_id: str) -> SlurmJob | None:
+    """The platform job's newest allocation, as squeue shows it."""
+    jobs = asyncio.run(SlurmCli(conf=cluster.conf_path).jobs())
+    return max((job for job in jobs if job.name == allocation_name(job_id)), key=lambda j: j.job_id, default=None)
+
+
+def submit(client: TestClient, tmp_path: Path, *, nodes: int, spares: int) -> dict[str, Any]:
+    """Submit a job of sleeping ranks with its allocation's output under the test's directory; the created job."""
+    slurm = {"spares": spares, "time_limit_min": 10, "output": str(tmp_path / "slurm-%j.out")}
+    created = client.post("/v1/jobs", json={"name": "on-slurm", "node_count": nodes, "command": SLEEPS, "slurm": slurm})
+    assert created.status_code == 201, created.text
+    job: dict[str, Any] = created.json()
+    return job
+
+
+def running_job(client: TestClient, job_id: str) -> dict[str, Any]:
+    """The job once it runs (asserted): its allocation ran, its agents reported, its ranks were launched."""
+    job: dict[str, Any] = poll(
+        lambda: client.get(f"/v1/jobs/{job_id}").json(), lambda j: j["state"] != "pending", timeout_s=60, interval_s=0.3
+    )
+    assert job["state"] == "running", job
+    return job
+
+
+def test_a_job_runs_in_an_allocation_of_its_nodes_and_spares_with_an_agent_on_each(
+    slurm_client: TestClient, slurm_cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    created = submit(slurm_client, tmp_path, nodes=2, spares=1)
+    assert (created["state"], created["backend"], created["placement"]) == ("pending", "slurm", [])
+
+    job = running_job(slurm_client, created["id"])
+
+    allocation = allocation_of(slurm_cluster, created["id"])
+    assert allocation is not None and allocation.state is SlurmJobState.RUNNING, allocation
+    assert len(allocation.nodes) == 3  # the job's 2 nodes and its spare, in one allocation
+    workers, spares = list(allocation.nodes[:2]), list(allocation.nodes[2:])
+    assert [rank["node_id"] for rank in job["placement"]] == workers
+    ranks = poll(
+        lambda: deps_of(slurm_client).inventory.ranks_of(created["id"], restart_epoch=0),
+        lambda found: len(found) == 2 and all(rank.alive for rank in found.values()),
+        timeout_s=15,
+    )
+    assert sorted(ranks) == [0, 1] and all(rank.alive and rank.pid for rank in ranks.values())
+    nodes = {node["node_id"]: node for node in slurm_client.get("/v1/nodes").json()}
+    assert set(nodes) == set(allocation.nodes)  # an agent on each allocated node, named after it, and nowhere else
+    assert {name: (node["spare"], node["ranks"]) for name, node in nodes.items()} == {
+        **{name: (False, 1) for name in workers},  # each worker runs its rank
+        **{name: (True, 0) for name in spares},  # the spare waits
+    }
+    assert slurm_client.get("/v1/jobs").json()["data"][0]["backend"] == "slurm"
+
+
+@pytest.mark.parametrize(
+    ("slurm", "field"),
+    [
+        ({"sparez": 1}, "slurm.sparez"),
+        ({"spares": 65}, "slurm.spares"),
+        ({"spares": -1}, "slurm.spares"),
+        ({"time_limit_min": 0}, "slurm.time_limit_min"),
+        ({"partition": "gpu --uid=0"}, "slurm.partition"),
+        ({"account": ""}, "slurm.account"),
+        ({"extra_args": ["--export=ALL"]}, "slurm.extra_args.0"),  # Reprise sets it
+        ({"extra_args": ["-w node1"]}, "slurm.extra_args.0"),  # one --name[=value] token only
+        ({"extra_args": ["--gres=gpu:8\n#SBATCH --uid=0"]}, "slurm.extra_args.0"),
+    ],
+)
+def test_a_bad_slurm_section_is_422_naming_the_field(
+    nats_server: NatsServer, admin_client: Any, slurm: dict[str, object], field: str
+) -> None:
+    with admin_client(nats_server.url) as client:
+        body = {"name": "x", "node_count": 1, "command": ["true"], "slurm": slurm}
+        response = client.post("/v1/jobs", json=body)
+    assert response.status_code == 422, response.text
+    locations = [".".join(str(part) for part in error["loc"]) for error in response.json()["detail"]]
+    assert any(location.endswith(field) for location in locations), locations
+
+
+def test_an_allocation_slurm_refuses_is_a_409_and_fails_the_job(slurm_client: TestClient) -> None:
+    body = {"name": "x", "node_count": 1, "command": SLEEPS, "slurm": {"partition": "nosuch", "output": "/dev/null"}}
+    response = slurm_client.post("/v1/jobs", json=body)
+
+    assert response.status_code == 409, response.text
+    assert "refused its allocation" in response.json()["detail"] and "partition" in response.json()["detail"]
+    (job,) = slurm_client.get("/v1/jobs").json()["data"]
+    assert (job["state"], job["backend"]) == ("failed", "slurm") and job["detail"].startswith("not allocated: ")
+    listed = {"name": "x", "nodes": ["node1"], "command": SLEEPS}
+    assert slurm_client.post("/v1/jobs", json=listed).status_code == 409  # Slurm chooses the nodes
