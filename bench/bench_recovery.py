@@ -102,12 +102,12 @@ def summary(cell: CellRun) -> str:
 
 def selected(only: list[str]) -> list[tuple[System, Fault]]:
     """The cells `--only` names (a system, or system.fault), all of them without it."""
-    cells = [(system, fault) for system in System for fault in FAULTS]
+    cells = [(system, fault) for fault in FAULTS for system in System]  # a fault's row complete before the next
     return [(s, f) for s, f in cells if not only or s.value in only or f"{s.value}.{f.value}" in only]
 
 
 def save(cells: list[CellRun], settings: RecoverySettings, *, name: str, reference: str | None) -> dict[str, Any]:
-    """Write bench/results/<name>.json, keeping the cells of the saved file this run did not run."""
+    """Write bench/results/<name>.json, keeping the cells of the saved file (same settings) these do not replace."""
     previous = RESULTS_DIR / f"{name}.json"
     kept: dict[str, Any] = {}
     if previous.exists():
@@ -151,6 +151,8 @@ def main() -> None:
         return
     settings = QUICK if args.quick else FULL
     chosen = selected(args.only)
+    if not chosen:
+        raise SystemExit(f"no cell is named by --only {' '.join(args.only)}: systems {[s.value for s in System]}")
     root = Path(tempfile.mkdtemp(prefix="bench-recovery-"))
     missing = fast_path_missing() if any(system is System.FAST for system, _ in chosen) else ""
     reference = reference_digest(settings, root)
@@ -162,7 +164,7 @@ def main() -> None:
         else:
             cells.append(run_cell(system, fault, settings, root / f"{system.value}-{fault.value}"))
         print(summary(cells[-1]), flush=True)
-    document = save(cells, settings, name=name, reference=reference)
+        document = save(cells[-1:], settings, name=name, reference=reference)  # a run cut short keeps its cells
     table = render(document)
     print(table)
     if update_doc(table, quick=args.quick):
