@@ -186,8 +186,15 @@ class RankSupervisor:
         rank.parked.clear()
         rank.parked_why = ""
         rank.tail.clear()  # an exit's log tail must be this epoch's, not the peer error that parked it
+        rank.log_path = self._log_path(job_id, spec.restart_epoch, assignment.rank)  # the pump moves to it
         log.info("rank restarted in place", extra={"job_id": job_id, "rank": rank.rank, "pid": rank.proc.pid})
         return True
+
+    def _log_path(self, job_id: str, epoch: int, rank: int) -> Path:
+        """Where a rank's output of one restart epoch goes (its directory created)."""
+        path = self.log_dir / job_id / f"epoch-{epoch}-rank-{rank}.log"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return path
 
     def _order(self, rank: RankProcess, order: dict[str, object]) -> bool:
         """Send one order to a rank's inbox (``<inbox dir>/<pid>.sock``); False when it is not there."""
@@ -282,8 +289,7 @@ class RankSupervisor:
         self, job_id: str, spec: LaunchArgs, assignment: RankAssignment, resume_files: Path | None
     ) -> RankProcess:
         env = {**os.environ, **self._rank_env(job_id, spec, assignment, resume_files)}
-        log_path = self.log_dir / job_id / f"epoch-{spec.restart_epoch}-rank-{assignment.rank}.log"
-        log_path.parent.mkdir(parents=True, exist_ok=True)
+        log_path = self._log_path(job_id, spec.restart_epoch, assignment.rank)
         proc = None
         if self.standbys is not None and spec.restart_epoch > 0:
             # Standbys serve relaunches: a job's first start is on no recovery's critical path, and taking them then
@@ -321,8 +327,7 @@ class RankSupervisor:
 
     async def _watch(self, rank: RankProcess) -> None:
         assert rank.proc.stdout is not None
-        with rank.log_path.open("a", encoding="utf-8") as sink:
-            await self._pump(rank, rank.proc.stdout, sink)
+        await self._pump(rank, rank.proc.stdout)
         returncode = await rank.proc.wait()
         rank.exit_code, rank.exit_signal = describe_exit(returncode)
         rank.oom_killed = _killed_by_oom(rank)
@@ -341,18 +346,28 @@ class RankSupervisor:
             await self.on_exit(rank)
 
     @staticmethod
-    async def _pump(rank: RankProcess, stream: asyncio.StreamReader, sink: IO[str]) -> None:
-        while True:
-            try:
-                raw = await stream.readline()
-            except ValueError:  # a line longer than the stream limit: keep what fits
-                raw = await stream.read(64 * 1024)
-            if not raw:
-                return
-            line = raw.decode("utf-8", errors="replace").rstrip("\n")
-            rank.tail.append(line[:2000])
-            sink.write(line + "\n")
-            sink.flush()
+    async def _pump(rank: RankProcess, stream: asyncio.StreamReader) -> None:
+        """Copy the rank's output into its log, the current epoch's file (a rank restarted in place changes epoch)."""
+        path = rank.log_path
+        sink: IO[str] = path.open("a", encoding="utf-8")
+        try:
+            while True:
+                try:
+                    raw = await stream.readline()
+                except ValueError:  # a line longer than the stream limit: keep what fits
+                    raw = await stream.read(64 * 1024)
+                if not raw:
+                    return
+                if rank.log_path != path:
+                    sink.close()
+                    path = rank.log_path
+                    sink = path.open("a", encoding="utf-8")
+                line = raw.decode("utf-8", errors="replace").rstrip("\n")
+                rank.tail.append(line[:2000])
+                sink.write(line + "\n")
+                sink.flush()
+        finally:
+            sink.close()
 
     def kill(self, rank: RankProcess, sig: int = signal.SIGKILL) -> None:
         """Signal a rank's whole process group, as a fault would (the exit is reported)."""

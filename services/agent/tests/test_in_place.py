@@ -108,6 +108,9 @@ async def test_survivors_of_a_killed_peer_park_and_take_the_next_epoch_in_their_
     )
     exits = [e for e in harness.events if isinstance(e, RankExited)]
     assert [(e.rank, e.restart_epoch) for e in exits] == [(2, 0)]  # the parked ranks' restart is not an exit
+    logs = tmp_path / "agent" / "ranks" / "job-1"
+    assert f"enter epoch=1 rank=0 world=3 pid={pids[0]}" in (logs / "epoch-1-rank-0.log").read_text()  # its own file
+    assert "enter epoch=1" not in (logs / "epoch-0-rank-0.log").read_text()
 
 
 async def test_a_frozen_rank_is_killed_its_peers_park_and_parked_ranks_without_a_place_are_stopped(
