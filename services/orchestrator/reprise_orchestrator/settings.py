@@ -29,6 +29,12 @@ class OrchestratorSettings(ServiceSettings, DatabaseSettings, AuthSettings):
     lock_ttl_s: float = Field(default=15.0, gt=0, description="job lock lease; renewed every third of it")
     command_timeout_s: float = Field(default=15.0, gt=0)
     stop_grace_s: float = Field(default=5.0, gt=0)
+    in_place_limit_s: float = Field(
+        default=5.0,
+        gt=0,
+        le=600,
+        description="a rank asked to restart in place that has not parked within this is stopped and replaced cold",
+    )
     stack_capture_s: float = Field(
         default=2.0, gt=0, le=10, description="how long a stop for a hang may wait for the ranks' stacks first"
     )

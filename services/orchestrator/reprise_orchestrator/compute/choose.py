@@ -43,6 +43,7 @@ def _agents(context: BackendContext) -> AgentsBackend:
         inventory=context.inventory,
         command_timeout_s=settings.command_timeout_s,
         stop_grace_s=settings.stop_grace_s,
+        in_place_limit_s=settings.in_place_limit_s,
         stack_capture_s=settings.stack_capture_s,
     )
 

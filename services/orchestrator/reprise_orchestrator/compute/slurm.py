@@ -24,7 +24,7 @@ from reprise_common.events import ComputeSignal
 from reprise_common.logging import get_logger
 from reprise_orchestrator.compute.agents import AgentsBackend
 from reprise_orchestrator.compute.allocation import Allocation, AllocationRequest, AllocationState
-from reprise_orchestrator.compute.backend import Answers, LaunchRequest, NodePool, SignalSink
+from reprise_orchestrator.compute.backend import Answers, InPlace, LaunchRequest, NodePool, SignalSink
 from reprise_orchestrator.compute.slurm_agents import AgentLaunch, batch_script
 from reprise_orchestrator.compute.slurm_cli import (
     SlurmCli,
@@ -102,10 +102,19 @@ class SlurmBackend:
         return await self.agents.launch(request, operation_id=operation_id, fence=fence)
 
     async def stop(
-        self, job_id: str, node_ids: Sequence[str], *, operation_id: str, fence: int, stacks_for: str | None = None
+        self,
+        job_id: str,
+        node_ids: Sequence[str],
+        *,
+        operation_id: str,
+        fence: int,
+        stacks_for: str | None = None,
+        in_place: InPlace | None = None,
     ) -> Answers:
-        """The agents in the job's allocation stop the ranks."""
-        return await self.agents.stop(job_id, node_ids, operation_id=operation_id, fence=fence, stacks_for=stacks_for)
+        """The agents in the job's allocation stop the ranks (or park them, for a restart in place)."""
+        return await self.agents.stop(
+            job_id, node_ids, operation_id=operation_id, fence=fence, stacks_for=stacks_for, in_place=in_place
+        )
 
     async def cordon(self, node_id: str, *, reason: str) -> None:
         """Drain the node in Slurm with our reason (shown by `sinfo -R`); a node an admin drained keeps the admin's.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime
 from enum import StrEnum
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, AwareDatetime, StringConstraints, model_validator
 from sqlalchemy import JSON, Column, Index, String
@@ -107,6 +107,11 @@ class RecoveryPolicy(SQLModel):
     )
     max_attempts: int = Field(default=3, ge=1, le=20, description="attempts of one recovery (launch or verify failing)")
     recovery_time_objective_s: float = Field(default=120.0, gt=0, description="what drills measure recoveries against")
+    restart_mode: Literal["auto", "cold"] = Field(
+        default="auto",
+        description="auto: ranks that can (reprise_sdk.run) restart in place, only the failed ones are replaced;"
+        " cold: every rank is stopped and started afresh",
+    )
 
     @model_validator(mode="after")
     def _elastic_bounds(self) -> RecoveryPolicy:
