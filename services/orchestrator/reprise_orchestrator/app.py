@@ -190,7 +190,8 @@ def _allocation_reconciler(deps: Deps) -> AllocationReconciler | None:
     if not isinstance(deps.compute, AllocatingBackend):
         return None
     settings = deps.settings
-    return AllocationReconciler(deps, deps.compute, interval_s=settings.slurm_poll_interval_s)
+    interval, grace = settings.slurm_poll_interval_s, 3 * settings.slurm_command_timeout_s
+    return AllocationReconciler(deps, deps.compute, interval_s=interval, grace_s=grace)
 
 
 def _registry_key(settings: OrchestratorSettings) -> str | None:

@@ -21,6 +21,7 @@ from reprise_orchestrator.compute.slurm_cli import SlurmCli, SlurmJob, SlurmJobS
 from reprise_orchestrator.compute.slurm_signals import allocation_name
 
 from .test_slurm_api import deps_of
+from .test_slurm_cli import as_admin
 
 AGENT = str(Path(sys.executable).parent / "reprise-agent")
 SLEEPS = ["sh", "-c", "exec sleep 300"]
@@ -123,6 +124,54 @@ def test_a_bad_slurm_section_is_422_naming_the_field(
     assert response.status_code == 422, response.text
     locations = [".".join(str(part) for part in error["loc"]) for error in response.json()["detail"]]
     assert any(location.endswith(field) for location in locations), locations
+
+
+def allocation_ended(cluster: SlurmCluster, job_id: str) -> SlurmJob | None:
+    """The job's allocation once it no longer runs (asserted by the caller)."""
+    return poll(
+        lambda: allocation_of(cluster, job_id),
+        lambda found: found is not None and found.state is not SlurmJobState.RUNNING,
+        timeout_s=30,
+        interval_s=0.3,
+    )
+
+
+def test_the_platforms_jobs_and_slurms_are_reconciled_both_ways(
+    slurm_client: TestClient, slurm_cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    cancelled, lost = (submit(slurm_client, tmp_path, nodes=1, spares=0)["id"] for _ in range(2))
+    for job_id in (cancelled, lost):
+        running_job(slurm_client, job_id)
+
+    assert slurm_client.post(f"/v1/jobs/{cancelled}/cancel").json()["state"] == "cancelled"
+    as_admin(slurm_cluster, "scancel", "--name", allocation_name(lost))  # someone ends the allocation behind our back
+
+    ended = allocation_ended(slurm_cluster, cancelled)  # the platform's cancel ended the allocation (scancel)
+    assert ended is not None and ended.state in {SlurmJobState.CANCELLED, SlurmJobState.COMPLETING}, ended
+    job = poll(lambda: slurm_client.get(f"/v1/jobs/{lost}").json(), lambda j: j["state"] != "running", timeout_s=30)
+    assert job["state"] == "failed" and "slurm allocation is gone" in job["detail"], job
+
+
+def test_a_restarted_orchestrator_reconciles_what_changed_while_it_was_down(
+    slurm_cluster: SlurmCluster, nats_server: NatsServer, admin_client: Any, tmp_path: Path
+) -> None:
+    settings = {
+        "compute_backend": "slurm",
+        "slurm_conf": slurm_cluster.conf_path,
+        "slurm_poll_interval_s": 0.5,
+        "slurm_agent_command": AGENT,
+        "slurm_agent_http_port": 0,
+        "slurm_agent_env": {"REPRISE_GPU_COUNT": "1", "REPRISE_STATE_DIR": str(tmp_path / "agents")},
+    }
+    with admin_client(nats_server.url, **settings) as client:
+        job_id = submit(client, tmp_path, nodes=1, spares=0)["id"]
+        running_job(client, job_id)
+    as_admin(slurm_cluster, "scancel", "--name", allocation_name(job_id))  # while no orchestrator runs
+    assert allocation_ended(slurm_cluster, job_id) is not None
+
+    with admin_client(nats_server.url, **settings) as client:  # the same database: a restart
+        job = poll(lambda: client.get(f"/v1/jobs/{job_id}").json(), lambda j: j["state"] != "running", timeout_s=30)
+    assert job["state"] == "failed" and "gone" in job["detail"], job
 
 
 def test_an_allocation_slurm_refuses_is_a_409_and_fails_the_job(slurm_client: TestClient) -> None:

@@ -1,15 +1,20 @@
-"""Jobs on a backend whose scheduler allocates the nodes (Slurm): submit an allocation, start the job when it runs.
+"""Jobs on a backend whose scheduler allocates the nodes (Slurm): submit an allocation, start the job when it runs, and
+keep the platform's jobs and the scheduler's in step.
 
 A new job is recorded PENDING and its allocation submitted (its nodes plus its spares; compute/allocation.py). The
-allocation reconciler then, every pass (and at once when a replica starts, so a restart catches up), starts a pending
-job whose allocation runs, once the agents on its worker nodes report: the job's nodes are the allocation's workers
-(Slurm's order), its spares the allocation's other nodes.
+allocation reconciler then, every pass (and at once when a replica starts, so a restart catches up):
+
+- starts a pending job whose allocation runs, once the agents on its worker nodes report: the job's nodes are the
+  allocation's workers (Slurm's order), its spares the allocation's other nodes;
+- fails a job whose allocation is gone (ended, or no longer known) while the platform still runs or awaits it;
+- ends (scancel) an allocation whose platform job is over (completed, failed, cancelled).
 """
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 from sqlmodel import Session
 
@@ -18,13 +23,15 @@ from reprise_common.logging import get_logger
 from reprise_orchestrator.compute.allocation import AllocatingBackend, Allocation, AllocationRequest, AllocationState
 from reprise_orchestrator.deps import Deps
 from reprise_orchestrator.jobs import service
-from reprise_orchestrator.jobs.launch import check_placement_fits, start_job
+from reprise_orchestrator.jobs.launch import check_placement_fits, publish_inactive, start_job
 from reprise_orchestrator.jobs.models import Job, JobCreate, JobState, SlurmSpec
 from reprise_orchestrator.jobs.placement import assign_ranks
 from reprise_orchestrator.nodes import service as nodes_service
 
 log = get_logger("reprise.orchestrator.jobs")
+WAITING_STATES = (JobState.PENDING, JobState.RUNNING, JobState.RECOVERING, JobState.HELD)
 LONGEST_NODE = "n" * 64  # the longest node name the placement can hold (IdStr)
+OVER_STATES = frozenset({JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED})
 
 
 async def submit(deps: Deps, backend: AllocatingBackend, spec: JobCreate) -> Job:
@@ -69,16 +76,19 @@ class Reconciled:
     """What one pass did, by platform job id."""
 
     started: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+    cancelled: list[str] = field(default_factory=list)
 
 
 class AllocationReconciler:
-    """Compares the platform's pending jobs on an allocating backend with the scheduler's allocations and starts
-    those whose allocation runs; one pass at start, then one every `interval_s`."""
+    """Compares the platform's jobs on an allocating backend with the scheduler's allocations, and acts on each
+    difference (see the module's docstring); one pass at start, then one every `interval_s`."""
 
-    def __init__(self, deps: Deps, backend: AllocatingBackend, *, interval_s: float) -> None:
+    def __init__(self, deps: Deps, backend: AllocatingBackend, *, interval_s: float, grace_s: float) -> None:
         self.deps = deps
         self.backend = backend
         self.interval_s = interval_s
+        self.grace_s = grace_s  # a job younger than this may not be known to the scheduler yet (sbatch in flight)
         self._failing: str | None = None
 
     async def run(self) -> None:
@@ -101,12 +111,26 @@ class AllocationReconciler:
         allocations = await self.backend.allocations()
         done = Reconciled()
         with Session(self.deps.engine) as session:
-            pending = service.get_all_by_backend(session, backend=self.backend.name, states=[JobState.PENDING])
-        for job in pending:
+            ours = service.get_all_by_backend(session, backend=self.backend.name, states=WAITING_STATES)
+            over = service.states_of(session, job_ids=[a.job_id for a in allocations.values()])
+        now = self.deps.clock.now()
+        for job in ours:
             allocation = allocations.get(job.id)
-            runs = allocation is not None and allocation.state is AllocationState.RUNNING
-            if runs and allocation is not None and await self._start(job, allocation):
-                done.started.append(job.id)
+            if allocation is not None and allocation.state is not AllocationState.ENDED:
+                runs = job.state is JobState.PENDING and allocation.state is AllocationState.RUNNING
+                if runs and await self._start(job, allocation):
+                    done.started.append(job.id)
+                continue
+            if allocation is None and now - job.created_at < timedelta(seconds=self.grace_s):
+                continue
+            why = allocation.detail if allocation is not None else "no longer known to the scheduler"
+            if await self._fail(job, f"its {self.backend.name} allocation is gone: {why}"):
+                done.failed.append(job.id)
+        for job_id, allocation in allocations.items():
+            if allocation.state is not AllocationState.ENDED and over.get(job_id) in OVER_STATES:
+                await self.backend.cancel(job_id)
+                log.info("allocation of a finished job ended", extra={"job_id": job_id, "state": over[job_id]})
+                done.cancelled.append(job_id)
         return done
 
     async def _start(self, job: Job, allocation: Allocation) -> bool:
@@ -127,3 +151,21 @@ class AllocationReconciler:
             return False
         log.info("allocated job started", extra={"job_id": job.id, "nodes": ready, "allocation": allocation.nodes})
         return True
+
+    async def _fail(self, job: Job, detail: str) -> bool:
+        """Mark the job failed under its lock and a fresh fence (a recovery holding it is left to finish first)."""
+        handle = await self.deps.locks.acquire(job.id, owner=self.deps.settings.replica_id)
+        if handle is None:
+            return False
+        try:
+            with Session(self.deps.engine) as session:
+                if not service.claim_fence(session, job_id=job.id, fence=handle.fence):
+                    return False
+                if service.get(session, job_id=job.id).state not in WAITING_STATES:
+                    return False
+                service.update_fenced(session, job_id=job.id, fence=handle.fence, state=JobState.FAILED, detail=detail)
+            log.error("job failed: its allocation is gone", extra={"job_id": job.id, "detail": detail})
+            await publish_inactive(self.deps.bus, job, msg_id=f"{job.id}:allocation-gone:{handle.fence}")
+            return True
+        finally:
+            await self.deps.locks.release(handle)

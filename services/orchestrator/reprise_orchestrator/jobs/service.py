@@ -75,6 +75,12 @@ def get_all_by_backend(session: Session, *, backend: str, states: Iterable[JobSt
     return session.exec(query.order_by(col(Job.created_at))).all()
 
 
+def states_of(session: Session, *, job_ids: Iterable[str]) -> dict[str, JobState]:
+    """The state of each of these jobs that exists, by id."""
+    query = select(Job.id, Job.state).where(col(Job.id).in_(list(job_ids)))
+    return {job_id: JobState(state) for job_id, state in session.exec(query).all()}
+
+
 def get_all_epochs(session: Session, *, state: JobState) -> list[tuple[str, int]]:
     """(id, restart epoch) of every job in a state, without loading their specs and placements."""
     query = select(Job.id, Job.restart_epoch).where(Job.state == state)
