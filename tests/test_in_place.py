@@ -81,7 +81,8 @@ def test_survivors_restart_in_place_after_a_crash_and_an_xid_and_the_result_is_b
         after = poll(lambda: pids(stack, client, job["id"]), lambda p: len(p) == 4, timeout_s=60)
         assert [after[r] for r in (0, 1, 2)] == [before[r] for r in (0, 1, 2)] and after[3] != before[3]
         # Rank 0 kept its process: it restored the validated checkpoint from its own copy in memory.
-        rank0 = next(stack.config.state_dir.glob(f"**/ranks/{job['id']}/epoch-0-rank-0.log")).read_text()
+        epoch = client.job(job["id"])["restart_epoch"]
+        rank0 = next(stack.config.state_dir.glob(f"**/ranks/{job['id']}/epoch-{epoch}-rank-0.log")).read_text()
         restored = steps["restoring"]["checkpoint"]["path"]
         assert f"from {restored} (saved by 4 ranks), read from memory" in rank0, rank0[-2000:]
 

@@ -263,16 +263,17 @@ def _shut_down(descriptors: set[int]) -> None:
 def _park(inbox: _Inbox, failure: BaseException, sockets_before: set[int]) -> dict[str, str] | None:
     """Tear the epoch down, tell the agent, wait for the next epoch's environment (None: none came in time)."""
     _teardown_process_group()
-    # The failed collective's frames hold the script's model, optimizer and tensors: clear their locals and collect,
-    # so the memory of the last epoch is free before the next one builds its own (the traceback's lines stay).
-    traceback.clear_frames(failure.__traceback__)
-    gc.collect()
     # A destroyed gloo group keeps its connections open as long as the process lives, and a peer blocked on one of
     # them would wait in its collective until it is killed: shut down every TCP connection the training function
     # opened and left open, so each peer's collective fails at once and that peer parks too.
     _shut_down(_tcp_sockets() - sockets_before)
     why = "restart ordered" if isinstance(failure, RestartRequested) else f"{type(failure).__name__}: {failure}"
     _client.say("parked", {"why": why[:512]})
+    # The failed frames hold the script's model, optimizer and tensors: clear their locals and collect while the
+    # recovery goes on, so the memory of the last epoch is free before the next one builds its own (the traceback's
+    # lines stay). After the agent has heard of the park: a full collection takes a while with torch loaded.
+    traceback.clear_frames(failure.__traceback__)
+    gc.collect()
     within = _park_s(os.environ)
     _warn(f"parked for a restart in place ({why[:200]}); waiting up to {within:g} s for the next epoch")
     return inbox.wait_assignment(within)
