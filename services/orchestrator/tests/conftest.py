@@ -1,17 +1,20 @@
-"""Orchestrator test fixtures: the app on the real NATS and Redis of the shared fixtures, with an admin key."""
+"""Orchestrator test fixtures: the app on the real NATS and Redis of the shared fixtures, with an admin key; the
+checkpoint registry as a process."""
 
 from __future__ import annotations
 
 import secrets
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from reprise_cli.servers import RedisServer
+from reprise_cli.servers import ManagedProcess, NatsServer, RedisServer, free_port, wait_until
 from reprise_orchestrator.app import create_app
 from reprise_orchestrator.settings import OrchestratorSettings
 
@@ -39,3 +42,31 @@ def admin_client(redis_server: RedisServer, tmp_path: Path) -> AdminClient:
             yield client
 
     return open_client
+
+
+@pytest.fixture
+def registry(nats_server: NatsServer, tmp_path: Path) -> Iterator[str]:
+    """The checkpoint registry as a process; its URL."""
+    port = free_port()
+    env = {
+        "REPRISE_NATS_URL": nats_server.url,
+        "REPRISE_HTTP_HOST": "127.0.0.1",
+        "REPRISE_HTTP_PORT": str(port),
+        "REPRISE_STATE_DIR": str(tmp_path / "registry"),
+        "REPRISE_DATABASE_URL": f"sqlite:///{tmp_path / 'r.db'}",
+    }
+    process = ManagedProcess("registry", [sys.executable, "-m", "reprise_registry"], tmp_path / "registry.log", env)
+    process.start()
+    url = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        try:
+            return httpx.get(f"{url}/readyz", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        assert wait_until(ready, timeout_s=45, interval_s=0.2), process.log_tail()
+        yield url
+    finally:
+        process.stop(grace_s=10)

@@ -10,15 +10,12 @@ COMPUTE stream. Also: a setting naming no loadable backend stops the replica wit
 from __future__ import annotations
 
 import asyncio
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from reprise_cli.client import poll
-from reprise_cli.servers import ManagedProcess, NatsServer, free_port, wait_until
+from reprise_cli.servers import NatsServer
 from reprise_common import subjects
 from reprise_common.bus import Bus
 from reprise_common.errors import ConfigError
@@ -37,34 +34,6 @@ from .conftest import AdminClient
 from .stack_harness import stored
 
 HERE = Path(__file__).resolve().parent
-
-
-@pytest.fixture
-def registry(nats_server: NatsServer, tmp_path: Path) -> Iterator[str]:
-    """The checkpoint registry as a process; its URL."""
-    port = free_port()
-    env = {
-        "REPRISE_NATS_URL": nats_server.url,
-        "REPRISE_HTTP_HOST": "127.0.0.1",
-        "REPRISE_HTTP_PORT": str(port),
-        "REPRISE_STATE_DIR": str(tmp_path / "registry"),
-        "REPRISE_DATABASE_URL": f"sqlite:///{tmp_path / 'r.db'}",
-    }
-    process = ManagedProcess("registry", [sys.executable, "-m", "reprise_registry"], tmp_path / "registry.log", env)
-    process.start()
-    url = f"http://127.0.0.1:{port}"
-
-    def ready() -> bool:
-        try:
-            return httpx.get(f"{url}/readyz", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    try:
-        assert wait_until(ready, timeout_s=45, interval_s=0.2), process.log_tail()
-        yield url
-    finally:
-        process.stop(grace_s=10)
 
 
 @pytest.fixture

@@ -17,11 +17,15 @@ from fastapi.testclient import TestClient
 from reprise_cli.client import poll
 from reprise_cli.servers import NatsServer
 from reprise_cli.slurm import SlurmCluster
+from reprise_common import subjects
+from reprise_common.bus import Bus
+from reprise_common.events import IncidentChange
 from reprise_orchestrator.compute.slurm_cli import SlurmCli, SlurmJob, SlurmJobState
 from reprise_orchestrator.compute.slurm_signals import allocation_name
 
+from . import incidents
 from .test_slurm_api import deps_of
-from .test_slurm_cli import as_admin
+from .test_slurm_cli import as_admin, sinfo_reasons
 
 AGENT = str(Path(sys.executable).parent / "reprise-agent")
 SLEEPS = ["sh", "-c", "exec sleep 300"]
@@ -184,3 +188,59 @@ def test_an_allocation_slurm_refuses_is_a_409_and_fails_the_job(slurm_client: Te
     assert (job["state"], job["backend"]) == ("failed", "slurm") and job["detail"].startswith("not allocated: ")
     listed = {"name": "x", "nodes": ["node1"], "command": SLEEPS}
     assert slurm_client.post("/v1/jobs", json=listed).status_code == 409  # Slurm chooses the nodes
+
+
+HEARTBEATS = [sys.executable, "-c", "import time\nfrom reprise_sdk import heartbeat\nstep = 0\nwhile True:\n"
+              "    step += 1\n    heartbeat(step)\n    time.sleep(0.2)\n"]  # fmt: skip
+
+
+async def _publish(url: str, incident: IncidentChange) -> None:
+    bus = Bus(url=url, service="test-slurm-submit")
+    await bus.connect(attempts=10)
+    try:
+        await bus.publish(subjects.incident(incident.job_id, "opened"), incident)
+    finally:
+        await bus.close()
+
+
+def test_when_no_spare_is_left_the_allocation_is_requeued_without_the_drained_node_and_the_job_recovers(
+    slurm_cluster: SlurmCluster, nats_server: NatsServer, admin_client: Any, registry: str, tmp_path: Path
+) -> None:
+    settings = {
+        "compute_backend": "slurm",
+        "slurm_conf": slurm_cluster.conf_path,
+        "slurm_poll_interval_s": 0.5,
+        "slurm_agent_command": AGENT,
+        "slurm_agent_http_port": 0,
+        "slurm_agent_env": {"REPRISE_GPU_COUNT": "1", "REPRISE_STATE_DIR": str(tmp_path / "agents")},
+        "registry_url": registry,
+        "stop_grace_s": 1.0,
+    }
+    policy = {"elastic_min_nodes": 2, "backoff_initial_s": 0, "placement_timeout_s": 90}
+    slurm = {"spares": 0, "output": str(tmp_path / "slurm-%j.out")}
+    body = {"name": "no-spare", "node_count": 2, "command": HEARTBEATS, "policy": policy, "slurm": slurm}
+    with admin_client(nats_server.url, **settings) as client:
+        job_id = client.post("/v1/jobs", json=body).raise_for_status().json()["id"]
+        running_job(client, job_id)
+        first = allocation_of(slurm_cluster, job_id)
+        assert first is not None and len(first.nodes) == 2
+        culprit = first.nodes[1]
+
+        fault = incidents.gpu_fault(node_id=culprit, rank=1, incident_id="inc-nospare", job_id=job_id)
+        asyncio.run(_publish(nats_server.url, fault))
+        found = poll(
+            lambda: client.get(f"/v1/jobs/{job_id}/recoveries").json()["data"],
+            lambda r: bool(r) and r[0]["step"] in ("running", "failed", "held"),
+            timeout_s=90,
+            interval_s=0.5,
+        )
+        job = client.get(f"/v1/jobs/{job_id}").json()
+
+    assert found and (found[0]["step"], found[0]["outcome"]) == ("running", "recovered"), found[:1]
+    again = allocation_of(slurm_cluster, job_id)
+    assert again is not None and again.job_id == first.job_id and again.restart_count == 1, again  # requeued
+    assert culprit in again.excluded_nodes and culprit not in again.nodes
+    nodes = [rank["node_id"] for rank in job["placement"]]
+    assert (job["state"], job["restart_epoch"], len(nodes)) == ("running", 1, 2), job
+    assert set(nodes) == set(again.nodes)  # the ranks run in the new allocation, on both its nodes
+    assert sinfo_reasons(slurm_cluster)[culprit] == f"reprise: incident inc-nospare: {fault.root_cause}"

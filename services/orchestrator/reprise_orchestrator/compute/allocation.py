@@ -8,7 +8,7 @@ jobs and the scheduler's in step. A backend without it is placed on as before.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 from enum import StrEnum
 from typing import Protocol, runtime_checkable
 
@@ -68,6 +68,11 @@ class AllocatingBackend(Protocol):
 
     async def allocations(self) -> dict[str, Allocation]:
         """Every job's newest allocation the scheduler still knows, by platform job id."""
+        ...
+
+    async def requeue(self, job_id: str, *, exclude: Set[str] = frozenset()) -> list[str] | None:
+        """Give the job a new allocation without `exclude` and the nodes the scheduler will not schedule on; the
+        nodes left out, or None (nothing done) when its allocation does not run or holds none of them."""
         ...
 
     async def cancel(self, job_id: str) -> Sequence[int]:

@@ -174,6 +174,31 @@ class SlurmBackend:
                 found[job_id] = job
         return {job_id: _allocation(job_id, job) for job_id, job in found.items()}
 
+    async def requeue(self, job_id: str, *, exclude: Set[str] = frozenset()) -> list[str] | None:
+        """Requeue the job's running allocation in Slurm (requeuehold, ExcNodeList, release) without its nodes in
+        `exclude` or that Slurm will not schedule on (drained by anyone, down), and without the nodes an earlier
+        requeue left out; the nodes left out, or None (nothing done) when it does not run or holds none of them.
+
+        Its agents end with it; the new allocation starts new ones, after the cluster's cred_expire (10 s here).
+        """
+        name = allocation_name(job_id)
+        running = [
+            j for j in await self.cli.jobs() if j.name == name and self._ours(j) and j.state is SlurmJobState.RUNNING
+        ]
+        if not running:
+            return None
+        job = max(running, key=lambda j: j.job_id)
+        nodes = {node.name: node for node in await self.cli.nodes()}
+        bad = [node for node in job.nodes if node in exclude or (node in nodes and not nodes[node].schedulable)]
+        if not bad:
+            return None
+        left_out = sorted({*bad, *job.excluded_nodes})
+        await self.cli.requeue(job.job_id, exclude=left_out)
+        log.warning(
+            "Slurm allocation requeued", extra={"job_id": job_id, "slurm_job_id": job.job_id, "excluded": left_out}
+        )
+        return left_out
+
     async def watch(self, emit: SignalSink) -> None:
         """Poll Slurm every interval until cancelled, emitting each transition's signal once; a read that fails is
         logged when it starts and ends failing (the next good read reports what changed meanwhile)."""

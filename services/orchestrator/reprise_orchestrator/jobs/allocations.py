@@ -7,7 +7,9 @@ allocation reconciler then, every pass (and at once when a replica starts, so a 
 - starts a pending job whose allocation runs, once the agents on its worker nodes report: the job's nodes are the
   allocation's workers (Slurm's order), its spares the allocation's other nodes;
 - fails a job whose allocation is gone (ended, or no longer known) while the platform still runs or awaits it;
-- ends (scancel) an allocation whose platform job is over (completed, failed, cancelled).
+- ends (scancel) an allocation whose platform job is over (completed, failed, cancelled);
+- requeues the allocation of a job whose recovery is placing and has no spare left and cannot shrink, without the
+  nodes drained or cordoned: the recovery's placement goes on when the new allocation's agents report.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import asyncio
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from sqlmodel import Session
+from sqlmodel import Session, col, select
 
 from reprise_common.errors import ConflictError, DependencyUnavailableError, RepriseError
 from reprise_common.logging import get_logger
@@ -25,8 +27,10 @@ from reprise_orchestrator.deps import Deps
 from reprise_orchestrator.jobs import service
 from reprise_orchestrator.jobs.launch import check_placement_fits, publish_inactive, start_job
 from reprise_orchestrator.jobs.models import Job, JobCreate, JobState, SlurmSpec
-from reprise_orchestrator.jobs.placement import assign_ranks
+from reprise_orchestrator.jobs.placement import PlacementDecision, assign_ranks, replacements, replan
 from reprise_orchestrator.nodes import service as nodes_service
+from reprise_orchestrator.recoveries.models import Recovery
+from reprise_orchestrator.recoveries.states import RecoveryStep
 
 log = get_logger("reprise.orchestrator.jobs")
 WAITING_STATES = (JobState.PENDING, JobState.RUNNING, JobState.RECOVERING, JobState.HELD)
@@ -76,6 +80,7 @@ class Reconciled:
     """What one pass did, by platform job id."""
 
     started: list[str] = field(default_factory=list)
+    requeued: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
 
@@ -117,9 +122,11 @@ class AllocationReconciler:
         for job in ours:
             allocation = allocations.get(job.id)
             if allocation is not None and allocation.state is not AllocationState.ENDED:
-                runs = job.state is JobState.PENDING and allocation.state is AllocationState.RUNNING
-                if runs and await self._start(job, allocation):
+                runs = allocation.state is AllocationState.RUNNING
+                if runs and job.state is JobState.PENDING and await self._start(job, allocation):
                     done.started.append(job.id)
+                elif runs and job.state is JobState.RECOVERING and await self._requeue_if_stuck(job):
+                    done.requeued.append(job.id)
                 continue
             if allocation is None and now - job.created_at < timedelta(seconds=self.grace_s):
                 continue
@@ -150,6 +157,29 @@ class AllocationReconciler:
             log.info("allocated job not started here", extra={"job_id": job.id, "error": str(exc)})
             return False
         log.info("allocated job started", extra={"job_id": job.id, "nodes": ready, "allocation": allocation.nodes})
+        return True
+
+    async def _requeue_if_stuck(self, job: Job) -> bool:
+        """Requeue the allocation of a job whose recovery is placing and can neither use a spare nor shrink (the
+        placement the recovery computes waits for capacity), without its drained and cordoned nodes; the recovery's
+        placement goes on when the new allocation's agents report. False when nothing was done."""
+        placing = select(Recovery.id).where(
+            Recovery.job_id == job.id, col(Recovery.finished_at).is_(None), Recovery.step == RecoveryStep.PLACING
+        )
+        with Session(self.deps.engine) as session:
+            if session.exec(placing).first() is None:
+                return False
+            cordoned = nodes_service.cordoned_ids(session)
+            busy = service.busy_nodes(session, except_job=job.id)
+        current = job.nodes()
+        pool = self.deps.compute.pool(exclude=cordoned | busy)
+        plan = replan(current, usable=pool.usable(), spares=replacements(pool, current), policy=job.job_spec().policy)
+        if plan.decision is not PlacementDecision.WAIT:
+            return False
+        left_out = await self.backend.requeue(job.id, exclude=cordoned)
+        if left_out is None:
+            return False
+        log.warning("spares ran out: allocation requeued", extra={"job_id": job.id, "excluded": left_out})
         return True
 
     async def _fail(self, job: Job, detail: str) -> bool:
