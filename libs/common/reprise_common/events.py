@@ -203,6 +203,21 @@ class RankExited(Event):
     restart_epoch: int | None = Field(default=None, ge=0, description="the launch the process belonged to")
 
 
+PARKED_WHY_MAX = 2000  # characters of what a parked rank caught
+
+
+class RankParked(Event):
+    """A rank running under reprise_sdk.run left its training function and waits, alive, for the next epoch
+    (restart in place): a survivor, no fault of its own; `why` is what it caught (a peer's failure, or the order)."""
+
+    type: Literal["rank.parked"] = "rank.parked"
+    node_id: str
+    job_id: str
+    rank: int = Field(ge=0)
+    restart_epoch: int = Field(ge=0, description="the launch the process belongs to")
+    why: str = Field(default="", max_length=PARKED_WHY_MAX, description="the error it caught, or the agent's order")
+
+
 STACK_THREADS_MAX = 16  # threads of one rank a stack capture keeps (the main thread first)
 STACK_FRAMES_MAX = 64  # frames of one thread it keeps (innermost first)
 
@@ -538,6 +553,7 @@ AnyEvent = Annotated[
     | GpuXid
     | GpuLost
     | RankExited
+    | RankParked
     | CheckpointSaved
     | RankStacks
     | RankNumeric
@@ -558,6 +574,7 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     GpuXid,
     GpuLost,
     RankExited,
+    RankParked,
     CheckpointSaved,
     RankStacks,
     RankNumeric,

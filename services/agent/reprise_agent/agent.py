@@ -28,6 +28,7 @@ from reprise_common.bus import Bus
 from reprise_common.clock import SystemClock
 from reprise_common.errors import BusError, MalformedEventError
 from reprise_common.events import (
+    PARKED_WHY_MAX,
     PROCESS_FAULTS,
     AgentLifecycle,
     CheckpointSaved,
@@ -44,6 +45,7 @@ from reprise_common.events import (
     NodeReport,
     PingCommand,
     RankExited,
+    RankParked,
     RankStacks,
     RankStatus,
     StackCapture,
@@ -88,6 +90,7 @@ class Agent:
             node_id=self.node_id,
             state_dir=settings.state_dir,
             on_exit=self._on_rank_exit,
+            on_parked=self._on_rank_parked,
             tail_lines=settings.log_tail_lines,
         )
         self.progress.on_restart_message(self.supervisor.on_sdk_message)
@@ -310,6 +313,21 @@ class Agent:
             restart_epoch=rank.restart_epoch,
         )
         self.outbox.put(subjects.node_event(self.node_id, "rank.exited"), event)
+
+    def _on_rank_parked(self, rank: RankProcess) -> None:
+        """A rank parked for a restart in place: no fault, but what it caught (a peer's failure) is the detector's
+        early evidence that a silent node of the job is lost, as a peer's exit was before ranks could park."""
+        if self.node_lost:
+            return
+        event = RankParked(
+            source=self.node_id,
+            node_id=self.node_id,
+            job_id=rank.job_id,
+            rank=rank.rank,
+            restart_epoch=rank.restart_epoch,
+            why=rank.parked_why[:PARKED_WHY_MAX],
+        )
+        self.outbox.put(subjects.node_event(self.node_id, event.type), event)
 
     def _report_lost(self, lost: LostRank) -> None:
         """A rank the previous process of this agent ran died with it: say so, as for any rank killed."""

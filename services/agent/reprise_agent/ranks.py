@@ -102,10 +102,12 @@ class RankProcess:
 
 
 ExitCallback = Callable[[RankProcess], Awaitable[None]]
+ParkedCallback = Callable[[RankProcess], None]
 
 
 class RankSupervisor:
-    """Starts, watches and stops ranks; calls on_exit for every exit it did not cause itself."""
+    """Starts, watches and stops ranks; calls on_exit for every exit it did not cause itself, and on_parked once each
+    time a rank that can restart in place says it parked."""
 
     def __init__(
         self,
@@ -113,6 +115,7 @@ class RankSupervisor:
         node_id: str,
         state_dir: Path,
         on_exit: ExitCallback,
+        on_parked: ParkedCallback | None = None,
         tail_lines: int = 50,
         sdk_socket: Path | None = None,
         inbox_dir: Path | None = None,
@@ -130,6 +133,7 @@ class RankSupervisor:
         self.log_dir = state_dir / "ranks"
         self.ledger = self.log_dir / "live.json"  # the ranks running now, for the next agent if this one dies
         self.on_exit = on_exit
+        self.on_parked = on_parked
         self.tail_lines = tail_lines
         self._ranks: dict[tuple[str, int], RankProcess] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -219,9 +223,11 @@ class RankSupervisor:
             return
         if message.kind is MessageKind.IN_PLACE:
             rank.in_place = True
-        elif message.kind is MessageKind.PARKED and rank.in_place:
+        elif message.kind is MessageKind.PARKED and rank.in_place and not rank.parked.is_set():
             rank.parked_why = message.why
             rank.parked.set()
+            if self.on_parked is not None:
+                self.on_parked(rank)
 
     def _record(self) -> None:
         """Write the ledger of running ranks (atomically): a rank whose agent dies is not forgotten."""

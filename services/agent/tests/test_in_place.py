@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import signal
+import socket
 import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
 from reprise_cli.servers import NatsServer, free_port
-from reprise_common.events import CommandAction, CommandResult, NodeReport, RankExited
+from reprise_common.events import CommandAction, CommandResult, NodeReport, RankExited, RankParked
 from reprise_common.procs import ProcessSample, process_alive, sample_process
 
 from .test_agent import Harness, running_agent, wait_for
@@ -111,6 +115,38 @@ async def test_survivors_of_a_killed_peer_park_and_take_the_next_epoch_in_their_
     logs = tmp_path / "agent" / "ranks" / "job-1"
     assert f"enter epoch=1 rank=0 world=3 pid={pids[0]}" in (logs / "epoch-1-rank-0.log").read_text()  # its own file
     assert "enter epoch=1" not in (logs / "epoch-0-rank-0.log").read_text()
+
+
+async def test_a_rank_parked_by_its_peer_s_death_is_published_once_with_what_it_caught(
+    harness: Harness, tmp_path: Path
+) -> None:
+    _, pids = await training(harness, tmp_path)
+    os.kill(pids[2], signal.SIGKILL)
+    assert await wait_for(lambda: len(harness.of_type(RankParked)) == 2, timeout_s=30)
+
+    # A rank saying it again (a repeated datagram) is not a new parking; a heartbeat after it shows it was read.
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sdk:
+        for rank, body in ((0, {"k": "parked", "why": "again"}), (1, {"k": "parked", "why": "again"}),
+                           (0, {"k": "hb", "step": 10**9})):  # fmt: skip
+            sent = {"v": 1, "job": "job-1", "rank": rank, "epoch": 0, "t_ns": time.time_ns(), **body}
+            sdk.sendto(json.dumps(sent).encode(), str(harness.agent.sdk.path))
+    assert await wait_for(lambda: harness.agent.progress.status_fields("job-1", 0)["step"] == 10**9)
+    await harness.agent.outbox.flush(timeout_s=5.0)  # on the stream now: wait until the test has read it all
+    for _ in range(500):
+        info = await harness.client.js.consumer_info("AGENT", "test")
+        if info.num_pending == 0 and info.num_ack_pending == 0:
+            break
+        await asyncio.sleep(0.02)
+    else:
+        raise AssertionError(f"the test's consumer did not read every event: {info}")
+    parked = [e for e in harness.events if isinstance(e, RankParked)]
+    assert sorted((e.node_id, e.job_id, e.rank, e.restart_epoch) for e in parked) == [
+        ("n1", "job-1", 0, 0),
+        ("n1", "job-1", 1, 0),
+    ]
+    whys = {r.rank: r.parked_why for r in harness.agent.supervisor.ranks() if r.parked.is_set()}
+    assert {e.rank: e.why for e in parked} == whys
+    assert all(e.why.startswith("RuntimeError: ") and "again" not in e.why for e in parked)  # the failed all_reduce
 
 
 async def test_a_frozen_rank_is_killed_its_peers_park_and_parked_ranks_without_a_place_are_stopped(

@@ -24,6 +24,7 @@ from reprise_common.events import (
     GpuXid,
     RankExited,
     RankNumeric,
+    RankParked,
     RankStacks,
     RecommendedAction,
     Severity,
@@ -45,6 +46,7 @@ class Classification:
     action: RecommendedAction
     root_cause_grade: bool
     reason: str
+    evidence_only: bool = False  # never recorded as a symptom: it only feeds the detector's own evidence
 
 
 class _Rule(BaseModel):
@@ -194,13 +196,15 @@ class RuleBook:
                 return rule.apply(_Facts.of(event))
             case RankExited():
                 return self._rank_exited(event)
-            case RankStacks() | RankNumeric() | ComputeSignal():
+            case RankStacks() | RankNumeric() | ComputeSignal() | RankParked():
                 return self._reported(event)
             case NodeLost() | JobHung() | RankStraggling() | RankExitedEarly():
                 return self._derived(event)
 
-    def _reported(self, event: RankStacks | RankNumeric | ComputeSignal) -> Classification:
+    def _reported(self, event: RankStacks | RankNumeric | ComputeSignal | RankParked) -> Classification:
         match event:
+            case RankParked():
+                return parked(event)
             case RankStacks():
                 return self.rank_stacks.apply(_Facts.of(event, summary=stacks.summary(event)))
             case RankNumeric():
@@ -254,6 +258,16 @@ class RuleBook:
             if rule.when.matches(oom_killed=oom_killed, signal=signal, exit_code=exit_code, log_tail=lines):
                 return rule
         return None
+
+
+def parked(event: RankParked) -> Classification:
+    """A rank parked for a restart in place survived a fault: never a cause nor a symptom, whatever an operator's rules
+    say, so fixed here rather than in rules.yaml; its `why` is evidence of a lost peer (nodes/peers.py) and nothing
+    more."""
+    reason = f"rank {event.rank} parked for a restart in place: {event.why or 'no reason given'}"
+    return Classification(
+        Category.APPLICATION, Severity.INFO, RecommendedAction.NONE, False, reason, evidence_only=True
+    )
 
 
 def normalise_signal(value: str | None, exit_code: int | None) -> str | None:

@@ -17,6 +17,7 @@ from reprise_common.events import (
     NumericKind,
     RankExited,
     RankNumeric,
+    RankParked,
     RankStacks,
 )
 from reprise_common.logging import get_logger
@@ -25,7 +26,8 @@ from reprise_detector.derived import DerivedSymptom, JobHung, NodeLost, RankExit
 
 log = get_logger("reprise.detector.observe")
 
-AgentSymptom = GpuXid | GpuLost | RankExited | DependencyFailed | RankStacks | RankNumeric
+# RankParked is evidence only: a survivor's error feeds the peers' errors (nodes/peers.py), never an incident.
+AgentSymptom = GpuXid | GpuLost | RankExited | DependencyFailed | RankStacks | RankNumeric | RankParked
 SymptomEvent = AgentSymptom | ComputeSignal | DerivedSymptom
 _LOG_TAIL_LINES = 5
 EVENT_TIMES_BOUNDED = Counter(
@@ -85,7 +87,7 @@ def observe(event: Event, subject: str, *, stored_ns: int = 0, skew_s: float = 0
     """
     if isinstance(event, ComputeSignal):
         return compute_signal(event, subject, stored_ns=stored_ns, skew_s=skew_s)
-    if not isinstance(event, GpuXid | GpuLost | RankExited | DependencyFailed | RankStacks | RankNumeric):
+    if not isinstance(event, GpuXid | GpuLost | RankExited | DependencyFailed | RankStacks | RankNumeric | RankParked):
         return None
     try:
         node_id = subjects.node_from_agent_subject(subject)
@@ -107,6 +109,8 @@ def observe(event: Event, subject: str, *, stored_ns: int = 0, skew_s: float = 0
             job_id, rank, detail = _job_token(event.job_id), event.rank, stacks.summary(event)
         case RankNumeric():
             job_id, rank, detail = _job_token(event.job_id), event.rank, numeric_summary(event)
+        case RankParked():
+            job_id, rank, detail = _job_token(event.job_id), event.rank, event.why
         case DependencyFailed():
             detail = f"{event.dependency}: {event.detail}"
             job_id = _job_token(event.job_id) if event.job_id is not None else None

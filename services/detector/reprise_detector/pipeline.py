@@ -25,7 +25,7 @@ from reprise_common.clock import Clock
 from reprise_common.consumer import ACK, Item, Verdict
 from reprise_common.db import session_scope
 from reprise_common.errors import BusError, MalformedEventError
-from reprise_common.events import Culprit, Event, RankExited, RankStacks
+from reprise_common.events import Culprit, Event, RankExited, RankParked, RankStacks
 from reprise_common.logging import get_logger
 from reprise_detector import stacks
 from reprise_detector.classify import Classification, RuleBook
@@ -216,12 +216,13 @@ class Detector:
         """Persist a batch, then publish its changes; RETRY when the database or the bus is unavailable."""
         for w in work:
             job_id = w.observation.job_id
-            if w.dropped is not None and job_id is not None and self.partition.owns_job(job_id):
-                self.drops.note(w.dropped, w.observation)
+            if w.dropped is not None:
+                if job_id is not None and self.partition.owns_job(job_id) and not w.classification.evidence_only:
+                    self.drops.note(w.dropped, w.observation)
             elif w.owned and job_id is not None:
                 self._note_clean_exit(w.observation)
                 self._note_peer_error(w)
-        work = [w for w in work if w.owned]
+        work = [w for w in work if w.owned and not w.classification.evidence_only]  # a parked rank: noted, not kept
         if not work:
             return Outcome.ACK
         async with self._lock:
@@ -248,10 +249,11 @@ class Detector:
             )
 
     def _note_peer_error(self, work: Work) -> None:
-        """A rank of the job's current launch that failed because of a peer (a secondary exit) is evidence against
-        the job's silent nodes (nodes/peers.py); one whose exit is a cause of its own (a crash) explains its peers'."""
+        """A rank of the job's current launch that failed or parked because of a peer (a secondary exit, a survivor
+        of a restart in place) is evidence against the job's silent nodes (nodes/peers.py); one whose exit is a cause
+        of its own (a crash) explains its peers'."""
         observation, event = work.observation, work.observation.event
-        if self.peers is None or not isinstance(event, RankExited):
+        if self.peers is None or not isinstance(event, RankExited | RankParked):
             return
         job_id = observation.job_id
         if job_id is None or event.restart_epoch not in (None, self.placements.epoch_of(job_id)):
@@ -259,7 +261,7 @@ class Detector:
         if work.classification.root_cause_grade:
             self.peers.crashed(job_id=job_id)
             return
-        text = "\n".join(event.log_tail)
+        text = "\n".join(event.log_tail) if isinstance(event, RankExited) else event.why
         self.peers.note(job_id=job_id, node_id=observation.node_id, rank=event.rank, text=text, time=observation.time)
 
     # --- persist ----------------------------------------------------------------------------------------------

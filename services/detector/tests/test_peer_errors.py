@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from reprise_common.clock import ManualClock, utcnow
-from reprise_common.events import NodeReport, RankExited
+from reprise_common.events import Event, NodeReport, RankExited, RankParked
 
 from .conftest import Harness, StartDetector, wait_until
 
@@ -23,6 +23,10 @@ def _exit(node: str, rank: int, log_tail: list[str], exit_code: int = 1) -> Rank
     return RankExited(
         source=node, node_id=node, job_id=JOB, rank=rank, exit_code=exit_code, log_tail=log_tail, restart_epoch=0
     )
+
+
+def _parked(node: str, rank: int, why: str) -> RankParked:
+    return RankParked(source=node, node_id=node, job_id=JOB, rank=rank, restart_epoch=0, why=why)
 
 
 async def _start(start_detector: StartDetector, sqlite_url: str) -> tuple[Harness, ManualClock]:
@@ -47,26 +51,33 @@ async def _look(h: Harness) -> list[dict[str, Any]]:
     return incidents
 
 
-async def test_a_peer_error_and_a_node_silent_for_1_5_intervals_make_it_lost_before_the_limit(
-    start_detector: StartDetector, sqlite_url: str
-) -> None:
-    h, clock = await _start(start_detector, sqlite_url)
+async def _node_2_lost_early(h: Harness, clock: ManualClock, evidence: Event) -> dict[str, Any]:
+    """node-2 dies; its peer on node-1 says so a second later (`evidence`): nothing yet after one interval of silence,
+    node-2 lost after 1.8 s, far from the 5 s limit. The lost node's incident."""
     clock.advance(1.0)
-    await _round(h, ("node-1", "node-3"))  # node-2 died: its last report was a second ago
-    await h.emit("node-1", _exit("node-1", 0, GLOO_RESET))
+    await _round(h, ("node-1", "node-3"))  # node-2's last report was a second ago
+    await h.emit("node-1", evidence)
     await h.settled()
     assert await _look(h) == []  # silent for one interval only: a report may still come
     clock.advance(0.8)
     await _round(h, ("node-1", "node-3"))
-    [incident] = await _look(h)  # 1.8 s of silence, far from the 5 s limit
+    [incident] = await _look(h)
     assert (incident["category"], incident["culprit_node_id"]) == ("node", "node-2")
-    assert incident["recommended_action"] == "restart_exclude_node"
     assert incident["root_cause"].startswith("node node-2 lost: its peers' collectives failed (rank 0 on node-1: ")
     assert "Connection closed by peer" in incident["root_cause"]
-    assert incident["root_cause"].endswith("and it has not reported for 1.8 s")
-    assert incident["symptom_count"] == 2  # the lost node and the peer's exit, adopted as evidence
     health = {n["node_id"]: n["state"] for n in (await h.client.get("/v1/node-health")).json()["data"]}
     assert health == {"node-1": "alive", "node-2": "lost", "node-3": "alive"}
+    return incident
+
+
+async def test_a_peer_error_and_a_node_silent_for_1_5_intervals_make_it_lost_before_the_limit(
+    start_detector: StartDetector, sqlite_url: str
+) -> None:
+    h, clock = await _start(start_detector, sqlite_url)
+    incident = await _node_2_lost_early(h, clock, _exit("node-1", 0, GLOO_RESET))
+    assert incident["recommended_action"] == "restart_exclude_node"
+    assert incident["root_cause"].endswith("and it has not reported for 1.8 s")
+    assert incident["symptom_count"] == 2  # the lost node and the peer's exit, adopted as evidence
 
 
 async def test_the_same_silence_without_a_peer_error_waits_for_the_limit(
@@ -166,3 +177,37 @@ async def test_the_watch_looks_when_the_silent_node_comes_due_without_waiting_fo
     [incident] = await h.open_incidents(JOB)
     assert incident["culprit_node_id"] == "node-2"
     assert incident["root_cause"].startswith("node node-2 lost: its peers' collectives failed")
+
+
+# Restart in place: a rank that survives its peer's failure parks instead of exiting, and says so with rank.parked.
+GLOO_RESET_WHY = GLOO_RESET[-1]  # what reprise_sdk.run says it caught: "<exception type>: <message>"
+
+
+async def test_a_parked_rank_s_peer_error_and_a_silent_node_make_it_lost_before_the_limit(
+    start_detector: StartDetector, sqlite_url: str
+) -> None:
+    h, clock = await _start(start_detector, sqlite_url)
+    parked = _parked("node-1", 0, GLOO_RESET_WHY)  # rank 0 survived node-2's death in place
+    incident = await _node_2_lost_early(h, clock, parked)
+    assert incident["symptom_count"] == 1  # the lost node: the survivor's parking is evidence, not a symptom
+    assert h.symptoms(parked.event_id) == []
+
+
+async def test_parked_ranks_while_every_node_reports_open_nothing_and_are_not_recorded(
+    start_detector: StartDetector, sqlite_url: str
+) -> None:
+    h, clock = await _start(start_detector, sqlite_url)
+    clock.advance(0.5)
+    survivors = [_parked("node-1", 0, GLOO_RESET_WHY), _parked("node-3", 2, "restart ordered")]
+    for event in survivors:
+        await h.emit(event.node_id, event)
+    await h.settled()
+    for _ in range(4):  # every node reports each second; each look comes 1.2 s after the last reports
+        clock.advance(0.7)
+        await _round(h, NODES)
+        clock.advance(1.2)
+        assert await _look(h) == []
+    assert [h.symptoms(e.event_id) for e in survivors] == [[], []]
+    assert h.runtime.bus.dead_letter_count == 0
+    health = {n["node_id"]: n["state"] for n in (await h.client.get("/v1/node-health")).json()["data"]}
+    assert set(health.values()) == {"alive"}

@@ -11,7 +11,8 @@ recent, the job's peer errors are no evidence, so a node whose report is merely 
 for a crash elsewhere.
 
 The intake (`PeerErrors.note`) takes a job, the node and rank that saw the error, the error's text and its time, so
-that any event carrying a rank's error can feed it (today a `rank.exited`'s log tail).
+that any event carrying a rank's error can feed it: a `rank.exited`'s log tail, and a `rank.parked`'s `why` (a rank
+that survived its peer's failure to restart in place does not exit, so its error arrives that way).
 """
 
 from __future__ import annotations
