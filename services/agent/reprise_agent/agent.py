@@ -99,6 +99,7 @@ class Agent:
         self.book = CommandBook(node_id=self.node_id, state_file=settings.state_dir / "fences.json")
         self.node_lost = False  # set by an injected node loss: from then on the agent publishes nothing
         self.stopping = False  # set by stop(): the last report says so, and then the connection closes
+        self._stopping_jobs: set[str] = set()  # jobs whose stop (or park) this agent is carrying out now
         self.outbox = Outbox(bus, capacity=settings.outbox_capacity)
         self.depchecks = DependencyChecker(
             settings.dependency_checks,
@@ -317,7 +318,7 @@ class Agent:
     def _on_rank_parked(self, rank: RankProcess) -> None:
         """A rank parked for a restart in place: no fault, but what it caught (a peer's failure) is the detector's
         early evidence that a silent node of the job is lost, as a peer's exit was before ranks could park."""
-        if self.node_lost:
+        if self.node_lost or rank.job_id in self._stopping_jobs:  # parked by a recovery's stop: no evidence
             return
         event = RankParked(
             source=self.node_id,
@@ -366,25 +367,35 @@ class Agent:
             for assignment in spec.ranks:  # startup begins now; a no-op for a rank that already reported
                 self.progress.begin(command.job_id, assignment.rank, restart_epoch=spec.restart_epoch)
         else:
-            grace = command.args.grace_s
-            if command.args.capture_stacks is not None:
-                await self._capture_stacks(command.job_id, command.args.capture_stacks)
-            self.depchecks.clear_rendezvous(command.job_id)
+            data = await self._stop(command)
+        return CommandReply(command_id=command.command_id, node_id=self.node_id, result=CommandResult.DONE, data=data)
+
+    async def _stop(self, command: StopCommand) -> dict[str, Any]:
+        """Stop the job's ranks here (a hang's stacks first); for a restart in place, the culprits first, then park
+        whoever can. Ranks that park meanwhile were parked by the recovery: their peer errors are no evidence of a
+        lost node, so no rank.parked is published for them."""
+        job_id, args = command.job_id, command.args
+        self._stopping_jobs.add(job_id)
+        try:
+            if args.capture_stacks is not None:
+                await self._capture_stacks(job_id, args.capture_stacks)
+            self.depchecks.clear_rendezvous(job_id)
             kept: set[int] = set()
             stopped = []
-            if command.args.park_within_s is not None:  # a restart in place: who can, parks; the rest is stopped
+            if args.park_within_s is not None:  # a restart in place: who can, parks; the rest is stopped
                 # The culprits go first: a frozen rank holds its peers in their collective until it is gone.
-                kill = set(command.args.kill_ranks)
-                others = {r.rank for r in self.supervisor.ranks() if r.job_id == command.job_id} - kill
-                stopped = await self.supervisor.stop(command.job_id, grace_s=grace, keep=others)
-                parked = await self.supervisor.park(command.job_id, within_s=command.args.park_within_s, kill=kill)
+                kill = set(args.kill_ranks)
+                others = {r.rank for r in self.supervisor.ranks() if r.job_id == job_id} - kill
+                stopped = await self.supervisor.stop(job_id, grace_s=args.grace_s, keep=others)
+                parked = await self.supervisor.park(job_id, within_s=args.park_within_s, kill=kill)
                 kept = {r.rank for r in parked}
-            stopped += await self.supervisor.stop(command.job_id, grace_s=grace, keep=kept)
-            self.progress.forget(command.job_id)
-            self.numeric.forget(command.job_id)
-            outcomes = {r.rank: {"rank": r.rank, "exit_code": r.exit_code, "signal": r.exit_signal} for r in stopped}
-            data = {"stopped": list(outcomes.values()), "parked": sorted(kept)}
-        return CommandReply(command_id=command.command_id, node_id=self.node_id, result=CommandResult.DONE, data=data)
+            stopped += await self.supervisor.stop(job_id, grace_s=args.grace_s, keep=kept)
+        finally:
+            self._stopping_jobs.discard(job_id)
+        self.progress.forget(job_id)
+        self.numeric.forget(job_id)
+        outcomes = {r.rank: {"rank": r.rank, "exit_code": r.exit_code, "signal": r.exit_signal} for r in stopped}
+        return {"stopped": list(outcomes.values()), "parked": sorted(kept)}
 
     async def _capture_stacks(self, job_id: str, order: StackCapture) -> None:
         """Publish the Python stacks of the job's live ranks here, once per incident, within the order's bound."""

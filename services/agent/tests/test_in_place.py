@@ -167,6 +167,19 @@ async def test_a_frozen_rank_is_killed_its_peers_park_and_parked_ranks_without_a
     assert await wait_for(lambda: not process_alive(pids[0]))  # parked, but the new epoch has no place for it
     assert await wait_for(lambda: stepping(harness, 1, 1), timeout_s=60)
     assert [e for e in harness.events if isinstance(e, RankExited)] == []  # every exit was the agent's doing
+    # The peers parked because the recovery stopped the frozen rank: their errors are no evidence of a lost node.
+    assert [e for e in harness.events if isinstance(e, RankParked)] == []
+
+
+async def test_a_rank_that_does_not_park_within_the_bound_is_stopped_and_replaced_cold(
+    harness: Harness, tmp_path: Path
+) -> None:
+    _, pids = await training(harness, tmp_path)
+    os.kill(pids[1], signal.SIGSTOP)  # stuck, and not named a culprit: its peers wait in their collective for it
+    assert await wait_for(lambda: (sample_process(pids[1]) or ProcessSample("", 0)).state == "T")
+    stop = await harness.command(CommandAction.STOP, fence=1, command_id="s", grace_s=1.0, park_within_s=1.0)
+    assert stop.result is CommandResult.DONE and stop.data["parked"] == []  # the bound passed: stopped as before
+    assert not any(process_alive(pid) for pid in pids)
 
 
 async def test_ranks_that_cannot_restart_in_place_are_stopped_as_before(harness: Harness) -> None:
