@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import sys
 
-from bench.recovery_track import QUICK, CellRun, FaultTracker, System
-from bench.vs_torchrun_common import Fault
+import pytest
+
+from bench.recovery_track import QUICK, SCRIPT_COLLECTIVE_TIMEOUT_S, CellRun, FaultTracker, System
+from bench.vs_torchrun_common import SCRIPT, Fault
 
 SETTINGS = dataclasses.replace(QUICK, faults=2, checkpoint_every=10, fault_step=25)
 
@@ -67,3 +71,13 @@ def test_cell_figures_take_medians_over_the_recovered_faults() -> None:
     assert figures["time_to_progress_s_median"] == 7.0 and figures["time_to_progress_s_range"] == [6.0, 8.0]
     assert figures["final_equal_to_reference"] is True
     assert cell.figures("other")["final_equal_to_reference"] is False
+
+
+def test_the_collective_timeout_is_the_scripts(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The fleet projection estimates the loop's unrecovered hang with it: it must follow the script.
+    spec = importlib.util.spec_from_file_location("ddp_train", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    assert module.COLLECTIVE_TIMEOUT.total_seconds() == SCRIPT_COLLECTIVE_TIMEOUT_S
