@@ -140,6 +140,35 @@ def allocation_ended(cluster: SlurmCluster, job_id: str) -> SlurmJob | None:
     )
 
 
+def test_a_node_slurm_sets_down_leaves_the_allocation_which_runs_on_with_its_other_agents(
+    slurm_client: TestClient, slurm_cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    """Reprise handles a lost node itself (a spare or a shrink, in seconds); Slurm, setting the node DOWN later, must
+    not end the whole allocation and every surviving agent and rank with it (its default without --no-kill)."""
+    job_id = submit(slurm_client, tmp_path, nodes=2, spares=0)["id"]
+    running_job(slurm_client, job_id)
+    before = allocation_of(slurm_cluster, job_id)
+    assert before is not None
+    survivor, lost = before.nodes
+
+    slurm_cluster.kill_node(lost)
+    poll(slurm_cluster.node_states, lambda states: states.get(lost, "").startswith("down"), timeout_s=45)
+
+    after = poll(
+        lambda: allocation_of(slurm_cluster, job_id),
+        lambda job: job is not None and lost not in job.nodes,
+        timeout_s=15,
+    )
+    assert after is not None and (after.job_id, after.state, after.restart_count) == (
+        before.job_id,
+        SlurmJobState.RUNNING,
+        0,
+    ), after  # the same allocation, still running, not requeued
+    assert after.nodes == (survivor,)
+    nodes = {node["node_id"]: node for node in slurm_client.get("/v1/nodes").json()}
+    assert not nodes[survivor]["stale"] and nodes[survivor]["ranks"] == 1  # its agent and rank live on
+
+
 def test_the_platforms_jobs_and_slurms_are_reconciled_both_ways(
     slurm_client: TestClient, slurm_cluster: SlurmCluster, tmp_path: Path
 ) -> None:

@@ -142,8 +142,8 @@ class SlurmBackend:
         return [job.job_id for job in found]
 
     async def allocate(self, request: AllocationRequest) -> str:
-        """Submit the job's allocation (sbatch, named `reprise-<job id>`, requeueable), whose batch script starts one
-        agent per node with srun; Slurm's job id."""
+        """Submit the job's allocation (sbatch, named `reprise-<job id>`, requeueable, kept when a node fails), whose
+        batch script starts one agent per node with srun; Slurm's job id."""
         if self.agent_launch is None:
             raise SlurmError("this replica has no agent launch configured (REPRISE_SLURM_AGENT_*): it cannot submit")
         partition = request.partition or self.partition
@@ -158,6 +158,9 @@ class SlurmBackend:
             partition=partition,
             account=request.account,
             time_limit_min=request.time_limit_min,
+            # A lost node is Reprise's to handle (a spare or a shrink, within seconds): without --no-kill Slurm would
+            # end the whole allocation, every surviving rank and agent with it, once it sets the node DOWN.
+            keep_on_node_failure=True,
             output=Path(request.output) if request.output else None,
             extra_args=request.extra_args,
         )

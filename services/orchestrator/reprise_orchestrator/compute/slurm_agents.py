@@ -73,5 +73,5 @@ def batch_script(request: AllocationRequest, launch: AgentLaunch) -> str:
         f"# Reprise: the allocation of job {request.job_id}, one agent per node: the first {request.workers} node(s)\n"
         f"# are its workers, the other {request.spares} its spares.\n"
         f"{exports}"
-        f"exec srun --ntasks-per-node=1 --kill-on-bad-exit=0 sh -c {shlex.quote(agent)}\n"
+        f"exec srun --no-kill --ntasks-per-node=1 --kill-on-bad-exit=0 sh -c {shlex.quote(agent)}\n"
     )

@@ -46,6 +46,8 @@ _OWN_SBATCH_OPTIONS = {"--parsable", "--wrap", "--job-name", "--nodes", "--ntask
     "--export",
     "--ntasks",
     "--array",
+    "--no-kill",
+    "--kill-command",
 }
 # What a batch submission's environment holds of the orchestrator's (sbatch passes its environment on to the job):
 # never the orchestrator's secrets or settings, which the agents and the ranks must not see.
@@ -170,6 +172,9 @@ class SlurmSubmission(BaseModel):
     time_limit_min: int | None = Field(None, ge=1)
     exclude: tuple[SlurmName, ...] = ()
     requeue: bool = True
+    keep_on_node_failure: bool = Field(
+        False, description="--no-kill: a node that fails leaves the allocation, which runs on (Slurm's default ends it)"
+    )
     output: Path | None = Field(None, description="the batch step's output file (%j: the job id); Slurm's default")
     extra_args: tuple[str, ...] = Field((), description="further sbatch options from the job spec, each --name=value")
 
@@ -191,6 +196,8 @@ class SlurmSubmission(BaseModel):
         """sbatch's arguments (the script goes on its stdin)."""
         args = ["--parsable", f"--job-name={self.name}", f"--nodes={self.nodes}", "--ntasks-per-node=1"]
         args.append("--requeue" if self.requeue else "--no-requeue")
+        if self.keep_on_node_failure:
+            args.append("--no-kill")
         if self.partition:
             args.append(f"--partition={self.partition}")
         if self.account:
