@@ -10,19 +10,26 @@ import hashlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, TypeVar
 
 import httpx
 import redis
 
 from reprise_cli.creds import private_draft
+from reprise_cli.ports import (
+    PortTaken,
+    free_port,
+    free_stack_ports,  # noqa: F401 - benchmarks and tests import it from here
+    listens,
+    taken_port,
+    with_port_retries,
+)
 from reprise_common.errors import ConfigError
 from reprise_common.procs import die_with_parent, signal_group, start_ticks
 
@@ -68,51 +75,12 @@ def find_redis_server() -> str:
         ) from exc
 
 
-def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
-    """True when nothing listens on host:port."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port the kernel says is free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
-def free_stack_ports(defaults: dict[str, int], *, agents: int = 8) -> dict[str, int]:
-    """A free port for every key of `defaults`, and for "agent" a base with `agents` free ports after it.
-
-    The agents' run is chosen first and no other port may fall inside it (tests and benchmarks start whole stacks
-    on free ports; a kernel-chosen port can land in the middle of the agents' run otherwise).
-    """
-    while True:
-        base = free_port()
-        if all(port_is_free(base + i) for i in range(agents)):
-            break
-    taken = set(range(base, base + agents))
-    ports = {"agent": base}
-    for key in defaults:
-        if key == "agent":
-            continue
-        port = free_port()
-        while port in taken:
-            port = free_port()
-        taken.add(port)
-        ports[key] = port
-    return ports
-
-
-def require_free_port(port: int, what: str, flag: str) -> None:
-    """Raise a one-line ConfigError naming the fix when a port is taken."""
-    if not port_is_free(port):
-        raise ConfigError(f"port {port} for {what} is already in use: stop what uses it or pass {flag} <other port>")
+def answers(url: str, *, timeout_s: float = 1.0) -> bool:
+    """True when a GET of url answers 200."""
+    try:
+        return httpx.get(url, timeout=timeout_s).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 @dataclass
@@ -128,6 +96,7 @@ class ManagedProcess:
     stop_requested: bool = False  # set by stop(): an exit after it is intended, not a crash
     started: int | None = None  # start time in clock ticks: the pid may be another process's once this one exited
     _log: IO[bytes] | None = None
+    _log_start: int = 0  # where this run's output begins in the log file
 
     def start(self) -> None:
         """Start the process (new session, dies with its parent); a second start runs it again."""
@@ -135,6 +104,7 @@ class ManagedProcess:
         if self._log is not None:
             self._log.close()  # the handle of a run that crashed
         self._log = self.log_path.open("ab")
+        self._log_start = self.log_path.stat().st_size
         self.stop_requested = False
         self.proc = subprocess.Popen(
             list(self.argv),
@@ -189,6 +159,28 @@ class ManagedProcess:
             self._log = None
         return self.proc.returncode
 
+    def listening(self, *ports: int) -> bool:
+        """True once this run listens on every one of `ports` itself (another process answering there is not it),
+        False while it starts. Once it ended: PortTaken when one was taken (its output says the address is in use, or
+        another process listens there), else a ConfigError with the end of its output."""
+        if self.proc is None:
+            return False
+        if self.proc.poll() is None:
+            return all(listens(self.pid, port) for port in ports)
+        port = taken_port(ports, self.output())
+        if port is not None:
+            raise PortTaken(f"port {port} of {self.name} was taken by another process", port=port)
+        raise ConfigError(f"{self.name} exited during start: {self.log_tail(5)}")
+
+    def output(self) -> str:
+        """What this run has written to its log."""
+        try:
+            with self.log_path.open("rb") as file:
+                file.seek(self._log_start)
+                return file.read().decode(errors="replace")
+        except OSError:
+            return ""
+
     def log_tail(self, lines: int = 20) -> str:
         """The last lines of the process's output."""
         try:
@@ -213,21 +205,36 @@ class _ServerProcess:
     log_path: Path
     process: ManagedProcess | None
 
+    def start(self, timeout_s: float = 15.0) -> None:
+        """Start (again) and wait until the server is ready."""
+        raise NotImplementedError
+
     def ready(self) -> bool:
         """The server answers its clients."""
         raise NotImplementedError
 
-    def _launch(self, name: str, argv: list[str], *, port: int, timeout_s: float) -> None:
-        """Run argv (after what is left of a crashed run) and wait until the server is ready."""
+    @property
+    def ports(self) -> tuple[int, ...]:
+        """Every port the server listens on."""
+        raise NotImplementedError
+
+    def _launch(self, name: str, argv: list[str], *, timeout_s: float) -> None:
+        """Run argv (after what is left of a crashed run) and wait until the server is ready on its own ports;
+        PortTaken when one was another process's."""
         if self.process is not None:
             self.process.stop(grace_s=5.0)
         process = ManagedProcess(name, argv, self.log_path)
         process.start()
         self.process = process  # started before it is seen: other threads read `process`
-        if not wait_until(self.ready, timeout_s=timeout_s):
-            tail = self.process.log_tail()
+        try:
+            up = wait_until(lambda: process.listening(*self.ports) and self.ready(), timeout_s=timeout_s)
+        except ConfigError:  # it ended: PortTaken when it lost a port
             self.stop()
-            raise ConfigError(f"{name} server did not become ready on port {port}: {tail.splitlines()[-1:]}")
+            raise
+        if not up:
+            tail = process.log_tail()
+            self.stop()
+            raise ConfigError(f"{name} server did not become ready on port {self.ports[0]}: {tail.splitlines()[-1:]}")
 
     def alive(self) -> bool:
         """True while the server's process runs."""
@@ -241,6 +248,21 @@ class _ServerProcess:
         """Stop the server."""
         if self.process is not None:
             self.process.stop(grace_s=5.0)
+
+
+S = TypeVar("S", bound=_ServerProcess)
+
+
+def start_server(make: Callable[[], S]) -> S:
+    """make() a server on ports free_port() chooses and start it; made and started again on other ports when one was
+    taken before the server bound it (with_port_retries)."""
+
+    def launch() -> S:
+        server = make()
+        server.start()
+        return server
+
+    return with_port_retries(launch)
 
 
 @dataclass
@@ -261,6 +283,16 @@ class NatsServer(_ServerProcess):
     def on_free_ports(cls, directory: Path, *, config: Path | None = None) -> NatsServer:
         """A server on free ports with its store and log under `directory` (`config`: e.g. `reprise creds`')."""
         return cls(free_port(), free_port(), directory / "store", directory / "nats.log", config=config)
+
+    @classmethod
+    def start_on_free_ports(cls, directory: Path, *, config: Path | None = None) -> NatsServer:
+        """A server as on_free_ports gives it, started; on other ports when one was taken before it bound it."""
+        return start_server(lambda: cls.on_free_ports(directory, config=config))
+
+    @property
+    def ports(self) -> tuple[int, ...]:
+        """The client and monitoring ports, and a cluster member's route port."""
+        return (self.port, self.monitor_port, *([self.cluster_port] if self.cluster_port is not None else []))
 
     @property
     def url(self) -> str:
@@ -287,17 +319,13 @@ class NatsServer(_ServerProcess):
                 "--cluster", f"nats://{self.host}:{self.cluster_port}",
                 "--routes", routes,
             ]  # fmt: skip
-        self._launch("nats", argv, port=self.port, timeout_s=timeout_s)
+        self._launch("nats", argv, timeout_s=timeout_s)
 
     def ready(self) -> bool:
         """JetStream answers on the monitoring port."""
         if self.process is None or not self.process.alive():
             return False
-        try:
-            url = f"http://{self.host}:{self.monitor_port}/healthz?js-enabled-only=true"
-            return httpx.get(url, timeout=1.0).status_code == 200
-        except httpx.HTTPError:
-            return False
+        return answers(f"http://{self.host}:{self.monitor_port}/healthz?js-enabled-only=true")
 
 
 @dataclass
@@ -323,6 +351,25 @@ class NatsCluster:
                 for index, cluster_port in enumerate(cluster_ports)
             ]
         )
+
+    @classmethod
+    def start_on_free_ports(cls, directory: Path, *, size: int = 3) -> NatsCluster:
+        """A cluster as on_free_ports gives it, started; when a port was taken before its member bound it, every
+        member is stopped and the cluster started again on other ports, with fresh stores (the old ones name peers
+        that never were)."""
+
+        def launch() -> NatsCluster:
+            cluster = cls.on_free_ports(directory, size=size)
+            try:
+                cluster.start()
+            except PortTaken:
+                cluster.stop()
+                for server in cluster.servers:
+                    shutil.rmtree(server.store_dir, ignore_errors=True)
+                raise
+            return cluster
+
+        return with_port_retries(launch)
 
     @property
     def url(self) -> str:
@@ -364,6 +411,17 @@ class RedisServer(_ServerProcess):
     password: str | None = None
     process: ManagedProcess | None = None
 
+    @classmethod
+    def start_on_free_port(cls, directory: Path, *, password: str | None = None) -> RedisServer:
+        """A server on a free port with its data and log under `directory`, started; on another port when its own was
+        taken before it bound it."""
+        return start_server(lambda: cls(free_port(), directory / "data", directory / "redis.log", password=password))
+
+    @property
+    def ports(self) -> tuple[int, ...]:
+        """The one port."""
+        return (self.port,)
+
     @property
     def url(self) -> str:
         """The client URL."""
@@ -381,7 +439,7 @@ class RedisServer(_ServerProcess):
         ]  # fmt: skip
         if self.password is not None:
             argv += ["--aclfile", str(self._write_acl(self.password))]
-        self._launch("redis", argv, port=self.port, timeout_s=timeout_s)
+        self._launch("redis", argv, timeout_s=timeout_s)
 
     def _write_acl(self, password: str) -> Path:
         path = (self.data_dir / REDIS_ACL_FILE).absolute()  # the server resolves it in its data dir (--dir)

@@ -5,25 +5,28 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 
 import httpx
 
 from reprise_cli.client import PlatformClient
 from reprise_cli.creds import ADMIN, ensure_redis_password, init_credentials, read_admin_api_key, seed_file
+from reprise_cli.ports import PortTaken, free_stack_ports, require_free_port, with_port_retries
 from reprise_cli.servers import (
     ManagedProcess,
     NatsServer,
     RedisServer,
+    answers,
     deploy_dir,
     find_nats_server,
     find_redis_server,
     wait_until,
 )
-from reprise_cli.servers import require_free_port as _require_free_port
 from reprise_cli.supervise import RestartPolicy, Supervisor
 from reprise_cli.topology import (
+    DEFAULT_PORTS,
     ServiceSpec,
     StackConfig,
     agent_name,
@@ -62,6 +65,9 @@ class Stack:
 
     config: StackConfig
     say: Callable[[str], None] = print
+    # Tests and benchmarks: run on ports chosen free at start, not the config's, and choose them again when another
+    # process takes one before its server binds it (`reprise up` runs on the ports the user asked for).
+    free_ports: bool = False
     restart_policy: RestartPolicy = field(default_factory=RestartPolicy)
     nats: NatsServer | None = None
     redis: RedisServer | None = None
@@ -79,20 +85,46 @@ class Stack:
         return self.config.state_dir / "logs"
 
     def preflight(self) -> None:
-        """Fail fast, with one line naming the fix, on a missing binary or a taken port."""
+        """Fail fast on a missing binary (one line naming the fix) or a taken port (PortTaken)."""
         find_nats_server()
         find_redis_server()
         self.specs = build_services(self.config)
         for spec in self.specs:
             _command_path(spec.command)
-        ports = self.config.ports
         for key in ("nats", "nats-monitor", "redis", "slack-receiver"):
-            _require_free_port(ports[key], key, _PORT_FLAGS[key])
+            require_free_port(self.config.ports[key], key)
         for spec in self.specs:
-            _require_free_port(spec.http_port, spec.name, _PORT_FLAGS[spec.role])
+            require_free_port(spec.http_port, spec.name)
 
     def start(self, *, timeout_s: float = 30.0) -> None:
-        """Start everything and wait until every service reports ready."""
+        """Start everything and wait until every service reports ready; a port another process has is an error naming
+        the flag that moves it. With free_ports, every try chooses its ports (`config` then holds the ones the stack
+        runs on) and one that lost a port is stopped and followed by another, at most PORT_ATTEMPTS in all."""
+        if self.free_ports:
+            with_port_retries(partial(self._start_on_free_ports, timeout_s), before_retry=self._stop_after)
+            return
+        try:
+            self._start(timeout_s)
+        except PortTaken as taken:
+            raise ConfigError(f"{taken}: stop what uses it or pass {self._flag(taken.port)} <other port>") from taken
+
+    def _stop_after(self, taken: PortTaken) -> None:
+        """Stop what a try that lost a port left running (the next one chooses other ports)."""
+        self.say(f"{taken}: starting again on other ports")
+        self.stop()
+
+    def _start_on_free_ports(self, timeout_s: float) -> None:
+        ports = free_stack_ports(DEFAULT_PORTS, agents=len(node_ids(self.config)))
+        self.config = replace(self.config, ports=ports)
+        self._start(timeout_s)
+
+    def _flag(self, port: int) -> str:
+        """The `reprise up` flag that moves a port (an agent's: the base of the agents' run)."""
+        return _PORT_FLAGS[next((key for key, value in self.config.ports.items() if value == port), "agent")]
+
+    def _start(self, timeout_s: float) -> None:
+        """Start the servers, the Slack receiver and every service on the config's ports; PortTaken when one of them
+        lost its port."""
         self.preflight()
         state = self.config.state_dir
         state.mkdir(parents=True, exist_ok=True)
@@ -142,16 +174,10 @@ class Stack:
         argv = slack_receiver_argv(self.config, sys.executable)
         self.slack_receiver = ManagedProcess("slack-receiver", argv, self.log_dir / "slack-receiver.log")
         self.slack_receiver.start()
+        receiver, port = self.slack_receiver, self.config.ports["slack-receiver"]
         health = slack_receiver_url(self.config) + "/healthz"
-
-        def answers() -> bool:
-            try:
-                return httpx.get(health, timeout=1.0).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        if not wait_until(answers, timeout_s=15):
-            raise ConfigError(f"the Slack receiver did not start: {self.slack_receiver.log_tail(5)}")
+        if not wait_until(lambda: receiver.listening(port) and answers(health), timeout_s=15):
+            raise ConfigError(f"the Slack receiver did not start: {receiver.log_tail(5)}")
 
     def hold_node_down(self, node_id: str) -> None:
         """The node's agent stays down once it exits (a simulated node loss): the supervisor does not restart it."""
@@ -188,13 +214,12 @@ class Stack:
         deadline = time.monotonic() + timeout_s
         with httpx.Client(timeout=1.0) as client:
             while pending and time.monotonic() < deadline:
-                for name in sorted(pending):
-                    process = self.services[name]
-                    if not process.alive():
-                        raise ConfigError(f"{name} exited during start: {process.log_tail(5)}")
+                for spec in [spec for spec in self.specs if spec.name in pending]:
+                    if not self.services[spec.name].listening(spec.http_port):  # raises once it ended
+                        continue
                     try:
-                        if client.get(self.url(name) + "/readyz").status_code == 200:
-                            pending.discard(name)
+                        if client.get(self.url(spec.name) + "/readyz").status_code == 200:
+                            pending.discard(spec.name)
                     except httpx.HTTPError:
                         pass
                 time.sleep(0.1)
