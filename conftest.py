@@ -15,7 +15,7 @@ import psycopg
 import pytest
 
 from reprise_cli.creds import Credentials
-from reprise_cli.servers import NatsServer, RedisServer, free_port
+from reprise_cli.servers import NatsServer, RedisServer
 from reprise_cli.slurm import SlurmCluster, slurm_unavailable_reason
 from reprise_orchestrator.settings import OrchestratorSettings
 
@@ -25,14 +25,8 @@ POSTGRES_ADMIN_URL = os.environ.get("REPRISE_TEST_POSTGRES_URL", "postgresql://p
 
 @pytest.fixture
 def nats_server(tmp_path: Path) -> Iterator[NatsServer]:
-    """A real nats-server with JetStream on free ports, its store under the test's temp dir."""
-    server = NatsServer(
-        port=free_port(),
-        monitor_port=free_port(),
-        store_dir=tmp_path / "nats-store",
-        log_path=tmp_path / "nats.log",
-    )
-    server.start()
+    """A real nats-server with JetStream on free ports, its store and log under the test's temp dir."""
+    server = NatsServer.start_on_free_ports(tmp_path / "nats")
     yield server
     server.stop()
 
@@ -44,8 +38,7 @@ def start_secured_nats(tmp_path: Path) -> Iterator[Callable[[Credentials], NatsS
     started: list[NatsServer] = []
 
     def start(creds: Credentials) -> NatsServer:
-        server = NatsServer.on_free_ports(tmp_path / f"secured-nats-{len(started)}", config=creds.server_config)
-        server.start()
+        server = NatsServer.start_on_free_ports(tmp_path / f"secured-nats-{len(started)}", config=creds.server_config)
         started.append(server)
         return server
 
@@ -57,8 +50,7 @@ def start_secured_nats(tmp_path: Path) -> Iterator[Callable[[Credentials], NatsS
 @pytest.fixture
 def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     """A real Redis-compatible server on a free port."""
-    server = RedisServer(port=free_port(), data_dir=tmp_path / "redis-data", log_path=tmp_path / "redis.log")
-    server.start()
+    server = RedisServer.start_on_free_port(tmp_path / "redis")
     yield server
     server.stop()
 

@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from reprise_cli.servers import free_stack_ports
 from reprise_cli.stack import Stack
-from reprise_cli.topology import DEFAULT_PORTS, StackConfig
+from reprise_cli.topology import StackConfig
 
 _FUZZ_LINES = pytest.StashKey[list[str]]()
 
@@ -18,13 +17,12 @@ _FUZZ_LINES = pytest.StashKey[list[str]]()
 @pytest.fixture
 def stack(tmp_path: Path) -> Iterator[Stack]:
     """`reprise up` on free ports: two workers with four simulated GPUs each and a spare."""
-    config = StackConfig(
-        nodes=2, spares=1, gpus_per_node=4, state_dir=tmp_path / "state", ports=free_stack_ports(DEFAULT_PORTS)
-    )
-    running = Stack(config)
-    running.start(timeout_s=60)
-    yield running
-    running.stop()
+    running = Stack(StackConfig(nodes=2, spares=1, gpus_per_node=4, state_dir=tmp_path / "state"), free_ports=True)
+    try:
+        running.start(timeout_s=60)
+        yield running
+    finally:
+        running.stop()
 
 
 @pytest.fixture

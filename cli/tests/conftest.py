@@ -83,8 +83,7 @@ def deployment(tmp_path: Path) -> Iterator[Deployment]:
         for spec in build_services(config)
     }
     assert set(seeds) == {*SERVICES, *NODES}
-    server = NatsServer.on_free_ports(tmp_path, config=config.creds_dir / "nats.conf")
-    server.start()
+    server = NatsServer.start_on_free_ports(tmp_path, config=config.creds_dir / "nats.conf")
     yield Deployment(server=server, seeds=seeds, admin_seed=seed_file(config.creds_dir, ADMIN))
     server.stop()
 

@@ -10,11 +10,18 @@ from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from reprise_cli.servers import ManagedProcess, NatsServer, RedisServer, free_port, wait_until
+from reprise_cli.servers import (
+    ManagedProcess,
+    NatsServer,
+    RedisServer,
+    answers,
+    free_port,
+    wait_until,
+    with_port_retries,
+)
 from reprise_orchestrator.app import create_app
 from reprise_orchestrator.settings import OrchestratorSettings
 
@@ -46,27 +53,28 @@ def admin_client(redis_server: RedisServer, tmp_path: Path) -> AdminClient:
 
 @pytest.fixture
 def registry(nats_server: NatsServer, tmp_path: Path) -> Iterator[str]:
-    """The checkpoint registry as a process; its URL."""
-    port = free_port()
-    env = {
-        "REPRISE_NATS_URL": nats_server.url,
-        "REPRISE_HTTP_HOST": "127.0.0.1",
-        "REPRISE_HTTP_PORT": str(port),
-        "REPRISE_STATE_DIR": str(tmp_path / "registry"),
-        "REPRISE_DATABASE_URL": f"sqlite:///{tmp_path / 'r.db'}",
-    }
-    process = ManagedProcess("registry", [sys.executable, "-m", "reprise_registry"], tmp_path / "registry.log", env)
-    process.start()
-    url = f"http://127.0.0.1:{port}"
+    """The checkpoint registry as a process on a free port (another when that one is taken first); its URL."""
+    started: list[ManagedProcess] = []
 
-    def ready() -> bool:
-        try:
-            return httpx.get(f"{url}/readyz", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
+    def launch() -> str:
+        port = free_port()
+        env = {
+            "REPRISE_NATS_URL": nats_server.url,
+            "REPRISE_HTTP_HOST": "127.0.0.1",
+            "REPRISE_HTTP_PORT": str(port),
+            "REPRISE_STATE_DIR": str(tmp_path / "registry"),
+            "REPRISE_DATABASE_URL": f"sqlite:///{tmp_path / 'r.db'}",
+        }
+        process = ManagedProcess("registry", [sys.executable, "-m", "reprise_registry"], tmp_path / "registry.log", env)
+        process.start()
+        started.append(process)
+        url = f"http://127.0.0.1:{port}"
+        assert wait_until(lambda: process.listening(port) and answers(f"{url}/readyz", timeout_s=2), timeout_s=45,
+                          interval_s=0.2), process.log_tail()  # fmt: skip
+        return url
 
     try:
-        assert wait_until(ready, timeout_s=45, interval_s=0.2), process.log_tail()
-        yield url
+        yield with_port_retries(launch)
     finally:
-        process.stop(grace_s=10)
+        for process in started:
+            process.stop(grace_s=10)

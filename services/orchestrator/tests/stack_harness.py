@@ -17,7 +17,16 @@ from typing import Any
 
 import httpx
 
-from reprise_cli.servers import ManagedProcess, NatsServer, RedisServer, free_port, wait_until
+from reprise_cli.servers import (
+    ManagedProcess,
+    NatsServer,
+    PortTaken,
+    RedisServer,
+    answers,
+    free_port,
+    wait_until,
+    with_port_retries,
+)
 from reprise_common import subjects
 from reprise_common.bus import Bus
 from reprise_common.events import (
@@ -68,7 +77,8 @@ class Cluster:
     paused: set[str] = field(default_factory=set)
 
     def start(self, name: str, module: str, env: dict[str, str]) -> ManagedProcess:
-        """Run `python -m module` as `name` with the shared settings plus `env`."""
+        """Run `python -m module` as `name` on a free port with the shared settings plus `env` (wait_ready moves it
+        to another port if that one is taken before it binds it)."""
         self.ports[name] = free_port()
         base = {
             "REPRISE_NATS_URL": self.nats.url,
@@ -96,18 +106,25 @@ class Cluster:
         return f"http://127.0.0.1:{self.ports[name]}"
 
     def wait_ready(self, *names: str) -> None:
-        """Every named process answers /readyz with 200."""
+        """Every named process answers /readyz with 200 on its own port; one whose port another process took before
+        it bound it is started again on another, which the processes started after this are given."""
 
-        def ready(name: str) -> bool:
-            if not self.processes[name].alive():
-                raise AssertionError(f"{name} exited: {self.processes[name].log_tail(10)}")
-            try:
-                return httpx.get(self.url(name) + "/readyz", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return False
+        def ready(name: str) -> bool:  # raises once the process ended: PortTaken when it lost its port
+            return self.processes[name].listening(self.ports[name]) and answers(self.url(name) + "/readyz", timeout_s=2)
+
+        def wait(name: str) -> None:
+            assert wait_until(partial(ready, name), timeout_s=45, interval_s=0.2), self.processes[name].log_tail()
 
         for name in names:
-            assert wait_until(partial(ready, name), timeout_s=45, interval_s=0.2), self.processes[name].log_tail()
+            with_port_retries(partial(wait, name), before_retry=partial(self._move, name))
+
+    def _move(self, name: str, _taken: PortTaken) -> None:
+        """Start a process that lost its port again on another."""
+        process = self.processes[name]
+        process.stop()
+        self.ports[name] = free_port()
+        process.env["REPRISE_HTTP_PORT"] = str(self.ports[name])
+        process.start()
 
     def orchestrator(self, replica: str) -> ManagedProcess:
         """Start one replica; all share the database, Redis and the registry."""
