@@ -12,9 +12,11 @@ MYPY_TARGETS := libs/common/reprise_common services/agent/reprise_agent services
 	sdk/reprise_sdk services/notifier/reprise_notifier examples/ddp_train.py services/dashboard/reprise_dashboard
 NODES ?= 4
 SPARES ?= 1
+# agents (the default): the platform's own agent on each simulated node; slurm: a local Slurm cluster runs the jobs
+SCHEDULER ?= agents
 
 .PHONY: venv slurm-deps test lint typecheck pytest chaos soak up demo clean bench-agent bench-sdk bench-registry bench-detector bench-orchestrator \
-	bench-orchestrator-concurrent bench-vs-torchrun bench-hang-limits bench-standby bench-recovery bench-ettr
+	bench-orchestrator-concurrent bench-vs-torchrun bench-hang-limits bench-standby bench-recovery bench-ettr bench-slurm
 
 venv: $(STAMP)
 
@@ -63,11 +65,12 @@ chaos: $(STAMP)
 soak: $(STAMP)
 	$(BIN)/python -m bench.soak $(SOAK_ARGS)
 
-up: $(STAMP)
-	$(BIN)/reprise up --nodes $(NODES) --spares $(SPARES)
+up: $(STAMP) $(if $(filter slurm,$(SCHEDULER)),slurm-deps)
+	$(BIN)/reprise up --nodes $(NODES) --spares $(SPARES) --scheduler $(SCHEDULER)
 
-demo: $(STAMP)
-	$(BIN)/reprise demo
+# SCHEDULER=slurm: the same job and faults on a local Slurm cluster (Slurm installed first, as root with apt)
+demo: $(STAMP) $(if $(filter slurm,$(SCHEDULER)),slurm-deps)
+	$(BIN)/reprise demo --scheduler $(SCHEDULER)
 
 bench-agent: $(STAMP)
 	$(BIN)/python -m bench.bench_agent
@@ -111,3 +114,8 @@ bench-recovery: $(STAMP)
 # What the measured overheads mean for ETTR at 1,024 to 131,072 GPUs (reads recovery.json) → bench/results/ettr.json
 bench-ettr: $(STAMP)
 	$(BIN)/python -m bench.ettr
+
+# The demo's job and faults on the built-in backend and on a local Slurm cluster, alternating (BENCH_SLURM_ARGS,
+# e.g. --rounds 5) -> bench/results/slurm.json and the table in docs/slurm.md
+bench-slurm: $(STAMP) slurm-deps
+	$(BIN)/python -m bench.bench_slurm $(BENCH_SLURM_ARGS)

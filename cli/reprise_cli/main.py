@@ -44,6 +44,7 @@ def _stack_config(args: argparse.Namespace) -> StackConfig:
         standbys=args.standbys,
         state_dir=Path(args.state_dir),
         ports=ports,
+        scheduler=args.scheduler,
     )
 
 
@@ -56,6 +57,12 @@ def _add_stack_flags(
         "--standbys", type=int, default=standbys, help="warm standby interpreters per node (torch imported)"
     )
     parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument(
+        "--scheduler",
+        choices=["agents", "slurm"],
+        default="agents",
+        help="agents: the stack runs an agent per node; slurm: a local Slurm cluster runs the jobs (docs/slurm.md)",
+    )
     parser.add_argument("--state-dir", default=state_dir, help="logs, SQLite files, NATS store, Redis data")
     flags = ("nats", "nats-monitor", "redis", "registry", "detector", "orchestrator", "notifier", "slack-receiver")
     for flag in (*flags, "dashboard", "agent"):

@@ -275,6 +275,19 @@ class SlurmCluster:
             return {}
         return dict(line.split(maxsplit=1) for line in done.stdout.splitlines() if line.strip())
 
+    def node_view(self) -> dict[str, tuple[str, str]]:
+        """Each node's state and reason as `sinfo -N` prints them (e.g. ("drained", "reprise: incident ..."),
+        ("down*", "Not responding")); empty when the controller is away."""
+        done = self._command("sinfo", "--noheader", "--Node", "--format=%N|%T|%E", timeout_s=5.0)
+        if done is None or done.returncode != 0:
+            return {}
+        view = {}
+        for line in done.stdout.splitlines():
+            name, state, reason = [*line.split("|", 2), "", ""][:3]
+            if name.strip():
+                view[name.strip()] = (state.strip(), "" if reason.strip() == "none" else reason.strip())
+        return view
+
     def wait_idle(self, *, timeout_s: float = 30.0) -> bool:
         """Wait until every node is idle (no job, no flag)."""
         return wait_until(

@@ -24,6 +24,7 @@ from reprise_cli.servers import (
     find_redis_server,
     wait_until,
 )
+from reprise_cli.slurm import SlurmCluster, slurm_unavailable_reason
 from reprise_cli.supervise import RestartPolicy, Supervisor
 from reprise_cli.topology import (
     DEFAULT_PORTS,
@@ -74,7 +75,9 @@ class Stack:
     slack_receiver: ManagedProcess | None = None
     services: dict[str, ManagedProcess] = field(default_factory=dict)
     specs: list[ServiceSpec] = field(default_factory=list)
+    slurm: SlurmCluster | None = None  # scheduler="slurm": the local cluster the jobs run on
     supervisor: Supervisor = field(init=False)
+    _agent_ports: dict[str, int] = field(default_factory=dict)  # on Slurm: each node's agent, as found
 
     def __post_init__(self) -> None:
         self.supervisor = Supervisor(say=self.say, log_path=self.log_dir / "supervisor.log", policy=self.restart_policy)
@@ -88,6 +91,8 @@ class Stack:
         """Fail fast on a missing binary (one line naming the fix) or a taken port (PortTaken)."""
         find_nats_server()
         find_redis_server()
+        if self.config.scheduler == "slurm" and (reason := slurm_unavailable_reason()) is not None:
+            raise ConfigError(f"{reason} (`make slurm-deps` installs it, as root)")
         self.specs = build_services(self.config)
         for spec in self.specs:
             _command_path(spec.command)
@@ -149,6 +154,9 @@ class Stack:
         )
         self.nats.start()
         self.redis.start()
+        if self.config.scheduler == "slurm":  # before the orchestrator, which reads its slurm.conf at start
+            self.slurm = SlurmCluster.on_free_ports(self.config.slurm_dir, nodes=self.config.nodes + self.config.spares)
+            self.slurm.start(timeout_s=60)
         self._start_slack_receiver()
         for spec in self.specs:
             process = ManagedProcess(
@@ -182,6 +190,31 @@ class Stack:
     def hold_node_down(self, node_id: str) -> None:
         """The node's agent stays down once it exits (a simulated node loss): the supervisor does not restart it."""
         self.supervisor.hold(agent_name(node_id))
+
+    def lose_node(self, node_id: str) -> None:
+        """The node is lost from now on: its agent, once it exits, is not brought back; on Slurm its slurmd is killed
+        too (Slurm finds out by itself, when the node stops answering)."""
+        if self.slurm is not None:
+            self.slurm.kill_node(node_id)
+        else:
+            self.hold_node_down(node_id)
+
+    def agent_url(self, node_id: str) -> str:
+        """Base URL of the agent of node `node_id`. On Slurm the agents of an allocation take the agents' base port
+        plus their index in it: the one on `node_id` is found by asking each of those ports whose it is."""
+        if self.slurm is None:
+            return self.url(agent_name(node_id))
+        if node_id not in self._agent_ports:
+            base = self.config.ports["agent"]
+            for port in range(base, base + len(self.slurm.node_names)):
+                try:
+                    found = httpx.get(self.config.http_url(port) + "/v1/status", timeout=1.0).json()["node_id"]
+                except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                    continue
+                self._agent_ports[str(found)] = port
+        if node_id not in self._agent_ports:
+            raise ConfigError(f"no agent of node {node_id} answers on the agents' ports")
+        return self.config.http_url(self._agent_ports[node_id])
 
     def release_node(self, node_id: str) -> None:
         """A node held down is repaired: its agent is started again (by the supervisor) and supervised as before."""
@@ -234,6 +267,8 @@ class Stack:
         self.supervisor.stop()
         for name in reversed(list(self.services)):
             self.services[name].stop(grace_s=15.0)
+        if self.slurm is not None:  # its jobs cancelled: their agents stop their ranks
+            self.slurm.stop()
         if self.slack_receiver is not None:
             self.slack_receiver.stop(grace_s=5.0)
         if self.redis is not None:

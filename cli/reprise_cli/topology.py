@@ -5,8 +5,11 @@ docker-compose.yml describes the same topology for Docker; tests/test_compose_dr
 
 from __future__ import annotations
 
+import json
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from reprise_cli.creds import (
     ensure_admin_api_key,
@@ -52,6 +55,9 @@ class StackConfig:
     state_dir: Path = Path(".state")
     host: str = "127.0.0.1"
     ports: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_PORTS))
+    # agents: the stack starts one agent per node itself; slurm: a local Slurm cluster of nodes + spares runs the jobs,
+    # each job's agents started by srun in its allocation (docs/slurm.md)
+    scheduler: Literal["agents", "slurm"] = "agents"
 
     @property
     def creds_dir(self) -> Path:
@@ -72,6 +78,11 @@ class StackConfig:
         """Base URL of a service on this host."""
         return f"http://{self.host}:{port}"
 
+    @property
+    def slurm_dir(self) -> Path:
+        """Where the local Slurm cluster of a `scheduler="slurm"` stack keeps its configuration, state and logs."""
+        return self.state_dir.resolve() / "slurm"
+
 
 @dataclass(frozen=True)
 class ServiceSpec:
@@ -85,7 +96,10 @@ class ServiceSpec:
 
 
 def node_ids(config: StackConfig) -> list[tuple[str, bool]]:
-    """Worker node ids then spare node ids, each with whether it is a spare."""
+    """Worker node ids then spare node ids, each with whether it is a spare. On Slurm the nodes are the cluster's
+    (node1, node2, ...); which of them are a job's spares is decided per allocation."""
+    if config.scheduler == "slurm":
+        return [(f"node{i}", False) for i in range(1, config.nodes + config.spares + 1)]
     workers = [(f"node-{i}", False) for i in range(1, config.nodes + 1)]
     spares = [(f"spare-{i}", True) for i in range(1, config.spares + 1)]
     return workers + spares
@@ -174,20 +188,47 @@ def build_services(config: StackConfig) -> list[ServiceSpec]:
             http_port=ports["dashboard"],
         ),
     ]  # fmt: skip
+    agent_settings = {
+        "REPRISE_GPU_BACKEND": "sim",
+        "REPRISE_GPU_COUNT": str(config.gpus_per_node),
+        "REPRISE_ADVERTISE_ADDR": config.host,
+        "REPRISE_STANDBYS": str(config.standbys),
+    }
+    if config.scheduler == "slurm":
+        orchestrator = next(spec for spec in services if spec.role == "orchestrator")
+        orchestrator.env.update(slurm_orchestrator_env(config, agent_settings))
+        return services
     for index, (node_id, spare) in enumerate(node_ids(config)):
         port = ports["agent"] + index
         env = {
             **base("agent", port, identity=node_id),
+            **agent_settings,
             "REPRISE_STATE_DIR": str(state / "agents" / node_id),
             "REPRISE_NODE_ID": node_id,
-            "REPRISE_GPU_BACKEND": "sim",
-            "REPRISE_GPU_COUNT": str(config.gpus_per_node),
             "REPRISE_SPARE": "true" if spare else "false",
-            "REPRISE_ADVERTISE_ADDR": config.host,
-            "REPRISE_STANDBYS": str(config.standbys),
         }
         services.append(ServiceSpec(agent_name(node_id), "agent", ROLE_COMMANDS["agent"], env, port))
     return services
+
+
+def slurm_orchestrator_env(config: StackConfig, agent_settings: dict[str, str]) -> dict[str, str]:
+    """The orchestrator's settings for the local Slurm cluster: its slurm.conf, and how an allocation starts this
+    checkout's agent on each node with what `reprise up` gives its own agents (ports from the agents' base port, in
+    allocation order; state under state/agents/<node>)."""
+    agent_env = {
+        **agent_settings,
+        "REPRISE_HTTP_HOST": config.host,
+        "REPRISE_STATE_DIR": str(config.state_dir.resolve() / "agents"),
+    }
+    return {
+        "REPRISE_COMPUTE_BACKEND": "slurm",
+        "REPRISE_SLURM_CONF": str(config.slurm_dir / "slurm.conf"),
+        "REPRISE_SLURM_POLL_INTERVAL_S": "1",
+        "REPRISE_SLURM_AGENT_COMMAND": str(Path(sys.executable).parent / ROLE_COMMANDS["agent"]),
+        "REPRISE_SLURM_AGENT_CREDS_DIR": str(config.creds_dir.resolve()),
+        "REPRISE_SLURM_AGENT_HTTP_PORT": str(config.ports["agent"]),
+        "REPRISE_SLURM_AGENT_ENV": json.dumps(agent_env),
+    }
 
 
 def agent_name(node_id: str) -> str:

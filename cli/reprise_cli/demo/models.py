@@ -77,6 +77,7 @@ class FaultRun:
     detail: str
     incident: dict[str, Any] | None = None
     recovery: dict[str, Any] | None = None
+    slurm: dict[str, Any] = field(default_factory=dict)  # on Slurm: when sinfo showed the fault (s after it), why
 
     @property
     def recovered(self) -> bool:
@@ -106,6 +107,7 @@ class DemoRun:
     reference: Reference
     job: dict[str, Any]
     submitted_at: datetime
+    running_at: datetime | None = None  # the job's ranks launched (on Slurm: once its allocation ran)
     faults: list[FaultRun] = field(default_factory=list)
     samples: list[Sample] = field(default_factory=list)
     recoveries: list[dict[str, Any]] = field(default_factory=list)  # every recovery of the job, oldest first

@@ -23,6 +23,7 @@ from typing import Any
 
 import httpx
 
+from reprise_cli.client import step_seconds
 from reprise_cli.demo.models import DemoRun, FaultRun
 from reprise_cli.demo.sampler import Sample, last_step, reached
 
@@ -168,6 +169,45 @@ def _block_ids(message: dict[str, Any]) -> list[str]:
         return []
     blocks = payload.get("blocks", []) if isinstance(payload, dict) else []
     return [str(b["block_id"]) for b in blocks if isinstance(b, dict) and "block_id" in b]
+
+
+def durations(fault: FaultRun) -> dict[str, float]:
+    """How long each step of the fault's recovery took (a retried step: its last record)."""
+    steps = ((record["step"], step_seconds(record)) for record in (fault.recovery or {}).get("steps", []))
+    return {step: round(took, 3) for step, took in steps if took is not None}
+
+
+def figures(run: DemoRun, *, scheduler: str) -> dict[str, Any]:
+    """The run's numbers as JSON (the demo writes them to <state dir>/demo.json; bench-slurm compares two runs)."""
+    result = goodput(run.samples, final_step=run.training.steps)
+    faults = []
+    for fault in run.faults:
+        n = fault_numbers(fault, run.samples)
+        faults.append(
+            {
+                "fault": str(fault.plan.fault),
+                "node": fault.node_id,
+                "detection_s": n.detection_s,
+                "recovery_s": n.recovery_s,
+                "restored_step": n.restored_step,
+                "recomputed_steps": n.recomputed,
+                "lost_s": n.lost_s,
+                "outcome": (fault.recovery or {}).get("outcome"),
+                "steps_s": durations(fault),
+                "restart_mode": ((fault.step("stopping_ranks") or {}).get("data") or {}).get("restart_mode"),
+                "placement": _placement_note(fault).strip(" ()"),
+                "slurm": fault.slurm,
+            }
+        )
+    return {
+        "scheduler": scheduler,
+        "ok": run.ok and len(run.faults) > 0,
+        "params_equal": run.params_equal,
+        "goodput": round(result.ratio, 4) if result is not None else None,
+        "start_s": (run.running_at - run.submitted_at).total_seconds() if run.running_at else None,
+        "faults": faults,
+        "unplanned_recoveries": len(run.unplanned),
+    }
 
 
 def summary(run: DemoRun, *, say: Callable[[str], None]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 import sys
@@ -14,6 +15,7 @@ from reprise_cli.creds import read_api_key_file
 from reprise_cli.demo import report, timeline
 from reprise_cli.demo.models import DemoFailure, DemoRun, demo_faults
 from reprise_cli.demo.scenario import Scenario
+from reprise_cli.demo.slurm_view import SlurmView
 from reprise_cli.demo.training import ReferenceRun, Training
 from reprise_cli.stack import Stack
 from reprise_cli.topology import StackConfig, slack_receiver_url
@@ -51,7 +53,8 @@ def run_demo(config: StackConfig, *, keep: bool = False) -> int:
     try:
         say(f"fault-free reference started: {config.nodes} local gloo ranks without the platform")
         reference.start()
-        say(f"starting the platform: {config.nodes} nodes + {config.spares} spare (logs in {stack.log_dir})")
+        on = " on a local Slurm cluster (jobs in Slurm allocations)" if config.scheduler == "slurm" else ""
+        say(f"starting the platform{on}: {config.nodes} nodes + {config.spares} spare (logs in {stack.log_dir})")
         stack.start(timeout_s=90)
         say("every service ready")
         with closing(stack.client()) as client:
@@ -74,13 +77,22 @@ def run_demo(config: StackConfig, *, keep: bool = False) -> int:
 def _run(stack: Stack, client: PlatformClient, training: Training, reference: ReferenceRun, say: Narrator) -> int:
     scenario = Scenario(stack, client, training, say, work_dir=stack.config.state_dir.resolve())
     faults = demo_faults(stack.config.nodes)
+    if stack.slurm is not None:
+        scenario.slurm = SlurmView(stack.slurm)
+        scenario.slurm.start()
     try:
         run = scenario.run(faults, reference=reference)
     except DemoFailure as exc:
         say(f"FAILED: {exc} (logs in {stack.log_dir})")
         return 1
+    finally:
+        if scenario.slurm is not None:
+            scenario.slurm.stop()
     _conclude(run, stack, client, say)
     ok = run.ok and len(run.faults) == len(faults)
+    figures = stack.config.state_dir.resolve() / "demo.json"
+    figures.write_text(json.dumps(report.figures(run, scheduler=stack.config.scheduler) | {"ok": ok}, indent=1))
+    say(f"figures: {figures}")
     say("RESULT: " + ("every fault recovered without help; parameters equal" if ok else "FAILED (see above)"))
     return 0 if ok else 1
 

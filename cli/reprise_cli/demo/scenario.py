@@ -3,7 +3,8 @@
 Each fault waits until the previous recovery was verified and training saved (and the registry validated) a newer
 checkpoint, then lands half a checkpoint interval past it, so every recovery restores a newer checkpoint and
 recomputes a few steps. Only public interfaces are used: the orchestrator's, detector's and registry's REST APIs,
-fault injection over NATS, the agents' status pages and the rank logs the agents write.
+fault injection over NATS, the agents' status pages and the rank logs the agents write; on Slurm also `sinfo` (what
+Slurm shows of the nodes) and the lost node's slurmd, killed with its agent.
 """
 
 from __future__ import annotations
@@ -15,10 +16,13 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from reprise_cli.client import PlatformClient, poll
 from reprise_cli.demo.models import TERMINAL, DemoFailure, DemoRun, Fault, FaultPlan, FaultRun, fault_event
 from reprise_cli.demo.narrate import incident_line, nodes_of, step_lines
 from reprise_cli.demo.sampler import StepSampler
+from reprise_cli.demo.slurm_view import SlurmView, down, drained, not_responding
 from reprise_cli.demo.training import ReferenceRun, Training, digest_in, job_spec, rank_log
 from reprise_cli.stack import Stack
 from reprise_common.clock import utcnow
@@ -38,6 +42,7 @@ class Scenario:
     work_dir: Path
     timeout_s: float = 120.0
     sampler: StepSampler | None = None
+    slurm: SlurmView | None = None  # on Slurm: what sinfo shows of the nodes
     job: dict[str, Any] = field(default_factory=dict)
     claimed: set[str] = field(default_factory=set)  # recoveries an injected fault accounts for
     narrated: dict[str, set[tuple[int, str]]] = field(default_factory=dict)  # recovery -> steps already told
@@ -51,11 +56,21 @@ class Scenario:
         self.say(f"fault-free reference: {len(reference.ranks)} local gloo ranks without the platform ...")
         ref = reference.finish()
         self.say(f"reference done in {ref.wall_s:.1f} s: params-sha256 {ref.digest[:16]}…")
-        self._wait_for_nodes(nodes + spares)
         spec = job_spec(self.training, name=name, nodes=nodes, min_nodes=max(1, nodes - 1), work_dir=self.work_dir)
+        if self.slurm is None:
+            self._wait_for_nodes(nodes + spares)
+        else:  # one allocation of the job's nodes and its spares; its agents start in it
+            spec["slurm"] = {"spares": spares, "output": str(self.work_dir / "slurm-%j.out")}
         result = DemoRun(training=self.training, reference=ref, job={}, submitted_at=utcnow())
         self.work_dir.mkdir(parents=True, exist_ok=True)  # the ranks' working directory
         self.job = result.job = self.client.submit(spec)
+        if self.slurm is not None:
+            self.say(f"job {self.job['id']} {self.job['state']}: Slurm allocation of {nodes} nodes + {spares} spare")
+            self.job = poll(
+                lambda: self.client.job(self.job["id"]), lambda j: j["state"] != "pending", timeout_s=self.timeout_s
+            )
+            self.say(f"allocation running, an agent on each node (srun); {len(self.client.nodes())} nodes report")
+        result.running_at = utcnow()
         self.say(f"job {self.job['id']} {self.job['state']} on {', '.join(nodes_of(self.job))}")
         if self.job["state"] != "running":
             raise DemoFailure(f"the job did not start: {self.job['detail']}")
@@ -73,6 +88,7 @@ class Scenario:
 
     def _faults(self, faults: Sequence[FaultPlan], result: DemoRun) -> None:
         restored = 0
+        self._wait_for_standbys()
         for plan in faults:
             self._wait_for_new_checkpoint(past_step=restored)
             fault = self._inject(plan)
@@ -80,9 +96,14 @@ class Scenario:
             self._follow(fault, known_incidents={f.incident["id"] for f in result.faults if f.incident})
             if not fault.recovered:
                 return
+            if self.slurm is not None and plan.fault is Fault.XID79:
+                self._slurm_drained(fault)
             restored = fault.restored_step or 0
         result.digest = self._wait_for_the_end()
         result.finished_at = utcnow()
+        for fault in result.faults:
+            if self.slurm is not None and fault.plan.fault is Fault.NODE_LOSS:
+                self._slurm_saw_the_loss(fault)
         if result.digest is not None:
             state = poll(lambda: self.client.job(self.job["id"])["state"], lambda s: s != "running", timeout_s=30)
             self.say(f"job {state}: every rank exited 0")
@@ -94,6 +115,21 @@ class Scenario:
             if time.monotonic() > deadline:
                 raise DemoFailure(f"fewer than {count} nodes report after {self.timeout_s:g} s")
             time.sleep(POLL_S)
+
+    def _wait_for_standbys(self) -> None:
+        """Until every node's warm standbys imported their modules. On the built-in backend they did long before; on
+        Slurm the agents, and their standbys, start with the job's allocation, and a fault in the seconds after (the
+        standbys importing torch beside the job's first steps) would measure the start-up, not the recovery."""
+        deadline = time.monotonic() + self.timeout_s
+        waited = time.monotonic()
+        for node in self.client.nodes():
+            url = self.stack.agent_url(node["node_id"]) + "/v1/status"  # asked without the platform's key
+            while not all(s["ready"] for s in httpx.get(url, timeout=2.0).json().get("standbys", [])):
+                if time.monotonic() > deadline:
+                    raise DemoFailure(f"the standbys of {node['node_id']} were not ready within {self.timeout_s:g} s")
+                time.sleep(POLL_S)
+        if time.monotonic() - waited > 1.0:
+            self.say(f"every node's warm standbys ready (waited {time.monotonic() - waited:.1f} s)")
 
     def _wait_for_new_checkpoint(self, *, past_step: int) -> None:
         """Until the registry validated a checkpoint past `past_step` and rank 0 is half an interval beyond it."""
@@ -156,8 +192,8 @@ class Scenario:
             raise DemoFailure(f"the job has no rank {plan.rank} to hit with a {plan.fault}")
         event = fault_event(plan, job_id=self.job["id"], gpu=target.get("gpu"))
         sample = self.sampler.latest() if self.sampler else None
-        if plan.fault is Fault.NODE_LOSS:  # the agent kills itself: the stack's supervisor must not bring it back
-            self.stack.hold_node_down(target["node_id"])
+        if plan.fault is Fault.NODE_LOSS:  # the agent kills itself; nothing brings it back (on Slurm: slurmd killed)
+            self.stack.lose_node(target["node_id"])
         if plan.fault is Fault.CORRUPT_CHECKPOINT:
             self._flip_a_byte_of_the_latest_checkpoint()
         injected_at = utcnow()
@@ -227,7 +263,33 @@ class Scenario:
         """Aim the sampler at the agent of the node that runs rank 0 now."""
         rank0 = next(r for r in self.job["placement"] if r["rank"] == 0)
         if self.sampler is not None:
-            self.sampler.agent_url = self.stack.url(f"agent-{rank0['node_id']}")
+            self.sampler.agent_url = self.stack.agent_url(rank0["node_id"])
+
+    # --- Slurm's view -----------------------------------------------------------------------------------------
+    def _slurm_drained(self, fault: FaultRun) -> None:
+        """After an XID 79's recovery: the node is drained in Slurm, the incident named in its reason (sinfo -R)."""
+        assert self.slurm is not None
+        seen = self.slurm.wait_for(fault.node_id, drained, after=fault.injected_at, timeout_s=10)
+        incident_id = (fault.incident or {}).get("id", "?")
+        if seen is None or incident_id not in seen.reason:
+            raise DemoFailure(f"Slurm does not show {fault.node_id} drained for incident {incident_id}: {seen}")
+        fault.slurm["drained_s"] = (seen.at - fault.injected_at).total_seconds()
+        fault.slurm["reason"] = seen.reason
+        self.say(f"SLURM {fault.node_id} {seen.state} (sinfo -R): {seen.reason}")
+
+    def _slurm_saw_the_loss(self, fault: FaultRun) -> None:
+        """When Slurm found out about the lost node (its slurmd killed with its agent): not responding, then down."""
+        assert self.slurm is not None
+        late = self.slurm.wait_for(fault.node_id, down, after=fault.injected_at, timeout_s=45)
+        early = self.slurm.first(fault.node_id, not_responding, after=fault.injected_at)
+        for key, seen in (("not_responding_s", early), ("down_s", late)):
+            if seen is not None:
+                fault.slurm[key] = (seen.at - fault.injected_at).total_seconds()
+        opened = (fault.incident or {}).get("opened_at")
+        reprise = f"{(datetime.fromisoformat(opened) - fault.injected_at).total_seconds():.1f} s" if opened else "?"
+        slurm = ", ".join(f"{key[:-2].replace('_', ' ')} +{value:.1f} s" for key, value in fault.slurm.items())
+        slurm = slurm or "not within 45 s"
+        self.say(f"SLURM saw the loss of {fault.node_id}: {slurm} (Reprise's incident: +{reprise})")
 
     def _incident_after(self, fault: FaultRun, known: set[str]) -> dict[str, Any] | None:
         opened = [

@@ -49,6 +49,7 @@ def create_app(settings: AgentSettings) -> FastAPI:
             "spare": settings.spare,
             "gpus": [g.model_dump(mode="json") for g in report.gpus],
             "ranks": [r.model_dump(mode="json") for r in report.ranks],
+            "standbys": [s.model_dump(mode="json") for s in report.standbys],
             "commands_executed": agent.book.executed,
             "outbox_depth": len(agent.outbox),
             "outbox_dropped": agent.outbox.dropped,
