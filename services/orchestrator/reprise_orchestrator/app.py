@@ -191,7 +191,8 @@ def _allocation_reconciler(deps: Deps) -> AllocationReconciler | None:
         return None
     settings = deps.settings
     interval, grace = settings.slurm_poll_interval_s, 3 * settings.slurm_command_timeout_s
-    return AllocationReconciler(deps, deps.compute, interval_s=interval, grace_s=grace)
+    timeout = settings.slurm_agent_start_timeout_s
+    return AllocationReconciler(deps, deps.compute, interval_s=interval, grace_s=grace, agent_start_timeout_s=timeout)
 
 
 def _registry_key(settings: OrchestratorSettings) -> str | None:

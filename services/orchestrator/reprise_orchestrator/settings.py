@@ -90,6 +90,12 @@ class OrchestratorSettings(ServiceSettings, DatabaseSettings, AuthSettings):
     slurm_agent_env: dict[str, str] = Field(
         default_factory=dict, description="further settings of the agents in an allocation (JSON), e.g. GPU backend"
     )
+    slurm_agent_start_timeout_s: float = Field(
+        default=180.0,
+        gt=0,
+        le=3600,
+        description="how long a pending job's allocation may run before its workers' agents report; then it fails",
+    )
     read_api_key: SecretStr | None = Field(
         default=None, description="a read-only key that exists at start, named bootstrap-read (e.g. the dashboard's)"
     )

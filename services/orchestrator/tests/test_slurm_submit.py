@@ -185,6 +185,29 @@ def test_the_platforms_jobs_and_slurms_are_reconciled_both_ways(
     assert job["state"] == "failed" and "slurm allocation is gone" in job["detail"], job
 
 
+def test_a_pending_job_whose_agents_never_report_fails_naming_them_and_its_allocation_ends(
+    slurm_cluster: SlurmCluster, nats_server: NatsServer, admin_client: Any, tmp_path: Path
+) -> None:
+    settings = {
+        "compute_backend": "slurm",
+        "slurm_conf": slurm_cluster.conf_path,
+        "slurm_poll_interval_s": 0.5,
+        "slurm_agent_command": "sleep 300",  # an agent that never starts (a wrong path, a broken install)
+        "slurm_agent_http_port": 0,
+        "slurm_agent_start_timeout_s": 3.0,
+    }
+    with admin_client(nats_server.url, **settings) as client:
+        job_id = submit(client, tmp_path, nodes=2, spares=0)["id"]
+        job = poll(lambda: client.get(f"/v1/jobs/{job_id}").json(), lambda j: j["state"] != "pending", timeout_s=45)
+        assert job["state"] == "failed", job
+        allocation = allocation_of(slurm_cluster, job_id)
+        assert allocation is not None
+        assert "did not report within 3 s" in job["detail"] and str(allocation.job_id) in job["detail"], job
+        assert all(node in job["detail"] for node in allocation.nodes), job  # the silent nodes, by name
+        ended = allocation_ended(slurm_cluster, job_id)  # the failed job's allocation is ended
+    assert ended is not None and ended.state in {SlurmJobState.CANCELLED, SlurmJobState.COMPLETING}, ended
+
+
 def test_a_restarted_orchestrator_reconciles_what_changed_while_it_was_down(
     slurm_cluster: SlurmCluster, nats_server: NatsServer, admin_client: Any, tmp_path: Path
 ) -> None:

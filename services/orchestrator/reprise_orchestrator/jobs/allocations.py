@@ -5,7 +5,9 @@ A new job is recorded PENDING and its allocation submitted (its nodes plus its s
 allocation reconciler then, every pass (and at once when a replica starts, so a restart catches up):
 
 - starts a pending job whose allocation runs, once the agents on its worker nodes report: the job's nodes are the
-  allocation's workers (Slurm's order), its spares the allocation's other nodes;
+  allocation's workers (Slurm's order), its spares the allocation's other nodes; a job whose workers' agents have not
+  reported `agent_start_timeout_s` after this replica first saw its allocation run fails, naming the silent nodes,
+  and its allocation is then ended (an agent that cannot start is not waited for forever);
 - fails a job whose allocation is gone (ended, or no longer known) while the platform still runs or awaits it;
 - ends (scancel) an allocation whose platform job is over (completed, failed, cancelled);
 - requeues the allocation of a job whose recovery is placing and has no spare left and cannot shrink, without the
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from sqlmodel import Session, col, select
 
@@ -89,12 +91,23 @@ class AllocationReconciler:
     """Compares the platform's jobs on an allocating backend with the scheduler's allocations, and acts on each
     difference (see the module's docstring); one pass at start, then one every `interval_s`."""
 
-    def __init__(self, deps: Deps, backend: AllocatingBackend, *, interval_s: float, grace_s: float) -> None:
+    def __init__(
+        self,
+        deps: Deps,
+        backend: AllocatingBackend,
+        *,
+        interval_s: float,
+        grace_s: float,
+        agent_start_timeout_s: float = 180.0,
+    ) -> None:
         self.deps = deps
         self.backend = backend
         self.interval_s = interval_s
         self.grace_s = grace_s  # a job younger than this may not be known to the scheduler yet (sbatch in flight)
+        self.agent_start_timeout_s = agent_start_timeout_s
         self._failing: str | None = None
+        # (job, scheduler id) -> when this replica first saw that allocation run while the job was pending
+        self._running_since: dict[tuple[str, str], datetime] = {}
 
     async def run(self) -> None:
         """Reconcile until cancelled; a pass that fails is logged when failures start and end."""
@@ -125,6 +138,8 @@ class AllocationReconciler:
                 runs = allocation.state is AllocationState.RUNNING
                 if runs and job.state is JobState.PENDING and await self._start(job, allocation):
                     done.started.append(job.id)
+                elif runs and job.state is JobState.PENDING and await self._fail_if_agents_silent(job, allocation):
+                    done.failed.append(job.id)
                 elif runs and job.state is JobState.RECOVERING and await self._requeue_if_stuck(job):
                     done.requeued.append(job.id)
                 continue
@@ -158,6 +173,25 @@ class AllocationReconciler:
             return False
         log.info("allocated job started", extra={"job_id": job.id, "nodes": ready, "allocation": allocation.nodes})
         return True
+
+    async def _fail_if_agents_silent(self, job: Job, allocation: Allocation) -> bool:
+        """Fail a pending job whose allocation has run for `agent_start_timeout_s` (as this replica saw it) without its
+        workers' agents reporting; the next pass ends the allocation (the job is over). False while within time."""
+        now = self.deps.clock.now()
+        since = self._running_since.setdefault((job.id, allocation.scheduler_id), now)
+        if now - since < timedelta(seconds=self.agent_start_timeout_s):
+            return False
+        reporting = set(self.deps.compute.pool().usable())
+        silent = [node for node in allocation.nodes if node not in reporting]
+        detail = (
+            f"the agents of its {self.backend.name} allocation {allocation.scheduler_id} did not report within "
+            f"{self.agent_start_timeout_s:g} s of it running (not reporting usable: {', '.join(silent) or 'none'}): "
+            "see the allocation's output for the agents' errors"
+        )
+        failed = await self._fail(job, detail)
+        if failed:
+            self._running_since.pop((job.id, allocation.scheduler_id), None)
+        return failed
 
     async def _requeue_if_stuck(self, job: Job) -> bool:
         """Requeue the allocation of a job whose recovery is placing and can neither use a spare nor shrink (the
@@ -194,7 +228,7 @@ class AllocationReconciler:
                 if service.get(session, job_id=job.id).state not in WAITING_STATES:
                     return False
                 service.update_fenced(session, job_id=job.id, fence=handle.fence, state=JobState.FAILED, detail=detail)
-            log.error("job failed: its allocation is gone", extra={"job_id": job.id, "detail": detail})
+            log.error("job failed on its allocation", extra={"job_id": job.id, "detail": detail})
             await publish_inactive(self.deps.bus, job, msg_id=f"{job.id}:allocation-gone:{handle.fence}")
             return True
         finally:
