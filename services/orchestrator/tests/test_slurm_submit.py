@@ -53,6 +53,19 @@ def slurm_client(
         yield client
 
 
+def slurm_settings(cluster: SlurmCluster, tmp_path: Path, **overrides: Any) -> dict[str, Any]:
+    """The orchestrator's settings for the session's cluster, its agents this checkout's (any free HTTP port)."""
+    return {
+        "compute_backend": "slurm",
+        "slurm_conf": cluster.conf_path,
+        "slurm_poll_interval_s": 0.5,
+        "slurm_agent_command": AGENT,
+        "slurm_agent_http_port": 0,
+        "slurm_agent_env": {"REPRISE_GPU_COUNT": "1", "REPRISE_STATE_DIR": str(tmp_path / "agents")},
+        **overrides,
+    }
+
+
 def allocation_of(cluster: SlurmCluster, job_id: str) -> SlurmJob | None:
     """The platform job's newest allocation, as squeue shows it."""
     jobs = asyncio.run(SlurmCli(conf=cluster.conf_path).jobs())
@@ -188,14 +201,12 @@ def test_the_platforms_jobs_and_slurms_are_reconciled_both_ways(
 def test_a_pending_job_whose_agents_never_report_fails_naming_them_and_its_allocation_ends(
     slurm_cluster: SlurmCluster, nats_server: NatsServer, admin_client: Any, tmp_path: Path
 ) -> None:
-    settings = {
-        "compute_backend": "slurm",
-        "slurm_conf": slurm_cluster.conf_path,
-        "slurm_poll_interval_s": 0.5,
-        "slurm_agent_command": "sleep 300",  # an agent that never starts (a wrong path, a broken install)
-        "slurm_agent_http_port": 0,
-        "slurm_agent_start_timeout_s": 3.0,
-    }
+    settings = slurm_settings(
+        slurm_cluster,
+        tmp_path,
+        slurm_agent_command="sleep 300",  # an agent that never starts (a wrong path, a broken install)
+        slurm_agent_start_timeout_s=3.0,
+    )
     with admin_client(nats_server.url, **settings) as client:
         job_id = submit(client, tmp_path, nodes=2, spares=0)["id"]
         job = poll(lambda: client.get(f"/v1/jobs/{job_id}").json(), lambda j: j["state"] != "pending", timeout_s=45)
@@ -211,14 +222,7 @@ def test_a_pending_job_whose_agents_never_report_fails_naming_them_and_its_alloc
 def test_a_restarted_orchestrator_reconciles_what_changed_while_it_was_down(
     slurm_cluster: SlurmCluster, nats_server: NatsServer, admin_client: Any, tmp_path: Path
 ) -> None:
-    settings = {
-        "compute_backend": "slurm",
-        "slurm_conf": slurm_cluster.conf_path,
-        "slurm_poll_interval_s": 0.5,
-        "slurm_agent_command": AGENT,
-        "slurm_agent_http_port": 0,
-        "slurm_agent_env": {"REPRISE_GPU_COUNT": "1", "REPRISE_STATE_DIR": str(tmp_path / "agents")},
-    }
+    settings = slurm_settings(slurm_cluster, tmp_path)
     with admin_client(nats_server.url, **settings) as client:
         job_id = submit(client, tmp_path, nodes=1, spares=0)["id"]
         running_job(client, job_id)
