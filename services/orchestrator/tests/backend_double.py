@@ -55,7 +55,7 @@ class SchedulerDouble:
         self.ranks: dict[str, list[RankStatus]] = {node: [] for node in (*WORKERS, *SPARES)}
         self._reporter: asyncio.Task[None] | None = None
 
-    def pool(self, *, exclude: Set[str] = frozenset()) -> NodePool:
+    def pool(self, *, exclude: Set[str] = frozenset(), job_id: str | None = None) -> NodePool:
         """Its own nodes, less the excluded ones."""
         return NodePool(
             workers=[n for n in WORKERS if n not in exclude], spares=[n for n in SPARES if n not in exclude]

@@ -157,6 +157,26 @@ async def test_a_lost_slurmd_and_the_allocation_it_fails_are_each_signalled_once
     assert lost not in backend.pool().usable()
 
 
+async def test_a_job_is_offered_only_the_nodes_of_its_own_allocation(backend: SlurmBackend, tmp_path: Path) -> None:
+    """Several jobs, each in its allocation: one job's recovery must never be given another's node, its spare
+    included (that spare's agent runs in the other allocation and ends with it)."""
+    a, b = [
+        await backend.cli.submit(
+            SlurmSubmission(name=allocation_name(job), nodes=2, script=ONE_TASK_PER_NODE, output=tmp_path / job)
+        )
+        for job in ("job-a", "job-b")
+    ]
+    nodes_a, nodes_b = (await running(backend, a)).nodes, (await running(backend, b)).nodes
+    await backend.poll()
+
+    offered = backend.pool(job_id="job-a")
+    assert set(offered.usable()) == set(nodes_a) and not set(offered.usable()) & set(nodes_b)
+    assert set(backend.pool(job_id="job-b").usable()) == set(nodes_b)
+    assert backend.pool(job_id="job-a", exclude={nodes_a[0]}).usable() == {nodes_a[1]}
+    assert backend.pool(job_id="job-without-allocation").usable() == set()  # it waits for its allocation
+    assert backend.pool().usable() == {*WORKERS, SPARE}  # no job named: every node Slurm schedules on
+
+
 async def test_a_cancel_ends_the_jobs_allocation_and_nothing_else(backend: SlurmBackend, tmp_path: Path) -> None:
     ours, other = [
         await backend.cli.submit(SlurmSubmission(name=name, nodes=1, script=ONE_TASK_PER_NODE, output=tmp_path / out))

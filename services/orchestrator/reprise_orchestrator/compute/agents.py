@@ -51,8 +51,8 @@ class AgentsBackend:
         self.stack_capture_s = stack_capture_s
         self.in_place_limit_s = in_place_limit_s
 
-    def pool(self, *, exclude: Set[str] = frozenset()) -> NodePool:
-        """Nodes with fresh reports and usable GPUs, workers and spares apart."""
+    def pool(self, *, exclude: Set[str] = frozenset(), job_id: str | None = None) -> NodePool:
+        """Nodes with fresh reports and usable GPUs, workers and spares apart (any job may use any of them)."""
         return NodePool(
             workers=self.inventory.placeable(exclude=exclude),
             spares=self.inventory.placeable(spares=True, exclude=exclude),

@@ -151,8 +151,9 @@ class ComputeBackend(Protocol):
 
     name: str
 
-    def pool(self, *, exclude: Set[str] = frozenset()) -> NodePool:
-        """Usable nodes now (healthy, reachable, not drained by the scheduler), minus `exclude`."""
+    def pool(self, *, exclude: Set[str] = frozenset(), job_id: str | None = None) -> NodePool:
+        """Usable nodes now (healthy, reachable, not drained by the scheduler), minus `exclude`; with `job_id`, only
+        those that job may run on (a scheduler that allocates nodes per job offers its allocation's alone)."""
         ...
 
     def known_nodes(self) -> int:

@@ -82,10 +82,21 @@ class SlurmBackend:
         self._failure: str | None = None  # why the last read failed; None after a good one
         self._owed: dict[str, str | None] = {}  # node → a drain's reason, or None for a resume, Slurm did not take
 
-    def pool(self, *, exclude: Set[str] = frozenset()) -> NodePool:
-        """The agents' usable nodes that Slurm would schedule on now; SlurmUnavailableError when Slurm's state is not
-        known (the controller does not answer, or the poller has not read it lately)."""
+    def pool(self, *, exclude: Set[str] = frozenset(), job_id: str | None = None) -> NodePool:
+        """The agents' usable nodes that Slurm would schedule on now; with `job_id`, only those of that job's running
+        allocation (its workers and its own spares: another job's spare runs that job's agent, in its allocation).
+        SlurmUnavailableError when Slurm's state is not known (the controller does not answer, or the poller has not
+        read it lately)."""
         nodes = self._trusted_nodes()
+        if job_id is not None:
+            assert self._view is not None  # _trusted_nodes raised otherwise
+            allocated = {
+                node
+                for job in self._view.jobs.values()
+                if platform_job(job) == job_id and job.state is SlurmJobState.RUNNING
+                for node in job.nodes
+            }
+            nodes = {name: node for name, node in nodes.items() if name in allocated}
         offered = self.agents.pool(exclude=exclude)
         return NodePool(
             workers=[name for name in offered.workers if name in nodes and nodes[name].schedulable],

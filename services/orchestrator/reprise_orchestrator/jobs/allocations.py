@@ -161,7 +161,7 @@ class AllocationReconciler:
         assert spec.node_count is not None
         with Session(self.deps.engine) as session:
             cordoned = nodes_service.cordoned_ids(session)
-        workers = set(self.deps.compute.pool(exclude=cordoned).workers)
+        workers = set(self.deps.compute.pool(exclude=cordoned, job_id=job.id).workers)
         ready = [node for node in allocation.nodes if node in workers][: spec.node_count]
         if len(ready) < spec.node_count:
             return False  # the agents are starting (or a worker's agent is unhealthy): look again next pass
@@ -181,7 +181,7 @@ class AllocationReconciler:
         since = self._running_since.setdefault((job.id, allocation.scheduler_id), now)
         if now - since < timedelta(seconds=self.agent_start_timeout_s):
             return False
-        reporting = set(self.deps.compute.pool().usable())
+        reporting = set(self.deps.compute.pool(job_id=job.id).usable())
         silent = [node for node in allocation.nodes if node not in reporting]
         detail = (
             f"the agents of its {self.backend.name} allocation {allocation.scheduler_id} did not report within "
@@ -206,7 +206,7 @@ class AllocationReconciler:
             cordoned = nodes_service.cordoned_ids(session)
             busy = service.busy_nodes(session, except_job=job.id)
         current = job.nodes()
-        pool = self.deps.compute.pool(exclude=cordoned | busy)
+        pool = self.deps.compute.pool(exclude=cordoned | busy, job_id=job.id)
         plan = replan(current, usable=pool.usable(), spares=replacements(pool, current), policy=job.job_spec().policy)
         if plan.decision is not PlacementDecision.WAIT:
             return False

@@ -216,7 +216,7 @@ class RecoverySteps:
         while True:
             with Session(self.deps.engine) as session:
                 unavailable = nodes.cordoned_ids(session) | jobs.busy_nodes(session, except_job=run.job.id)
-            pool = self.deps.compute.pool(exclude=unavailable | run.exclude)
+            pool = self.deps.compute.pool(exclude=unavailable | run.exclude, job_id=run.job.id)
             plan = replan(current, usable=pool.usable(), spares=replacements(pool, current), policy=spec.policy)
             if plan.decision is not PlacementDecision.WAIT:
                 break
