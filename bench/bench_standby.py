@@ -6,8 +6,9 @@ what a PyTorch rank does first (``import torch, torch.distributed``, then prints
 ``--rounds`` of each (default 7), side by side on the same machine, so a busy moment hits both alike. The warm side
 uses the agent's own ``StandbyPool`` (one standby; its replacement starts importing at once, beside the warm rank, as
 on a node). Each round waits until a standby is ready, which a real node's standby is long before a fault, so the cold
-launch never competes with a refill. Also the resident memory of a ready standby. Prints the figures and saves
-bench/results/standby.json.
+launch never competes with a refill. Also the resident memory of a ready standby beside that of a plain interpreter
+with the same imports, and the CPU a ready standby uses while it waits (``--idle-s``, before the rounds). Prints the
+figures and saves bench/results/standby.json.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import write_result
+from bench.common import process_cpu_s, rss_kib, write_result
 from reprise_agent.standby import StandbyPool
 
 RANK = "import torch, torch.distributed, torch._dynamo\nprint('first line of work', flush=True)\n"
@@ -62,7 +63,32 @@ async def warm(pool: StandbyPool, script: Path) -> tuple[float, int | None]:
     return await _first_line(proc, began), rss
 
 
-async def run(rounds: int) -> dict[str, object]:
+async def idle_cpu_pct(pool: StandbyPool, seconds: float) -> float:
+    """The CPU a ready standby used while it waited `seconds` for an assignment, in % of one core."""
+    while not any(s.ready for s in pool.statuses()):
+        await asyncio.sleep(0.05)
+    pid = next(s.pid for s in pool.statuses() if s.ready)
+    before = process_cpu_s(pid)
+    await asyncio.sleep(seconds)
+    return 100 * (process_cpu_s(pid) - before) / seconds
+
+
+async def plain_rss_mb() -> float | None:
+    """The resident memory of a plain interpreter that imported the standby's modules and waits: what a standby's
+    memory is compared with."""
+    code = f"import {', '.join(PRELOAD)}; print('ready', flush=True); import time; time.sleep(600)"
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", code, stdout=asyncio.subprocess.PIPE)
+    try:
+        assert proc.stdout is not None
+        await proc.stdout.readline()
+        kib = rss_kib(proc.pid)
+        return round(kib / 1024, 1) if kib is not None else None
+    finally:
+        proc.kill()
+        await proc.wait()
+
+
+async def run(rounds: int, idle_s: float) -> dict[str, object]:
     """Alternate cold and warm launches; their medians, the ratio and the standbys' memory."""
     with tempfile.TemporaryDirectory(prefix="reprise-standby-") as work:
         script = Path(work) / "rank.py"
@@ -73,6 +99,8 @@ async def run(rounds: int) -> dict[str, object]:
         warms: list[float] = []
         rss: list[int] = []
         try:
+            idle = await idle_cpu_pct(pool, idle_s)
+            plain = await plain_rss_mb()
             for _ in range(rounds):
                 while not any(s.ready for s in pool.statuses()):  # the cold launch runs with the pool at rest
                     await asyncio.sleep(0.05)
@@ -92,6 +120,9 @@ async def run(rounds: int) -> dict[str, object]:
         "warm_median_s": round(warm_median, 3),
         "cold_over_warm": round(cold_median / warm_median, 1),
         "standby_rss_mb_median": round(statistics.median(rss) / 2**20, 1) if rss else None,
+        "plain_interpreter_rss_mb": plain,  # the same imports in a plain `python -c`, waiting
+        "standby_idle_cpu_pct_of_core": round(idle, 3),  # over idle_s of waiting, ready (target <= 0.1)
+        "idle_s": idle_s,
         "load_average_1m": round(os.getloadavg()[0], 2),
     }
 
@@ -100,8 +131,9 @@ def main() -> None:
     """Measure, print, save."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--idle-s", type=float, default=20.0, help="how long a ready standby's idle CPU is measured")
     args = parser.parse_args()
-    figures = asyncio.run(run(args.rounds))
+    figures = asyncio.run(run(args.rounds, args.idle_s))
     for key, value in figures.items():
         print(f"{key:>24}: {value}")
     print(f"saved {write_result('standby', figures)}")

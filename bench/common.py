@@ -71,6 +71,17 @@ def process_cpu_s(pid: int | None = None) -> float:
         return times.user + times.system
 
 
+def rss_kib(pid: int) -> int | None:
+    """A process's resident memory now, in KiB (VmRSS); None once it has exited."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text(encoding="utf-8").splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
 def write_result(name: str, figures: dict[str, Any]) -> Path:
     """Save a benchmark's figures with the machine description as bench/results/<name>.json (atomically)."""
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)

@@ -29,7 +29,7 @@ from typing import Any
 
 import httpx
 
-from bench.common import machine_info, write_result
+from bench.common import machine_info, rss_kib, write_result
 from reprise_cli.client import PlatformClient
 from reprise_cli.servers import ManagedProcess, free_stack_ports
 from reprise_cli.stack import Stack
@@ -194,19 +194,9 @@ class Soak:
         for name, process in processes.items():
             if process.proc is None or not process.alive():
                 continue
-            rss = _rss_kib(process.pid)
+            rss = rss_kib(process.pid)
             if rss is not None:
                 self.memory.setdefault(name, []).append((now, process.pid, rss))
-
-
-def _rss_kib(pid: int) -> int | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text(encoding="utf-8").splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    except OSError:
-        return None
-    return None
 
 
 def memory_growth(samples: list[tuple[float, int, int]], *, warm_up_s: float) -> dict[str, Any]:
