@@ -235,9 +235,9 @@ async def _measure(
 
 def passed(result: dict[str, Any], lag_key: str) -> bool:
     """Whether a round kept p99 ≤ 100 ms while handling ≥ 95% of the N reports a second offered."""
-    return (
-        result[lag_key]["p99_ms"] <= P99_LIMIT_MS and result["handled_reports_per_s"] >= HANDLED_SHARE * result["nodes"]
-    )
+    p99_ms: float = result[lag_key]["p99_ms"]
+    handled: float = result["handled_reports_per_s"]
+    return p99_ms <= P99_LIMIT_MS and handled >= HANDLED_SHARE * result["nodes"]
 
 
 def sustained(rounds: list[dict[str, Any]], lag_key: str) -> dict[str, Any] | None:

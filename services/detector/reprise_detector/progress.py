@@ -31,14 +31,24 @@ RankProgress = RankSeen | RankStatus  # a rank's status as a report read on the 
 
 
 class RankTrack(msgspec.Struct, gc=False):
-    """What the detector knows of one rank's progress: its latest status and what that alone does not say.
+    """What the detector knows of one rank's progress: the values of its latest status it reads, and what they alone
+    do not say.
 
-    Plain values only, so that the garbage collector never scans the hundreds of thousands of them a large fleet keeps
-    (a full collection would pause the event loop for each).
+    Values, not the status they came from: a fold compares a new status with the rank's own track (one object), and
+    the status is freed with its report, while it is still in the processor's cache. Plain values only, so that the
+    garbage collector never scans the hundreds of thousands of them a large fleet keeps (a full collection would pause
+    the event loop for each).
     """
 
-    status: RankProgress  # the latest status folded in
+    job_id: str
+    rank: int
     node_id: str
+    step: int | None  # the latest step reported
+    restart_epoch: int | None  # the launch of the rank that reported it
+    phase: str  # the latest phase reported
+    alive: bool  # whether the process was alive at the latest report
+    proc_state: str  # the process's scheduler state in the latest report ("" unknown)
+    cpu_s: float | None  # its CPU seconds in the latest report
     advanced_at: float  # monotonic time the step last changed (or the phase began, before any step)
     phase_since: float
     cpu_at_advance: float | None  # its CPU seconds when the step last changed
@@ -47,31 +57,6 @@ class RankTrack(msgspec.Struct, gc=False):
     slow_streak: int = 0
     straggling: bool = False
     stopped_since: float | None = None  # monotonic time its process was first seen stopped (state T/t), in a row
-
-    @property
-    def step(self) -> int | None:
-        """The latest step reported."""
-        return self.status.step
-
-    @property
-    def phase(self) -> str:
-        """The latest phase reported."""
-        return self.status.phase
-
-    @property
-    def alive(self) -> bool:
-        """Whether the process was alive at the latest report."""
-        return self.status.alive
-
-    @property
-    def proc_state(self) -> str:
-        """The process's scheduler state in the latest report ("" unknown)."""
-        return self.status.proc_state
-
-    @property
-    def cpu_s(self) -> float | None:
-        """Its CPU seconds in the latest report."""
-        return self.status.cpu_s
 
 
 @dataclass(slots=True)
@@ -108,35 +93,9 @@ class ProgressBook:
             track = job.ranks[status.rank] = _first_track(node_id, status, now)
             job.next_check = 0.0
             return job, track
-        # Updated in place (a report of 8 ranks a second per node must not churn objects); straggler state carries
-        # over. This runs for every rank of every report: what rarely changes (phase, process state) is compared
-        # before anything is written for it.
-        seen, track.status = track.status, status
         if track.node_id is not node_id:  # the same string object, report after report (msgspec sets cost 60 ns)
             track.node_id = node_id
-        step = status.step
-        # A new step is progress, and so is a new launch of the rank: its step counts again from where it restored,
-        # and the same number as the replaced process's last step is no stall. It resets the stall, the phase clock
-        # and the CPU count of the stall.
-        if step != seen.step or status.restart_epoch != seen.restart_epoch:
-            track.phase_since = phase_since = now - (status.phase_age_s or 0.0)
-            track.advanced_at = now - (status.heartbeat_age_s or 0.0) if step is not None else phase_since
-            track.cpu_at_advance = status.cpu_s
-            job.hung = False
-        elif track.cpu_at_advance is None:
-            track.cpu_at_advance = status.cpu_s
-        if status.phase != seen.phase:
-            if step == seen.step:
-                track.phase_since = now - (status.phase_age_s or 0.0)
-            job.next_check = 0.0  # another phase, another limit: what was computed for the old one no longer holds
-        p99 = status.step_time_p99_s
-        if p99 and p99 != track.p99_s:
-            track.p99_s = p99
-        step_time = status.step_time_last_s or status.step_time_p50_s
-        if step_time and step_time != track.step_time_s:
-            track.step_time_s = step_time
-        if status.proc_state or seen.proc_state:  # "" (unknown, or running) on the common path
-            _fold_proc_state(job, track, status.proc_state, seen.proc_state, now)
+        fold(job, track, status, now)
         return job, track
 
     def forget(self, job_id: str) -> None:
@@ -144,14 +103,66 @@ class ProgressBook:
         self.jobs.pop(job_id, None)
 
 
+def fold(job: JobTrack, track: RankTrack, status: RankProgress, now: float) -> None:
+    """Fold a rank's new status into its track (`now`: the monotonic time it arrived); a step change or a new restart
+    epoch resets the stall (and a reported hang). The caller counts the update (JobTrack.updates).
+
+    Updated in place (a report of 8 ranks a second per node must not churn objects); straggler state carries over.
+    This runs for every rank of every report: what rarely changes (phase, process state) is compared before anything
+    is written for it.
+    """
+    step, was_step, epoch = status.step, track.step, status.restart_epoch
+    # A new step is progress, and so is a new launch of the rank: its step counts again from where it restored, and the
+    # same number as the replaced process's last step is no stall. It resets the stall, the phase clock and the CPU
+    # count of the stall.
+    if step != was_step or epoch != track.restart_epoch:
+        track.step, track.restart_epoch = step, epoch
+        track.phase_since = phase_since = now - (status.phase_age_s or 0.0)
+        track.advanced_at = now - (status.heartbeat_age_s or 0.0) if step is not None else phase_since
+        track.cpu_at_advance = status.cpu_s
+        job.hung = False
+    elif track.cpu_at_advance is None:
+        track.cpu_at_advance = status.cpu_s
+    track.cpu_s = status.cpu_s
+    if status.phase != track.phase:
+        if step == was_step:
+            track.phase_since = now - (status.phase_age_s or 0.0)
+        track.phase = status.phase
+        job.next_check = 0.0  # another phase, another limit: what was computed for the old one no longer holds
+    if status.alive is not track.alive:
+        track.alive = status.alive
+    p99 = status.step_time_p99_s
+    if p99 and p99 != track.p99_s:
+        track.p99_s = p99
+    step_time = status.step_time_last_s or status.step_time_p50_s
+    if step_time and step_time != track.step_time_s:
+        track.step_time_s = step_time
+    if status.proc_state or track.proc_state:  # "" (unknown, or running) on the common path
+        _fold_proc_state(job, track, status.proc_state, track.proc_state, now)
+        track.proc_state = status.proc_state
+
+
 def _first_track(node_id: str, status: RankProgress, now: float) -> RankTrack:
     """A rank's track from its first status; the heartbeat age back-dates its step, the phase age its phase."""
     phase_since = now - (status.phase_age_s or 0.0)
     advanced = now - (status.heartbeat_age_s or 0.0) if status.step is not None else phase_since
-    step_time = status.step_time_last_s or status.step_time_p50_s
-    track = RankTrack(status, node_id, advanced, phase_since, status.cpu_s, status.step_time_p99_s, step_time)
-    track.stopped_since = now if status.proc_state in STOPPED_STATES else None
-    return track
+    return RankTrack(
+        job_id=status.job_id,
+        rank=status.rank,
+        node_id=node_id,
+        step=status.step,
+        restart_epoch=status.restart_epoch,
+        phase=status.phase,
+        alive=status.alive,
+        proc_state=status.proc_state,
+        cpu_s=status.cpu_s,
+        advanced_at=advanced,
+        phase_since=phase_since,
+        cpu_at_advance=status.cpu_s,
+        p99_s=status.step_time_p99_s,
+        step_time_s=status.step_time_last_s or status.step_time_p50_s,
+        stopped_since=now if status.proc_state in STOPPED_STATES else None,
+    )
 
 
 def _fold_proc_state(job: JobTrack, track: RankTrack, state: str, was: str, now: float) -> None:
@@ -347,7 +358,7 @@ class HangWatch:
         stalled = now - since
         # The launch is part of the stall's identity: a relaunch from the same checkpoint can freeze at the same step
         # in the same phase, and without its epoch that hang would be taken for a redelivery of the last one.
-        epoch = track.status.restart_epoch
+        epoch = track.restart_epoch
         return JobHung(
             event_id=f"hang:{job_id}:{epoch}:{rank}:{track.step}:{track.phase}"[:128],
             time=self.clock.now() - timedelta(seconds=stalled - limit),
@@ -389,13 +400,19 @@ class StragglerWatch:
         self.factor = factor
         self.reports = reports
 
+    def slow_above(self, job: JobTrack) -> float | None:
+        """The step time above which a rank of the job is slow (factor x the job's median, refreshed when due); None
+        while the median is unknown. A rank at or below it, with no slow streak, is NORMAL: judge() changes nothing."""
+        median = job.median_s if job.updates - job.median_updates < len(job.ranks) else self.median(job)
+        return None if median is None else self.factor * median
+
     def judge(self, job: JobTrack, track: RankTrack) -> StragglerVerdict:
         """Update the rank's streak from its latest step time and say what it is."""
-        median = job.median_s if job.updates - job.median_updates < len(job.ranks) else self.median(job)
+        limit = self.slow_above(job)
         step_time = track.step_time_s
-        if step_time is None or median is None:
+        if step_time is None or limit is None:
             return _UNKNOWN
-        if step_time <= self.factor * median:
+        if step_time <= limit:
             if track.slow_streak:
                 track.slow_streak, track.straggling = 0, False
             return _NORMAL
@@ -421,7 +438,7 @@ class StragglerWatch:
         median = job.median_s or 0.0
         # The launch is part of the id, as for hangs: a relaunch restored from an older checkpoint can turn slow at
         # the same step again, and without its epoch that straggler would be taken for a redelivery of the last one.
-        epoch = track.status.restart_epoch
+        epoch = track.restart_epoch
         return RankStraggling(
             event_id=f"straggler:{job_id}:{epoch}:{rank}:{track.step}"[:128],
             time=self.clock.now(),

@@ -34,7 +34,16 @@ from reprise_detector.nodes.peers import PeerErrors
 from reprise_detector.partition import Partition
 from reprise_detector.pipeline import Detector
 from reprise_detector.placements import PlacementMap
-from reprise_detector.progress import HangLimits, HangWatch, ProgressBook, StragglerVerdict, StragglerWatch
+from reprise_detector.progress import (
+    HangLimits,
+    HangWatch,
+    JobTrack,
+    ProgressBook,
+    RankTrack,
+    StragglerVerdict,
+    StragglerWatch,
+    fold,
+)
 
 STRAGGLER = StragglerVerdict.STRAGGLER  # bound once: an enum member looked up per rank costs about 0.2 µs
 
@@ -63,6 +72,18 @@ class WatchedReport(ReportSeen, frozen=True, gc=False):
 
 
 _REPORT_DECODER = msgspec.json.Decoder(WatchedReport)
+
+
+class NodeTracks(msgspec.Struct, gc=False):
+    """Where a node's last report went: its ranks' tracks in the report's order, all of one job.
+
+    A node lists the same ranks in the same order report after report, so the next report is folded into these tracks
+    (each checked against its status's job and rank) without a placement and a book lookup per rank. Not scanned by
+    the garbage collector (one per node; nothing refers back to it, so it is in no cycle).
+    """
+
+    job: JobTrack
+    tracks: tuple[RankTrack, ...]
 
 
 def read_watched_report(data: bytes) -> WatchedReport:
@@ -115,7 +136,8 @@ class Watcher:
         self._hangs_checked_at = float("-inf")  # monotonic
         self._tick_lock = asyncio.Lock()
         self._here: dict[str, dict[str, frozenset[int]]] = {}  # node -> job -> its ranks placed there (owned jobs)
-        self._here_version = -1  # the placement map's version _here was derived from
+        self._here_version = -1  # the placement map's version _here (and _tracks) was derived from
+        self._tracks: dict[str, NodeTracks] = {}  # node -> the tracks its last report went to (forgotten with _here)
         self._node_of: dict[str, str] = {}  # report subject -> its node (as many as liveness keeps nodes)
         self._woken = asyncio.Event()  # a node became suspect: its grace may end before the next tick
         self.peers = peers
@@ -131,7 +153,7 @@ class Watcher:
         """
         found: list[DerivedSymptom] = []
         if self.placements.version != self._here_version:
-            self._here, self._here_version = {}, self.placements.version
+            self._here, self._tracks, self._here_version = {}, {}, self.placements.version
         sent: list[datetime] = []  # the reports' times, for the lag sample taken when the batch is decided
         now = self.clock.monotonic()
         for subject, data in reports.items():
@@ -190,15 +212,52 @@ class Watcher:
     def _progress(
         self, node_id: str, ranks: tuple[RankSeen, ...], here: dict[str, frozenset[int]], now: float
     ) -> list[DerivedSymptom]:
+        """Fold a report's rank statuses into their tracks and judge each rank's speed: into the tracks the node's last
+        report went to while it lists the same ranks (NodeTracks), else looked up (and remembered for the next one)."""
+        found: list[DerivedSymptom] = []
+        judge, known, folded = self.stragglers.judge, self._tracks.get(node_id), 0
+        if known is not None and len(known.tracks) == len(ranks):
+            job = known.job
+            # Judged only when its step time is above the job's limit or it was slow: otherwise judge() changes nothing
+            # (the limit is the job's as this report began; one refreshed meanwhile applies from the next report).
+            limit = self.stragglers.slow_above(job)
+            for status, track in zip(ranks, known.tracks, strict=True):
+                if status.rank != track.rank or status.job_id != track.job_id:
+                    del self._tracks[node_id]  # it lists other ranks now: the rest are looked up
+                    break
+                job.updates += 1
+                fold(job, track, status, now)
+                step_time = track.step_time_s
+                slow = track.slow_streak or (limit is not None and step_time is not None and step_time > limit)
+                if slow and judge(job, track) is STRAGGLER:
+                    found.append(self.stragglers.finding(status.job_id, status.rank))
+                folded += 1
+            if folded == len(ranks):
+                return found
+        return found + self._look_up(node_id, ranks[folded:], here, now, remember=not folded)
+
+    def _look_up(
+        self, node_id: str, ranks: tuple[RankSeen, ...], here: dict[str, frozenset[int]], now: float, *, remember: bool
+    ) -> list[DerivedSymptom]:
+        """_progress for ranks looked up in the placement and the book; `remember`: keep their tracks for the node's
+        next report when they are the whole report and all of one placed job."""
         found: list[DerivedSymptom] = []
         update, judge = self.book.update, self.stragglers.judge
+        jobs: set[int] = set()
+        tracks: list[RankTrack] = []
+        job: JobTrack | None = None
         for status in ranks:
             placed = here.get(status.job_id)
             if placed is None or status.rank not in placed:
-                continue  # another replica's job, or a rank of an earlier placement that this node still lists
+                remember = False  # another replica's job, or a rank of an earlier placement that this node still lists
+                continue
             job, track = update(node_id, status, now)
+            jobs.add(id(job))
+            tracks.append(track)
             if judge(job, track) is STRAGGLER:
                 found.append(self.stragglers.finding(status.job_id, status.rank))
+        if remember and job is not None and len(jobs) == 1:
+            self._tracks[node_id] = NodeTracks(job, tuple(tracks))
         return found
 
     # --- ticks ------------------------------------------------------------------------------------------------
@@ -251,6 +310,7 @@ class Watcher:
     def _prune(self) -> None:
         """Forget the jobs that ended and the ranks a relaunch moved or dropped (a shrink): they stop counting."""
         self._pruned_at = self.placements.last_seq
+        self._tracks = {}  # they may hold tracks forgotten here
         for job_id in set(self.book.jobs) - self.placements.active_jobs():
             self.book.forget(job_id)
         placed: dict[str, set[tuple[str, int]]] = {}  # node -> (job, rank) placed on it

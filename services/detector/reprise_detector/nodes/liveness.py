@@ -85,7 +85,7 @@ class Liveness:
             seen.leaving = False  # a running agent's report (a new one after a graceful restart)
         if seen.dropped_at is not None and now - seen.dropped_at > REPORT_IN_FLIGHT_S:
             seen.dropped_at = None  # reporting again: it reconnected (the advisory may have been missed)
-        if gpus is not None:
+        if gpus is not None and gpus != seen.gpus:  # compared (in C) rather than the node's old tuple freed each report
             seen.gpus = gpus
         if interval_s is not None and interval_s != seen.interval_s:
             seen.interval_s = interval_s
