@@ -116,7 +116,7 @@ def render(summary: dict[str, Any]) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3, help="demos of each kind (default 3)")
+    parser.add_argument("--rounds", type=int, default=5, help="demos of each kind (default 5)")
     args = parser.parse_args()
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench-slurm-") as scratch:

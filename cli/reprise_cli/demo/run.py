@@ -21,6 +21,8 @@ from reprise_cli.stack import Stack
 from reprise_cli.topology import StackConfig, slack_receiver_url
 from reprise_common.errors import ConfigError
 
+SLURM_STEPS = 160
+
 
 class Narrator:
     """Prints one line per event, stamped with the seconds since the demo began."""
@@ -45,7 +47,10 @@ def run_demo(config: StackConfig, *, keep: bool = False) -> int:
     shutil.rmtree(config.state_dir, ignore_errors=True)  # a demo starts from nothing, whatever ran before
     say = Narrator()
     stack = Stack(config, say=say)
-    training = Training()
+    # On Slurm the agents, and their warm standbys, start with the job's allocation, and the first fault waits until
+    # the standbys are ready (Scenario._wait_for_standbys): 40 more steps (two checkpoint intervals) keep room for the
+    # four faults after it. The faults, their spacing and what is measured of each are the same.
+    training = Training(steps=SLURM_STEPS) if config.scheduler == "slurm" else Training()
     # The reference trains while the platform starts: both are over before the job is submitted, so no timing of
     # the job or of a recovery shares the CPU with it.
     reference = ReferenceRun(training, world_size=config.nodes, work_dir=config.state_dir.resolve() / "reference")
