@@ -109,6 +109,7 @@ class SlurmCluster:
     controller_port: int
     node_ports: dict[str, int]
     partition: str = "reprise"
+    urgent_partition: str = "urgent"  # its jobs preempt those of `partition` (requeued)
     cluster_name: str = "reprise"
     slurmd_timeout_s: int = 5  # a dead slurmd's node is NOT_RESPONDING, then DOWN, within about 2-3 times this
     requeue_delay_s: int = 10  # a requeued job may run again after this (cred_expire; Slurm's default is 120 s)
@@ -177,12 +178,17 @@ class SlurmCluster:
             "KillWait=2",  # SIGTERM to SIGKILL on cancel (Slurm's default is 30 s)
             "InactiveLimit=0",
             "MinJobAge=60",
+            # A job in the urgent partition preempts one in the default partition, which Slurm requeues (preempt())
+            "PreemptType=preempt/partition_prio",
+            "PreemptMode=REQUEUE",
         ]
         lines += [
             f"NodeName={name} NodeHostname=localhost NodeAddr=127.0.0.1 Port={port} CPUs=1 State=UNKNOWN"
             for name, port in self.node_ports.items()
         ]
-        lines.append(f"PartitionName={self.partition} Nodes={','.join(self.node_ports)} Default=YES MaxTime=INFINITE")
+        nodes = ",".join(self.node_ports)
+        lines.append(f"PartitionName={self.partition} Nodes={nodes} Default=YES MaxTime=INFINITE PriorityTier=1")
+        lines.append(f"PartitionName={self.urgent_partition} Nodes={nodes} MaxTime=INFINITE PriorityTier=2")
         return "\n".join(lines) + "\n"
 
     def _prepare(self) -> None:
@@ -275,6 +281,17 @@ class SlurmCluster:
             return {}
         return dict(line.split(maxsplit=1) for line in done.stdout.splitlines() if line.strip())
 
+    def preempt(self, *, nodes: int = 1, seconds: float = 5.0) -> str:
+        """Submit a job of the urgent partition on `nodes` nodes for `seconds`: Slurm preempts (requeues) the jobs of
+        the default partition in its way, as a higher-priority job does on a shared cluster; its Slurm job id."""
+        done = self._command(
+            "sbatch", "--parsable", f"--partition={self.urgent_partition}", f"--nodes={nodes}", "--job-name=urgent",
+            f"--output={self.directory / 'log' / 'urgent-%j.out'}", f"--wrap=sleep {seconds:g}",
+        )  # fmt: skip
+        if done is None or done.returncode != 0:
+            raise ConfigError(f"the urgent job was not submitted: {done.stderr if done else 'sbatch timed out'}")
+        return done.stdout.strip()
+
     def node_view(self) -> dict[str, tuple[str, str]]:
         """Each node's state and reason as `sinfo -N` prints them (e.g. ("drained", "reprise: incident ..."),
         ("down*", "Not responding")); empty when the controller is away."""
@@ -309,7 +326,7 @@ class SlurmCluster:
         for name, process in self.slurmds.items():
             if not process.alive():
                 self.start_node(name)
-        self._command("scancel", f"--partition={self.partition}")
+        self._cancel_all()
         wait_until(lambda: not self._busy(), timeout_s=timeout_s, interval_s=0.3)
         stuck = [name for name, state in self.node_states().items() if state.startswith(("drain", "down", "fail"))]
         if stuck:
@@ -317,11 +334,15 @@ class SlurmCluster:
         if not self.wait_idle(timeout_s=timeout_s):
             raise ConfigError(f"Slurm nodes not idle after a reset: {self.node_states()}")
 
+    def _cancel_all(self) -> None:
+        for partition in (self.partition, self.urgent_partition):
+            self._command("scancel", f"--partition={partition}")
+
     def stop(self) -> None:
         """Cancel the cluster's jobs, wait for their steps to end, then stop every daemon this cluster started."""
         if self.controller is not None and self.controller.alive():
             self.pause_controller(paused=False)
-            self._command("scancel", f"--partition={self.partition}")
+            self._cancel_all()
             wait_until(lambda: not self._busy(), timeout_s=15.0, interval_s=0.3)
         for process in self.slurmds.values():
             process.stop(grace_s=5.0)

@@ -201,6 +201,11 @@ class RankExited(Event):
     oom_killed: bool = False
     log_tail: list[str] = Field(default_factory=list)
     restart_epoch: int | None = Field(default=None, ge=0, description="the launch the process belonged to")
+    scheduler_ended: bool = Field(
+        default=False,
+        description="the compute scheduler ended the node's step (Slurm: a preemption, a time limit, a cancel) and the"
+        " rank with it: no fault of the rank or the node; the scheduler's own signal says why",
+    )
 
 
 PARKED_WHY_MAX = 2000  # characters of what a parked rank caught

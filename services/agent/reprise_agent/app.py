@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+import signal
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from types import FrameType
 from typing import Any
 
 from fastapi import FastAPI
@@ -12,7 +15,27 @@ from reprise_agent.agent import Agent
 from reprise_agent.settings import AgentSettings
 from reprise_common import subjects
 from reprise_common.bus import Bus
+from reprise_common.logging import get_logger
 from reprise_common.service import Background, add_ops_routes, nats_check
+
+log = get_logger("reprise.agent")
+
+
+def chain_sigterm(first: Callable[[], None]) -> None:
+    """Call `first` when SIGTERM arrives, then the handler installed before (uvicorn's, which starts the clean stop;
+    the server installs it before the app's lifespan starts). Not outside the main thread (an app under a test
+    client), where no signal handler can be set."""
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        first()
+        if callable(previous):
+            previous(signum, frame)
+
+    try:
+        signal.signal(signal.SIGTERM, handler)
+    except ValueError:
+        log.info("SIGTERM not watched: the app does not run in the main thread")
 
 
 def create_app(settings: AgentSettings) -> FastAPI:
@@ -29,6 +52,12 @@ def create_app(settings: AgentSettings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        loop = asyncio.get_running_loop()
+
+        def on_sigterm() -> None:
+            loop.call_soon_threadsafe(agent.terminating)
+
+        chain_sigterm(on_sigterm)
         background.start(agent.start)
         yield
         if background.started.is_set():

@@ -77,6 +77,7 @@ class RankProcess:
     oom_killed: bool = False
     done: asyncio.Event = field(default_factory=asyncio.Event)
     in_place: bool = False  # it runs under reprise_sdk.run: it can be parked and handed the next epoch
+    signalled: bool = False  # this agent signalled it (a stop, an injected fault): not an outside signal
     parked: asyncio.Event = field(default_factory=asyncio.Event)  # it waits for the next epoch
     parked_why: str = ""
 
@@ -377,6 +378,7 @@ class RankSupervisor:
 
     def kill(self, rank: RankProcess, sig: int = signal.SIGKILL) -> None:
         """Signal a rank's whole process group, as a fault would (the exit is reported)."""
+        rank.signalled = True
         signal_group(rank.proc.pid, rank.started, sig)
 
     async def park(self, job_id: str, *, within_s: float, kill: Set[int] = frozenset()) -> list[RankProcess]:

@@ -66,6 +66,7 @@ def build_runtime(settings: DetectorSettings, clock: Clock) -> Runtime:
         clock_skew_s=settings.event_clock_skew_s,
         early_exit_grace_s=settings.early_exit_grace_s,
         peers=peers,
+        liveness=liveness,
         partition=partition,
         reputation_rules=ReputationRules(
             xid=settings.reputation_xid,

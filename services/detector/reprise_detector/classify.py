@@ -234,6 +234,8 @@ class RuleBook:
         return Classification(rule.category, rule.severity, rule.action, rule.root_cause, reason)
 
     def _rank_exited(self, event: RankExited) -> Classification:
+        if event.scheduler_ended:
+            return scheduler_ended(event)
         sig = normalise_signal(event.signal, event.exit_code)
         how = f"signal {sig}" if sig else f"exit code {event.exit_code}"
         key = (event.oom_killed, sig, event.exit_code, tuple(event.log_tail))
@@ -265,6 +267,16 @@ def parked(event: RankParked) -> Classification:
     say, so fixed here rather than in rules.yaml; its `why` is evidence of a lost peer (nodes/peers.py) and nothing
     more."""
     reason = f"rank {event.rank} parked for a restart in place: {event.why or 'no reason given'}"
+    return Classification(
+        Category.APPLICATION, Severity.INFO, RecommendedAction.NONE, False, reason, evidence_only=True
+    )
+
+
+def scheduler_ended(event: RankExited) -> Classification:
+    """A rank the compute scheduler ended with its node's step (a preemption, a time limit, a cancel): no fault of the
+    rank or the node, whatever its exit or log tail; fixed here like `parked`. The scheduler's own signal opens the
+    incident and names the cause; this exit only tells the detector the node was released (nodes/liveness.py)."""
+    reason = f"rank {event.rank} ended with its node's scheduler step ({event.signal or event.exit_code})"
     return Classification(
         Category.APPLICATION, Severity.INFO, RecommendedAction.NONE, False, reason, evidence_only=True
     )

@@ -37,6 +37,7 @@ from reprise_detector.incidents import service
 from reprise_detector.incidents.flows import PendingChange, pending_change, publish_changes
 from reprise_detector.incidents.models import Incident, IncidentChangeKind, Symptom
 from reprise_detector.nodes import reputation
+from reprise_detector.nodes.liveness import Liveness
 from reprise_detector.nodes.peers import PeerErrors
 from reprise_detector.observe import IngestError, Observation, derived, observe
 from reprise_detector.partition import Partition
@@ -124,6 +125,7 @@ class Detector:
         clock_skew_s: float = DEFAULT_CLOCK_SKEW_S,
         early_exit_grace_s: float = DEFAULT_EARLY_EXIT_GRACE_S,
         peers: PeerErrors | None = None,
+        liveness: Liveness | None = None,
     ) -> None:
         self.engine = engine
         self.bus = bus
@@ -139,6 +141,7 @@ class Detector:
         self.drops = Drops(clock)
         self.early_exits = EarlyExits(clock=clock, placements=placements, grace_s=early_exit_grace_s)
         self.peers = peers  # where the ranks' errors that name a failed peer go (early evidence of node loss)
+        self.liveness = liveness  # told of nodes the compute scheduler released (their ranks' exits say so)
 
     # --- ingest -----------------------------------------------------------------------------------------------
     async def handle(self, event: Event, delivery: Delivery) -> Outcome:
@@ -222,6 +225,7 @@ class Detector:
             elif w.owned and job_id is not None:
                 self._note_clean_exit(w.observation)
                 self._note_peer_error(w)
+                self._note_step_end(w.observation)
         work = [w for w in work if w.owned and not w.classification.evidence_only]  # a parked rank: noted, not kept
         if not work:
             return Outcome.ACK
@@ -255,6 +259,8 @@ class Detector:
         observation, event = work.observation, work.observation.event
         if self.peers is None or not isinstance(event, RankExited | RankParked):
             return
+        if isinstance(event, RankExited) and event.scheduler_ended:
+            return  # its peers' step ended with it: their errors are the scheduler's doing, no node's
         job_id = observation.job_id
         if job_id is None or event.restart_epoch not in (None, self.placements.epoch_of(job_id)):
             return  # a replaced launch's rank, stopped by the recovery that replaced it
@@ -263,6 +269,13 @@ class Detector:
             return
         text = "\n".join(event.log_tail) if isinstance(event, RankExited) else event.why
         self.peers.note(job_id=job_id, node_id=observation.node_id, rank=event.rank, text=text, time=observation.time)
+
+    def _note_step_end(self, observation: Observation) -> None:
+        """A rank of the job's placement that the scheduler ended with its node's step: the node is released, its
+        agent's silence no loss (the scheduler's signal about the job opens the incident)."""
+        event = observation.event
+        if self.liveness is not None and isinstance(event, RankExited) and event.scheduler_ended:
+            self.liveness.released(observation.node_id)
 
     # --- persist ----------------------------------------------------------------------------------------------
     def persist(self, work: list[Work]) -> list[PendingChange]:

@@ -211,3 +211,31 @@ async def test_parked_ranks_while_every_node_reports_open_nothing_and_are_not_re
     assert h.runtime.bus.dead_letter_count == 0
     health = {n["node_id"]: n["state"] for n in (await h.client.get("/v1/node-health")).json()["data"]}
     assert set(health.values()) == {"alive"}
+
+
+# A scheduler ending the step (Slurm: a preemption, a time limit): every rank ends, and so does every agent.
+def _ended(node: str, rank: int) -> RankExited:
+    event = _exit(node, rank, GLOO_RESET, exit_code=143)
+    return event.model_copy(update={"signal": "SIGTERM", "scheduler_ended": True})
+
+
+async def test_ranks_the_scheduler_ended_open_nothing_and_their_silent_nodes_are_not_lost(
+    start_detector: StartDetector, sqlite_url: str
+) -> None:
+    h, clock = await _start(start_detector, sqlite_url)
+    clock.advance(0.5)
+    ended = [_ended(node, rank) for rank, node in enumerate(NODES)]
+    for event in ended:
+        await h.emit(event.node_id, event)
+    await h.settled()
+    for _ in range(4):  # the agents are gone with the step: no node reports, well past the 5 s limit
+        clock.advance(2.0)
+        assert await _look(h) == []
+    assert [h.symptoms(e.event_id) for e in ended] == [[], [], []]  # evidence of a release, not symptoms
+    health = {n["node_id"]: n["state"] for n in (await h.client.get("/v1/node-health")).json()["data"]}
+    assert set(health.values()) == {"alive"}
+
+    await _round(h, ("node-1",))  # node-1's agent of the job's next allocation reports: judged as any node again
+    clock.advance(6.0)
+    [incident] = await _look(h)
+    assert (incident["category"], incident["culprit_node_id"]) == ("node", "node-1")

@@ -219,8 +219,17 @@ def _node(name: str, *state: str, reason: str = "") -> SlurmNode:
     return SlurmNode(name=name, state=frozenset(state or ("IDLE",)), reason=reason)
 
 
-def _job(slurm_id: int, state: SlurmJobState, *nodes: str, name: str = "reprise-job-a", restarts: int = 0) -> SlurmJob:
-    return SlurmJob(job_id=slurm_id, name=name, state=state, nodes=nodes, restart_count=restarts)
+def _job(
+    slurm_id: int,
+    state: SlurmJobState,
+    *nodes: str,
+    name: str = "reprise-job-a",
+    restarts: int = 0,
+    excluded: tuple[str, ...] = (),
+) -> SlurmJob:
+    return SlurmJob(
+        job_id=slurm_id, name=name, state=state, nodes=nodes, restart_count=restarts, excluded_nodes=excluded
+    )
 
 
 HEALTHY = {"n1": _node("n1"), "n2": _node("n2")}
@@ -258,9 +267,21 @@ N2_DOWN = {"n1": _node("n1"), "n2": _node("n2", "DOWN", "NOT_RESPONDING", reason
         ),
         pytest.param(
             SlurmView(HEALTHY, {7: _job(7, R, "n1", "n2")}),
-            SlurmView(HEALTHY, {7: _job(7, P, restarts=1)}),
+            SlurmView(HEALTHY, {7: _job(7, P, restarts=1, excluded=("n2",))}),
             [],
-            id="job requeued by us (no node failed)",
+            id="job requeued by us (its bad node left out)",
+        ),
+        pytest.param(
+            SlurmView(HEALTHY, {7: _job(7, R, "n1", "n2")}),
+            SlurmView(HEALTHY, {7: _job(7, P, restarts=1)}),
+            [(ComputeSignalKind.PREEMPTED, None, "job-a")],
+            id="job requeued with no node down or left out: preempted (PreemptMode=REQUEUE)",
+        ),
+        pytest.param(
+            SlurmView(HEALTHY, {7: _job(7, R, "n1", "n2")}),
+            SlurmView(HEALTHY, {7: _job(7, R, "n1", "n2", restarts=1)}),
+            [(ComputeSignalKind.PREEMPTED, None, "job-a")],
+            id="requeued and running again between two reads",
         ),
         pytest.param(
             SlurmView(HEALTHY, {7: _job(7, R, "n1")}),

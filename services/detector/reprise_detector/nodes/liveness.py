@@ -6,7 +6,8 @@ the fallback, seconds). Or the NATS server says the agent's connection closed (a
 at once) and, within a short grace, the agent neither connected again nor reported: a reconnect (after a NATS restart,
 a network blip) is no loss. Or a peer's collective failed naming a lost peer while the node has missed its reports for
 1.5 of its intervals (nodes/peers.py). An agent whose last report said it is stopping (a graceful restart) is judged by
-its reports alone.
+its reports alone. A node whose agent's step the compute scheduler ended (its ranks' exits say so: a preemption, a time
+limit) is not lost at all until it reports again: it was released, and the scheduler's signal tells the job's story.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from reprise_common.report_view import GpuSeen
 from reprise_detector.derived import NodeLost
 
 REPORT_IN_FLIGHT_S = 0.1  # a report arriving this soon after a dropped connection may have been sent before it
+RELEASE_IN_FLIGHT_S = 2.0  # a report this soon after the scheduler ended the node's step was sent before that
 DEFAULT_INTERVAL_S = 1.0  # a node's report interval until a report read says its own (the agents' default)
 
 
@@ -42,6 +44,7 @@ class NodeSeen(msgspec.Struct, gc=False):
     dropped_id: str = ""  # that advisory's id
     dropped_reason: str = ""
     leaving: bool = False  # its agent's last report said it is stopping: a closed connection is expected
+    released_at: float | None = None  # when the scheduler ended its agent's step (released()): silence is no loss
     interval_s: float = DEFAULT_INTERVAL_S  # how often it reports, as its last report read said
 
 
@@ -79,6 +82,8 @@ class Liveness:
         if seen is None:
             seen = self.nodes[node_id] = NodeSeen(now, report_id, gpus=gpus or ())
         seen.last_seen, seen.last_report_id, seen.state = now, report_id, NodeState.ALIVE
+        if seen.released_at is not None and not stopping and now - seen.released_at > RELEASE_IN_FLIGHT_S:
+            seen.released_at = None  # a running agent reports again (the step's next allocation): judged as any
         if stopping:
             seen.leaving, seen.dropped_at = True, None
         elif gpus is not None:
@@ -98,6 +103,8 @@ class Liveness:
         seen = self.nodes.get(node_id)
         if seen is None or seen.state is NodeState.LOST or seen.leaving or seen.dropped_at is not None:
             return False
+        if seen.released_at is not None:
+            return False
         seen.dropped_at, seen.dropped_id, seen.dropped_reason = self.clock.monotonic(), advisory_id, reason
         return True
 
@@ -105,14 +112,22 @@ class Liveness:
         """The node's agent connected (again): no suspicion stands, and a stopping agent is back."""
         seen = self.nodes.get(node_id)
         if seen is not None:
-            seen.dropped_at, seen.leaving = None, False
+            seen.dropped_at, seen.leaving, seen.released_at = None, False, None
+
+    def released(self, node_id: str) -> None:
+        """The compute scheduler ended the step of the node's agent (a preemption, a time limit, a cancel: its ranks
+        said so as they ended). Its silence and its closed connection are then no loss, until it reports again: the
+        scheduler's own signal says what happened to the job."""
+        seen = self.nodes.get(node_id)
+        if seen is not None and seen.state is NodeState.ALIVE:
+            seen.released_at, seen.dropped_at = self.clock.monotonic(), None
 
     def check(self) -> list[NodeLost]:
         """Nodes that just crossed the limit (each silence is reported once)."""
         now, wall = self.clock.monotonic(), self.clock.now()
         lost: list[NodeLost] = []
         for node_id, seen in self.nodes.items():
-            if seen.state is not NodeState.ALIVE:
+            if seen.state is not NodeState.ALIVE or seen.released_at is not None:
                 continue
             silent = now - seen.last_seen
             if seen.dropped_at is not None and now - seen.dropped_at >= self.reconnect_grace_s:
@@ -148,7 +163,7 @@ class Liveness:
         """The monotonic time the node's silence passes `factor` times its report interval; None for a node that never
         reported, is lost already, or whose agent said it is stopping (its silence is expected)."""
         seen = self.nodes.get(node_id)
-        if seen is None or seen.state is not NodeState.ALIVE or seen.leaving:
+        if seen is None or seen.state is not NodeState.ALIVE or seen.leaving or seen.released_at is not None:
             return None
         return seen.last_seen + factor * seen.interval_s
 

@@ -316,10 +316,11 @@ class SlurmBackend:
 
 
 def _allocation(job_id: str, job: SlurmJob) -> Allocation:
-    """A Slurm job as the platform's view of an allocation: running, ended, or waiting (queued, held, requeued)."""
+    """A Slurm job as the platform's view of an allocation: running, ended, or waiting (queued, held, requeued, or
+    completing: a job Slurm requeues, after a preemption, passes through COMPLETING on its way back to PENDING)."""
     if job.state is SlurmJobState.RUNNING:
         state = AllocationState.RUNNING
-    elif job.state in ENDING:
+    elif job.state in ENDED:
         state = AllocationState.ENDED
     else:
         state = AllocationState.WAITING

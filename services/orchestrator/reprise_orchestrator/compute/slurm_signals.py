@@ -98,6 +98,12 @@ def _job_signals(before: SlurmView, after: SlurmView, backend: str) -> Iterator[
             # A job submitted with --requeue whose node fails is requeued at once: it never shows NODE_FAIL.
             kind, failed = ComputeSignalKind.NODE_FAIL, lost[0]
             detail = f"Slurm requeued job {slurm_id} after its node(s) {', '.join(lost)} failed"
+        elif old is not None and job.restart_count > old.restart_count and job.excluded_nodes == old.excluded_nodes:
+            # Requeued with no node down and no node newly left out (Reprise's own requeue leaves its bad nodes out):
+            # preempted by a job of higher priority (PreemptMode=REQUEUE never shows PREEMPTED), or an operator's
+            # `scontrol requeue`. Either way the scheduler took the nodes back and will run the job again.
+            kind, failed = ComputeSignalKind.PREEMPTED, None
+            detail = f"Slurm requeued job {slurm_id} (preempted, or by an operator): it runs again when allowed"
         else:
             continue
         key = (str(slurm_id), str(job.restart_count))

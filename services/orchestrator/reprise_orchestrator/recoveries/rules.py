@@ -349,6 +349,13 @@ def should_exclude(incident: IncidentChange) -> bool:
     )
 
 
+def scheduler_took_the_nodes(incident: IncidentChange) -> bool:
+    """The compute scheduler ended the whole job's step (a preemption, a time limit: a dependency incident that names
+    no node): its agents went with it and the job's next allocation brings new ones, so a node whose agent is gone is
+    no node to leave out; the placement waits for that allocation."""
+    return incident.category is Category.DEPENDENCY and incident.culprit.node_id is None
+
+
 def should_cordon(incident: IncidentChange) -> bool:
     """Cordon the culprit node for faults of the node's hardware; a lost node is only left out (it may come back)."""
     return should_exclude(incident) and incident.category is not Category.NODE

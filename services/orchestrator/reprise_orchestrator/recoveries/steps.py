@@ -91,7 +91,7 @@ class RecoveryRun:
     def adopt(self, record: StepRecord) -> None:
         """Take over what a finished step decided (used when a recovery is resumed, by this or another replica)."""
         data = record.data
-        if isinstance(data, Stopped):
+        if isinstance(data, Stopped) and not rules.scheduler_took_the_nodes(self.incident):
             self.exclude |= set(data.agents_gone)
         elif isinstance(data, Isolated):
             self.exclude |= set(data.excluded)
@@ -169,7 +169,8 @@ class RecoverySteps:
         if answers.stale:
             raise FencedOutError("a node refused our fence as stale")
         gone = answers.gone()
-        run.exclude |= set(gone)  # no agent listens there: do not wait for the detector to call the node lost
+        if not rules.scheduler_took_the_nodes(run.incident):
+            run.exclude |= set(gone)  # no agent listens there: do not wait for the detector to call the node lost
         mode, parked, why = restart.outcome(chosen, answers)
         stopped = Stopped(
             answers=answers.record(),
