@@ -3,11 +3,14 @@ pytest's terminal summary, so a plain `pytest` (make test) shows it."""
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from reprise_cli.slurm import slurm_unavailable_reason
 from reprise_cli.stack import Stack
 from reprise_cli.topology import StackConfig
 
@@ -23,6 +26,18 @@ def stack(tmp_path: Path) -> Iterator[Stack]:
         yield running
     finally:
         running.stop()
+
+
+@pytest.fixture
+def slurm_state_dir() -> Iterator[Path]:
+    """A short state directory for a stack on a local Slurm cluster (slurmd's step sockets live under it and a Unix
+    socket path has at most 107 bytes); skipped, with the reason, where Slurm cannot run."""
+    reason = slurm_unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"Slurm tests not run: {reason}")
+    directory = Path(tempfile.mkdtemp(prefix="rs-"))
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.fixture

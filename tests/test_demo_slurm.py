@@ -9,9 +9,6 @@ with the fault-free reference's parameters, bit for bit.
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-from collections.abc import Iterator
 from contextlib import closing
 from pathlib import Path
 
@@ -23,7 +20,6 @@ from reprise_cli.demo.scenario import Scenario
 from reprise_cli.demo.slurm_view import SlurmView
 from reprise_cli.demo.training import ReferenceRun, Training
 from reprise_cli.servers import free_stack_ports
-from reprise_cli.slurm import slurm_unavailable_reason
 from reprise_cli.stack import Stack
 from reprise_cli.topology import DEFAULT_PORTS, StackConfig
 
@@ -31,36 +27,25 @@ pytest.importorskip("torch", reason="PyTorch is not installed: the DDP demo job 
 pytestmark = [pytest.mark.stack, pytest.mark.chaos, pytest.mark.timeout(360)]
 
 
-@pytest.fixture
-def state_dir() -> Iterator[Path]:
-    """A short state directory: slurmd's step sockets live under it and a Unix socket path has at most 107 bytes."""
-    reason = slurm_unavailable_reason()
-    if reason is not None:
-        pytest.skip(f"Slurm tests not run: {reason}")
-    directory = Path(tempfile.mkdtemp(prefix="rs-"))
-    yield directory
-    shutil.rmtree(directory, ignore_errors=True)
-
-
 def test_on_slurm_a_ddp_job_survives_a_crash_an_xid79_and_a_node_loss_with_the_reference_parameters(
-    state_dir: Path,
+    slurm_state_dir: Path,
 ) -> None:
     config = StackConfig(
         nodes=2,
         spares=1,
         gpus_per_node=2,
-        state_dir=state_dir / "state",
+        state_dir=slurm_state_dir / "state",
         ports=free_stack_ports(DEFAULT_PORTS),
         scheduler="slurm",
     )
     training = Training(steps=72, checkpoint_every=8, step_sleep=0.1)
-    reference = ReferenceRun(training, world_size=2, work_dir=state_dir / "reference").start()
+    reference = ReferenceRun(training, world_size=2, work_dir=slurm_state_dir / "reference").start()
     stack = Stack(config)
     try:
         stack.start(timeout_s=90)
         assert stack.slurm is not None
         with closing(stack.client()) as client:
-            scenario = Scenario(stack, client, training, say=print, work_dir=state_dir / "job")
+            scenario = Scenario(stack, client, training, say=print, work_dir=slurm_state_dir / "job")
             scenario.slurm = SlurmView(stack.slurm)
             scenario.slurm.start()
             faults = [

@@ -9,17 +9,13 @@ the recovery waits for the requeued allocation and brings the job back on it, fr
 
 from __future__ import annotations
 
-import shutil
 import sys
-import tempfile
-from collections.abc import Iterator
 from contextlib import closing
 from pathlib import Path
 
 import pytest
 
 from reprise_cli.client import poll
-from reprise_cli.slurm import slurm_unavailable_reason
 from reprise_cli.stack import Stack
 from reprise_cli.topology import StackConfig
 
@@ -27,19 +23,10 @@ pytestmark = [pytest.mark.stack, pytest.mark.timeout(300)]
 RANK = "import reprise_sdk, time\nfor step in range(100000):\n    reprise_sdk.heartbeat(step)\n    time.sleep(0.2)\n"
 
 
-@pytest.fixture
-def state_dir() -> Iterator[Path]:
-    """A short state directory: slurmd's step sockets live under it and a Unix socket path has at most 107 bytes."""
-    reason = slurm_unavailable_reason()
-    if reason is not None:
-        pytest.skip(f"Slurm tests not run: {reason}")
-    directory = Path(tempfile.mkdtemp(prefix="rp-"))
-    yield directory
-    shutil.rmtree(directory, ignore_errors=True)
-
-
-def test_a_preempted_job_is_one_dependency_incident_and_comes_back_on_its_requeued_allocation(state_dir: Path) -> None:
-    config = StackConfig(nodes=2, spares=0, gpus_per_node=1, state_dir=state_dir / "state", scheduler="slurm")
+def test_a_preempted_job_is_one_dependency_incident_and_comes_back_on_its_requeued_allocation(
+    slurm_state_dir: Path,
+) -> None:
+    config = StackConfig(nodes=2, spares=0, gpus_per_node=1, state_dir=slurm_state_dir / "state", scheduler="slurm")
     stack = Stack(config, free_ports=True)
     try:
         stack.start(timeout_s=90)
@@ -52,7 +39,7 @@ def test_a_preempted_job_is_one_dependency_incident_and_comes_back_on_its_requeu
                     "ranks_per_node": 1,
                     "command": [sys.executable, "-c", RANK],
                     "policy": {"placement_timeout_s": 120, "backoff_initial_s": 0},
-                    "slurm": {"spares": 0, "output": str(state_dir / "slurm-%j.out")},
+                    "slurm": {"spares": 0, "output": str(slurm_state_dir / "slurm-%j.out")},
                 }
             )
             job = poll(lambda: client.job(job["id"]), lambda j: j["state"] != "pending", timeout_s=60)
