@@ -492,6 +492,8 @@ class ComputeSignalKind(StrEnum):
     NODE_FAIL = "node_fail"  # the scheduler ended the job because one of its nodes failed
     PREEMPTED = "preempted"  # not a fault of the hardware: the job was preempted
     TIME_LIMIT = "time_limit"  # not a fault of the hardware: the job reached its time limit
+    # the scheduler's controller does not answer: the job runs on, but nothing can be placed, drained or requeued
+    CONTROLLER_UNAVAILABLE = "controller_unavailable"
 
 
 class ComputeSignal(Event):

@@ -114,3 +114,15 @@ async def test_a_slurm_signal_after_reprise_saw_the_node_lost_joins_that_inciden
 def _all_symptoms(h: Harness) -> list[Symptom]:
     with Session(h.runtime.engine) as session:
         return list(session.exec(select(Symptom)).all())
+
+
+async def test_a_silent_controller_is_a_warning_incident_with_nothing_to_restart(detector: Harness) -> None:
+    await detector.place(JOB, [(0, "node-1", 0), (1, "node-2", 0)])
+    await _announce(detector, _signal(ComputeSignalKind.CONTROLLER_UNAVAILABLE, job=JOB))
+    [incident] = await detector.open_incidents(JOB)
+    assert (incident["category"], incident["severity"], incident["recommended_action"]) == (
+        "dependency",
+        "warning",
+        "none",  # the job runs on: an operator must know, no recovery would help
+    )
+    assert incident["culprit_node_id"] is None and "controller_unavailable" in incident["root_cause"]

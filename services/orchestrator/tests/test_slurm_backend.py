@@ -215,6 +215,39 @@ async def test_a_stopped_controller_is_a_clear_error_within_the_timeout_and_a_mi
     assert backend.pool().workers == ["node1", "node2", "node3"]
 
 
+async def test_a_controller_silent_past_the_trusted_age_is_signalled_once_for_each_of_reprises_jobs(
+    backend: SlurmBackend, slurm_cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    slurm_id = await backend.cli.submit(
+        SlurmSubmission(name=allocation_name("job-s"), nodes=1, script=ONE_TASK_PER_NODE, output=tmp_path / "s.out")
+    )
+    await running(backend, slurm_id)
+    seen: list[ComputeSignal] = []
+
+    async def emit(signal: ComputeSignal) -> None:
+        seen.append(signal)
+
+    watch = asyncio.create_task(backend.watch(emit))
+    try:
+        await asyncio.sleep(1)  # the baseline read, with the job running
+        slurm_cluster.pause_controller()  # it accepts connections and answers nothing
+        paused = time.monotonic()
+        found = await eventually(lambda: _seen(seen), bool, timeout_s=backend.max_age_s + 3 * TIMEOUT_S)
+        took = time.monotonic() - paused
+        await asyncio.sleep(TIMEOUT_S + 1)  # more failed reads in the same outage: nothing new
+    finally:
+        watch.cancel()
+        slurm_cluster.pause_controller(paused=False)
+    assert found, "no signal of the silent controller"
+    assert took >= backend.max_age_s - TIMEOUT_S  # not at a first failed read: only once Slurm's state is not trusted
+    assert [(s.kind, s.job_id, s.node_id) for s in seen] == [(ComputeSignalKind.CONTROLLER_UNAVAILABLE, "job-s", None)]
+    assert "controller does not answer" in seen[0].detail and "runs on" in seen[0].detail
+
+
+async def _seen(signals: list[ComputeSignal]) -> list[ComputeSignal]:
+    return list(signals)
+
+
 def _node(name: str, *state: str, reason: str = "") -> SlurmNode:
     return SlurmNode(name=name, state=frozenset(state or ("IDLE",)), reason=reason)
 

@@ -35,7 +35,14 @@ from reprise_orchestrator.compute.slurm_cli import (
     SlurmSubmission,
     SlurmUnavailableError,
 )
-from reprise_orchestrator.compute.slurm_signals import ENDED, SlurmView, allocation_name, platform_job, signals
+from reprise_orchestrator.compute.slurm_signals import (
+    ENDED,
+    SlurmView,
+    allocation_name,
+    controller_unavailable,
+    platform_job,
+    signals,
+)
 
 log = get_logger("reprise.orchestrator.compute.slurm")
 ENDING = ENDED | {SlurmJobState.COMPLETING}  # a completing job is ending: nothing left to cancel
@@ -81,6 +88,7 @@ class SlurmBackend:
         self._read_at = 0.0  # monotonic, when the last good read began
         self._failure: str | None = None  # why the last read failed; None after a good one
         self._owed: dict[str, str | None] = {}  # node → a drain's reason, or None for a resume, Slurm did not take
+        self._outage_told = False  # this outage of the controller was signalled (once per outage)
 
     def pool(self, *, exclude: Set[str] = frozenset(), job_id: str | None = None) -> NodePool:
         """The agents' usable nodes that Slurm would schedule on now; with `job_id`, only those of that job's running
@@ -215,15 +223,17 @@ class SlurmBackend:
 
     async def watch(self, emit: SignalSink) -> None:
         """Poll Slurm every interval until cancelled, emitting each transition's signal once; a read that fails is
-        logged when it starts and ends failing (the next good read reports what changed meanwhile)."""
+        logged when it starts and ends failing (the next good read reports what changed meanwhile), and a controller
+        silent for longer than its state is trusted is signalled once per outage."""
         while True:
             try:
                 found = await self.poll()
+            except SlurmUnavailableError as exc:  # logged by poll; pool() refuses until a read succeeds
+                found = self._outage(exc)
             except SlurmError:
-                pass  # logged by poll; pool() refuses until a read succeeds
-            else:
-                for signal in found:
-                    await emit(signal)
+                found = []  # logged by poll
+            for signal in found:
+                await emit(signal)
             await asyncio.sleep(self.poll_interval_s)
 
     async def poll(self) -> list[ComputeSignal]:
@@ -246,7 +256,20 @@ class SlurmBackend:
             jobs={job.job_id: job for job in jobs if self._ours(job) and platform_job(job) is not None},
         )
         before, self._view, self._read_at, self._failure = self._view, view, started, None
+        self._outage_told = False
         return [] if before is None else signals(before, view, backend=self.name)
+
+    def _outage(self, exc: SlurmUnavailableError) -> list[ComputeSignal]:
+        """Once the controller has not answered for longer than Slurm's state is trusted (pool() refuses from then
+        on), one `controller_unavailable` signal for each of Reprise's jobs Slurm last showed: the jobs run on, but no
+        recovery can place, drain or requeue until it answers. Once per outage."""
+        if self._outage_told or self._view is None or self.clock.monotonic() - self._read_at <= self.max_age_s:
+            return []
+        self._outage_told = True
+        jobs = sorted({job_id for job in self._view.jobs.values() if (job_id := platform_job(job)) is not None})
+        since = f"{self._read_at:.0f}"
+        log.error("Slurm controller unavailable", extra={"jobs": jobs, "error": str(exc)})
+        return [controller_unavailable(self.name, job_id, since=since, detail=str(exc)) for job_id in jobs]
 
     async def close(self) -> None:
         """The adapter holds nothing between calls; the agents' backend releases what it holds."""

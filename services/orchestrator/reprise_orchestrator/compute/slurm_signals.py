@@ -110,6 +110,14 @@ def _job_signals(before: SlurmView, after: SlurmView, backend: str) -> Iterator[
         yield _signal(backend, kind, key, node_id=failed, job_id=job_id, detail=detail)
 
 
+def controller_unavailable(backend: str, job_id: str, *, since: str, detail: str) -> ComputeSignal:
+    """The signal of a controller that stopped answering, for one of the jobs it runs (`since`: when it last answered,
+    which keys the outage)."""
+    text = f"the {backend} controller does not answer ({detail}): the job runs on, but nothing can be placed, drained"
+    text += " or requeued until it does"
+    return _signal(backend, ComputeSignalKind.CONTROLLER_UNAVAILABLE, (job_id, since), job_id=job_id, detail=text)
+
+
 def _signal(
     backend: str,
     kind: ComputeSignalKind,
