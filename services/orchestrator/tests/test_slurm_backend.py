@@ -218,10 +218,15 @@ async def test_a_stopped_controller_is_a_clear_error_within_the_timeout_and_a_mi
 async def test_a_controller_silent_past_the_trusted_age_is_signalled_once_for_each_of_reprises_jobs(
     backend: SlurmBackend, slurm_cluster: SlurmCluster, tmp_path: Path
 ) -> None:
-    slurm_id = await backend.cli.submit(
-        SlurmSubmission(name=allocation_name("job-s"), nodes=1, script=ONE_TASK_PER_NODE, output=tmp_path / "s.out")
-    )
+    slurm_id, done_id = [
+        await backend.cli.submit(
+            SlurmSubmission(name=allocation_name(job), nodes=1, script=ONE_TASK_PER_NODE, output=tmp_path / job)
+        )
+        for job in ("job-s", "job-done")
+    ]
     await running(backend, slurm_id)
+    await backend.cancel("job-done")  # an allocation that ended: Slurm still lists it, and it needs nothing more
+    await eventually(lambda: backend.cli.job(done_id), lambda j: j is not None and j.state is SlurmJobState.CANCELLED)
     seen: list[ComputeSignal] = []
 
     async def emit(signal: ComputeSignal) -> None:

@@ -261,12 +261,13 @@ class SlurmBackend:
 
     def _outage(self, exc: SlurmUnavailableError) -> list[ComputeSignal]:
         """Once the controller has not answered for longer than Slurm's state is trusted (pool() refuses from then
-        on), one `controller_unavailable` signal for each of Reprise's jobs Slurm last showed: the jobs run on, but no
-        recovery can place, drain or requeue until it answers. Once per outage."""
+        on), one `controller_unavailable` signal for each of Reprise's jobs Slurm last showed not ended: they run on,
+        but no recovery can place, drain or requeue until it answers. Once per outage."""
         if self._outage_told or self._view is None or self.clock.monotonic() - self._read_at <= self.max_age_s:
             return []
         self._outage_told = True
-        jobs = sorted({job_id for job in self._view.jobs.values() if (job_id := platform_job(job)) is not None})
+        live = [job for job in self._view.jobs.values() if job.state not in ENDING]  # an ended job needs nothing more
+        jobs = sorted({job_id for job in live if (job_id := platform_job(job)) is not None})
         since = f"{self._read_at:.0f}"
         log.error("Slurm controller unavailable", extra={"jobs": jobs, "error": str(exc)})
         return [controller_unavailable(self.name, job_id, since=since, detail=str(exc)) for job_id in jobs]
