@@ -103,7 +103,7 @@ class Agent:
         # Run as a task of a scheduler's job step (Slurm's srun sets SLURM_STEP_ID): a SIGTERM to this agent is then the
         # scheduler ending the step, its ranks with it (a preemption, a time limit, a cancel), not a fault of theirs.
         self.scheduler_step = os.environ.get("SLURM_STEP_ID") is not None
-        self.step_ending = False  # set when the scheduler ends this agent's step (terminating())
+        self.step_ending = asyncio.Event()  # set when the scheduler ends this agent's step (terminating())
         self._stopping_jobs: set[str] = set()  # jobs whose stop (or park) this agent is carrying out now
         self.outbox = Outbox(bus, capacity=settings.outbox_capacity)
         self.depchecks = DependencyChecker(
@@ -155,9 +155,9 @@ class Agent:
         """This agent got SIGTERM (in the loop, from the signal handler the app chains before uvicorn's). In a
         scheduler's step it is the scheduler ending the step: the ranks' exits are said to be the scheduler's doing,
         and the stopping report goes out at once, before the clean stop (the scheduler kills what is left soon)."""
-        if not self.scheduler_step or self.step_ending:
+        if not self.scheduler_step or self.step_ending.is_set():
             return
-        self.step_ending = True
+        self.step_ending.set()
         log.warning("the scheduler ends this agent's step: its ranks end with it")
         self._tasks.append(asyncio.create_task(self._say_stopping(), name="stopping-report"))
 
@@ -315,12 +315,10 @@ class Agent:
     async def _on_rank_exit(self, rank: RankProcess) -> None:
         if self.node_lost:  # a lost node says nothing more: its ranks' deaths are for the detector to infer
             return
-        if self.scheduler_step and not self.step_ending and rank.exit_signal == "SIGTERM" and not rank.signalled:
+        if self.scheduler_step and rank.exit_signal == "SIGTERM" and not rank.signalled:
             # The scheduler signals the step's processes together: this agent's own SIGTERM may be a moment behind.
-            for _ in range(int(STEP_END_WAIT_S / 0.05)):
-                if self.step_ending:
-                    break
-                await asyncio.sleep(0.05)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.step_ending.wait(), STEP_END_WAIT_S)
         if not any(r.alive for r in self.supervisor.ranks() if r.job_id == rank.job_id):
             self.depchecks.clear_rendezvous(rank.job_id)  # nothing here needs the job's master any more
         event = RankExited(
@@ -333,7 +331,7 @@ class Agent:
             oom_killed=rank.oom_killed,
             log_tail=list(rank.tail),
             restart_epoch=rank.restart_epoch,
-            scheduler_ended=self.step_ending,
+            scheduler_ended=self.step_ending.is_set(),
         )
         self.outbox.put(subjects.node_event(self.node_id, "rank.exited"), event)
 
