@@ -111,6 +111,9 @@ class Bus:
         self._followers: list[Follower] = []
         self._slow_logged: dict[str, float] = {}  # subject kind -> when a drop was last logged (loop time)
         self.generation = 0  # bumped on every (re)connect so consumers know to rebuild subscriptions
+        # bumped when the connection drops: after a reconnect the client is connected a moment before `generation`
+        # moves (streams are provisioned first), and a reader must not take that moment for an unbroken connection
+        self.disconnects = 0
         self.dead_letter_count = 0
         self._closing = False
 
@@ -181,6 +184,7 @@ class Bus:
         return options
 
     async def _on_disconnected(self) -> None:
+        self.disconnects += 1
         BUS_CONNECTED.labels(self.service).set(0)
         if not self._closing:
             log.warning("disconnected from NATS", extra={"url": self.url})

@@ -7,6 +7,7 @@ has just moved.
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 import time
@@ -69,6 +70,7 @@ class JobTrack:
     median_s: float | None = None  # the job's median step time, refreshed about once per round of reports
     median_updates: int = -1
     next_check: float = 0.0  # monotonic time before which no rank can pass its limit (0: check at the next pass)
+    deadline: float = math.inf  # monotonic time its first rank passes its limit, as of the last close look
     limits: HangLimits | None = None  # the limits next_check was computed with
 
 
@@ -294,6 +296,7 @@ class HangWatch:
         self.book = book
         self.defaults = defaults
         self.unfinished = False  # the last check() spent its budget before every due job had its look
+        self.next_due: float | None = None  # the soonest deadline of a watched job after the last check()
 
     def check(
         self, overrides: Mapping[str, HangLimits] | None = None, *, budget_s: float | None = None
@@ -310,9 +313,13 @@ class HangWatch:
         now = self.clock.monotonic()
         started, looked = time.perf_counter(), False
         self.unfinished = False
+        soonest = math.inf
         for job_id, job in self.book.jobs.items():
             limits = (overrides or {}).get(job_id, self.defaults)
-            if job.hung or not job.ranks or (limits == job.limits and now < job.next_check):
+            if job.hung or not job.ranks:
+                continue
+            if limits == job.limits and now < job.next_check:
+                soonest = min(soonest, job.deadline)
                 continue
             if looked and budget_s is not None and time.perf_counter() - started >= budget_s:
                 self.unfinished = True
@@ -325,6 +332,9 @@ class HangWatch:
             if hung is not None:
                 job.hung = True
                 found.append(hung)
+            else:
+                soonest = min(soonest, job.deadline)
+        self.next_due = None if self.unfinished or soonest == math.inf else soonest
         return found
 
     def _judge(self, job_id: str, job: JobTrack, limits: HangLimits) -> JobHung | None:
@@ -335,14 +345,16 @@ class HangWatch:
         # A learned limit that shrinks is caught up with within the cap; a random share of it keeps the jobs' close
         # looks from bunching up in one pass (at 20,000 nodes a pass over every rank holds the loop for ~0.5 s).
         due = now + MAX_SKIP_S * (0.5 + 0.5 * random.random())  # noqa: S311 - spreading work, not a secret
+        deadline = math.inf
         for rank, track in job.ranks.items():
             if not track.alive:  # an ended process is not hung: its exit is a symptom of its own (or a clean end)
                 continue
             limit, why, since = limit_for(track, job_p99, limits)
             if now - since > limit:
                 over.append((since, rank, track, limit, why))
-            due = min(due, since + limit)
-        job.next_check = due
+            deadline = min(deadline, since + limit)
+        job.deadline = deadline
+        job.next_check = min(due, deadline)
         if not over:
             return None
         over.sort(key=lambda o: (o[0], o[2].step if o[2].step is not None else -1, o[1]))

@@ -59,6 +59,9 @@ HANG_SLICE_S = 0.01
 # The shortest wait between two ticks: a deadline that a tick cannot settle (while the detector hears no node, a node
 # overdue stays overdue) must not make the loop spin.
 MIN_WAIT_S = 0.01
+# A job's hang deadline brings a hang check forward from the interval's, but hang checks stay at least this far apart
+# (with thousands of jobs their deadlines are seconds or less apart; a check costs an override query and a pass).
+HANG_MIN_GAP_S = 0.05
 MALFORMED_REPORTS = Counter(
     "reprise_detector_reports_malformed_total", "Node reports ignored because their subject or payload is unusable"
 )
@@ -125,6 +128,7 @@ class Watcher:
         self.hang_check_interval_s = hang_check_interval_s
         self.bus = bus  # the connection reports arrive on: while it is down, silence is the detector's own
         self._generation = bus.generation if bus is not None else 0
+        self._disconnects = bus.disconnects if bus is not None else 0
         self._judge_from = float("-inf")  # monotonic: after a reconnect, hangs wait for the reports to come back
         self.pending: list[DerivedSymptom] = []
         self.reports_seen = 0
@@ -262,8 +266,8 @@ class Watcher:
 
     # --- ticks ------------------------------------------------------------------------------------------------
     async def tick(self) -> None:
-        """Check for lost nodes, and for hung jobs once the hang check interval has passed; persist what was found
-        (or keep it for the next tick).
+        """Check for lost nodes, and for hung jobs when a hang check is due (the interval passed, or a watched job
+        reached its deadline); persist what was found (or keep it for the next tick).
 
         A hang check passes over every tracked rank (a tenth of a second with 20,000 nodes of 8 ranks, while reports
         wait), and hang limits are a minute or more: the hang's event time is when its limit was crossed, however
@@ -273,6 +277,7 @@ class Watcher:
             if self.placements.last_seq != self._pruned_at:  # reports add only placed ranks: only a placement prunes
                 self._prune()
             if not self._hearing():
+                self._hangs_checked_at, self.hangs.next_due = self.clock.monotonic(), None  # no deadline while deaf
                 await self.flush()
                 return
             self.pending.extend(self.liveness.check())
@@ -280,7 +285,7 @@ class Watcher:
                 self.pending.extend(self.peers.check())
             self.pending.extend(self.detector.early_exits.check())
             now = self.clock.monotonic()
-            if now - self._hangs_checked_at >= self.hang_check_interval_s:
+            if now >= self._hangs_due():
                 self._hangs_checked_at = now
                 overrides = await self.overrides() if self.book.jobs else {}
                 found = self.hangs.check(overrides, budget_s=HANG_SLICE_S)
@@ -298,9 +303,10 @@ class Watcher:
             return True
         if not self.bus.connected:
             return False
-        if self.bus.generation != self._generation:
-            reconnected = self._generation > 0  # not the first connection: reports were missed meanwhile
-            self._generation = self.bus.generation
+        dropped = self.bus.disconnects != self._disconnects  # seen first when a reconnect has not bumped generation
+        if dropped or self.bus.generation != self._generation:
+            reconnected = dropped or self._generation > 0  # not the first connection: reports were missed meanwhile
+            self._generation, self._disconnects = self.bus.generation, self.bus.disconnects
             if reconnected:
                 now = self.clock.monotonic()
                 self.liveness.heard_all(now)
@@ -352,6 +358,14 @@ class Watcher:
             for row in rows
         }
 
+    def _hangs_due(self) -> float:
+        """When the next hang check is due: the interval's, or a watched job's deadline if sooner (not too soon)."""
+        interval_due = self._hangs_checked_at + self.hang_check_interval_s
+        deadline = self.hangs.next_due
+        if deadline is None:
+            return interval_due
+        return min(interval_due, max(deadline, self._hangs_checked_at + HANG_MIN_GAP_S))
+
     def _peers_due(self) -> float | None:
         return self.peers.next_due() if self.peers is not None else None
 
@@ -364,7 +378,8 @@ class Watcher:
         next one tries again."""
         next_tick = self.clock.monotonic() + interval_s
         while not stopping.is_set():
-            until = min(d for d in (next_tick, self.liveness.next_due(), self._peers_due()) if d is not None)
+            dues = (next_tick, self.liveness.next_due(), self._peers_due(), self._hangs_due())
+            until = min(d for d in dues if d is not None)
             woken = asyncio.ensure_future(self._woken.wait())
             stop = asyncio.ensure_future(stopping.wait())
             done, _ = await asyncio.wait(

@@ -3,6 +3,7 @@ order, reputation rules and partitions."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -25,6 +26,7 @@ from reprise_detector.progress import (
     StragglerWatch,
 )
 from reprise_detector.settings import DetectorSettings
+from reprise_detector.watch import HANG_MIN_GAP_S, REHEAR_S, Watcher
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -253,6 +255,74 @@ def test_a_pass_looks_closely_only_at_jobs_that_can_be_due_and_finds_a_hang_at_t
     assert len(looks) <= 3 * 2  # the first look, one at the limit and one just past it: not 21 a job
     book.update("node-1", RankStatus(job_id="job-a", rank=0, step=10, phase="checkpointing", heartbeat_age_s=0.0))
     assert book.jobs["job-a"].next_check == 0.0  # a new phase, another limit: due at the next pass
+
+
+def test_the_soonest_deadline_of_a_watched_job_is_known_after_a_check() -> None:
+    """The watch wakes at that deadline instead of at the next interval, so a hang is called at its limit."""
+    clock = ManualClock(T0)
+    book = ProgressBook(clock)
+    watch = HangWatch(clock=clock, book=book, defaults=LIMITS)  # floor 10 s
+    book.update("node-1", _status(0, 5))  # at monotonic 0
+    clock.advance(2)
+    book.update("node-1", RankStatus(job_id="job-b", rank=0, step=7, phase="training", heartbeat_age_s=0.0))
+    assert watch.next_due is None  # nothing looked at yet
+    clock.advance(1)
+    assert watch.check() == []
+    assert watch.next_due == 10.0  # job-a's rank passes its 10 s floor first (job-b's at 12 s)
+    clock.advance(6.5)
+    assert watch.check() == []  # nobody is due: both jobs are skipped, their deadlines kept
+    assert watch.next_due == 10.0
+    clock.advance(0.6)  # just past it
+    [hung] = watch.check()
+    assert hung.job_id == "job-a"
+    assert watch.next_due == 12.0  # the hung job is no longer watched
+
+
+def test_the_watch_checks_hangs_at_a_jobs_deadline_not_only_every_interval() -> None:
+    clock = ManualClock(T0)
+    book = ProgressBook(clock)
+    hangs = HangWatch(clock=clock, book=book, defaults=LIMITS)
+    watcher = Watcher(
+        detector=None, placements=None, partition=None, liveness=None, book=book, hangs=hangs,  # type: ignore[arg-type]
+        stragglers=None, engine=None, clock=clock, hang_check_interval_s=5.0,  # type: ignore[arg-type]
+    )  # fmt: skip
+    assert watcher._hangs_due() == float("-inf")  # never checked: due now
+    watcher._hangs_checked_at = 8.0
+    assert watcher._hangs_due() == 13.0  # no deadline known: the interval's
+    hangs.next_due = 10.0
+    assert watcher._hangs_due() == 10.0  # a job's limit is passed before the interval's check
+    hangs.next_due = 8.01
+    assert watcher._hangs_due() == 8.0 + HANG_MIN_GAP_S  # but checks stay a little apart
+    hangs.next_due = 20.0
+    assert watcher._hangs_due() == 13.0
+
+
+def test_a_reconnect_is_seen_before_the_bus_moves_its_generation() -> None:
+    """After a NATS outage the client is connected a moment before the bus bumps `generation` (it provisions the
+    streams first): a tick in that moment judged every node's silence of the outage and called nodes lost."""
+
+    @dataclass
+    class Connection:
+        connected: bool = True
+        generation: int = 1
+        disconnects: int = 0
+
+    clock = ManualClock(T0)
+    bus = Connection()
+    liveness = Liveness(clock=clock, lost_after_s=5.0)
+    watcher = Watcher(
+        detector=None, placements=None, partition=None, liveness=liveness, book=ProgressBook(clock),  # type: ignore[arg-type]
+        hangs=HangWatch(clock=clock, book=ProgressBook(clock), defaults=LIMITS), stragglers=None,  # type: ignore[arg-type]
+        engine=None, clock=clock, hang_check_interval_s=0.5, bus=bus,  # type: ignore[arg-type]
+    )  # fmt: skip
+    assert watcher._hearing()
+    bus.connected, bus.disconnects = False, 1  # the outage
+    clock.advance(6.0)
+    assert not watcher._hearing()
+    bus.connected = True  # reconnected; generation not bumped yet
+    assert not watcher._hearing()  # the missed reports are not silences: hear everyone again first
+    clock.advance(REHEAR_S)
+    assert watcher._hearing()
 
 
 def test_a_job_with_a_dead_rank_is_not_called_hung() -> None:
