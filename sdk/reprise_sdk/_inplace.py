@@ -49,6 +49,10 @@ from ._resume import ResumeInfo, resume
 INBOX_DIR_ENV = "REPRISE_SDK_INBOX_DIR"
 PARK_ENV = "REPRISE_SDK_PARK_S"
 DEFAULT_PARK_S = 120.0
+# A rank other than 0 waits for rank 0's rendezvous store before it joins, at most this long (then torch's own connect,
+# with its own timeout, takes over), trying every RENDEZVOUS_POLL_S.
+RENDEZVOUS_WAIT_S = 30.0
+RENDEZVOUS_POLL_S = 0.005
 MAX_ORDER_BYTES = 256 * 1024
 MAX_ENV_VARS = 4096
 # What a failed collective says when a peer went away (gloo's TCP transport, NCCL's watchdog); a RuntimeError without
@@ -206,11 +210,13 @@ def run(train: Callable[[ResumeInfo], T]) -> T:
     new epoch's ``resume()``. Returns what ``train`` returned; re-raises any exception that is not a restart."""
     inbox = _Inbox.open(os.environ)
     if inbox is None:
+        await_rendezvous(os.environ)
         return train(resume())
     try:
         _client.say("inplace", {})
         while True:
             sockets_before = _tcp_sockets()
+            await_rendezvous(os.environ)
             try:
                 return train(resume())
             except Exception as exc:
@@ -226,6 +232,31 @@ def run(train: Callable[[ResumeInfo], T]) -> T:
             _client._reset()
     finally:
         inbox.close()
+
+
+def await_rendezvous(env: Mapping[str, str], *, within_s: float = RENDEZVOUS_WAIT_S) -> bool:
+    """For a rank other than 0 of a group of several: wait until rank 0's store accepts connections at
+    MASTER_ADDR:MASTER_PORT, trying every 5 ms; False when it did not within `within_s` (or there is no such wait).
+
+    torch's store client that finds nobody listening backs off for about half a second before it tries again, so a
+    rank that comes back a moment before rank 0 (a standby, or a survivor re-entering first) would add that half second
+    to every restart. Rank 0's store only accepts here: the connection is closed unused.
+    """
+    address, port = env.get("MASTER_ADDR", ""), env.get("MASTER_PORT", "")
+    if env.get("RANK", "0") == "0" or env.get("WORLD_SIZE", "1") == "1" or not address:
+        return False
+    if not (port.isdigit() and 0 < int(port) < 65536):
+        return False
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            socket.create_connection((address, int(port)), timeout=0.5).close()
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(RENDEZVOUS_POLL_S)
+        else:
+            return True
 
 
 def _tcp_sockets() -> set[int]:

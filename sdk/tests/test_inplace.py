@@ -10,12 +10,14 @@ import os
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from reprise_sdk._inplace import peer_failure
+from reprise_sdk._inplace import await_rendezvous, peer_failure
 
 SCRIPT = """
 import os, sys, time
@@ -183,3 +185,47 @@ def test_a_failed_collective_is_told_from_the_scripts_own_errors() -> None:
         assert peer_failure(during)
     assert not peer_failure(RuntimeError("Tensors must be contiguous"))
     assert not peer_failure(ValueError("Connection reset by peer"))  # not what a collective raises
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def test_a_rank_other_than_0_waits_for_rank_0s_store_before_it_joins() -> None:
+    """torch's store client backs off for about half a second when nobody listens yet; waiting here avoids that."""
+    port = _free_port()
+    env = {"RANK": "2", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    listener = socket.socket()
+    listening = threading.Event()
+
+    def store_comes_up_late() -> None:
+        time.sleep(0.3)
+        listener.bind(("127.0.0.1", port))
+        listener.listen()
+        listening.set()
+
+    threading.Thread(target=store_comes_up_late, daemon=True).start()
+    with listener:
+        assert await_rendezvous(env, within_s=20) is True
+        assert listening.is_set()  # it returned because the store listens, not because it gave up
+        listener.settimeout(5)
+        accepted, _ = listener.accept()  # the probe's connection reached rank 0's listener
+        accepted.close()
+
+
+def test_rank_0_a_world_of_one_and_an_unusable_address_do_not_wait() -> None:
+    port = str(_free_port())
+    base = {"WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+    assert await_rendezvous({**base, "RANK": "0"}) is False
+    assert await_rendezvous({**base, "RANK": "1", "WORLD_SIZE": "1"}) is False
+    assert await_rendezvous({**base, "RANK": "1", "MASTER_PORT": "99999"}) is False
+    assert await_rendezvous({**base, "RANK": "1", "MASTER_ADDR": ""}) is False
+
+
+def test_the_wait_for_rank_0s_store_is_bounded() -> None:
+    env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    started = time.monotonic()
+    assert await_rendezvous(env, within_s=0.2) is False  # nobody listens: torch's own connect takes over
+    assert time.monotonic() - started < 15  # a generous ceiling: only that it gives up, not how fast
