@@ -288,6 +288,21 @@ def _cpu_share(stall: Stall, now: float) -> float | None:
     return (track.cpu_s - track.cpu_at_advance) / (now - stall.since)
 
 
+StallSeen = tuple[float, int, RankTrack, float, LimitReason]  # since, rank, track, limit, why
+
+
+def _stall_order(stall: StallSeen) -> tuple[float, int, int]:
+    """Earliest stall first; at the same moment the rank at the lower step, then the lower rank."""
+    since, rank, track, *_ = stall
+    return since, track.step if track.step is not None else -1, rank
+
+
+def _stopped_at(stall: StallSeen) -> float:
+    """When the rank stopped making progress: its last step (its stall may count from later: a phase, a stop)."""
+    since, _, track, *_ = stall
+    return min(since, track.advanced_at)
+
+
 class HangWatch:
     """Stage: check() returns a JobHung for each job with a rank stalled beyond its limit (once per stall)."""
 
@@ -341,7 +356,7 @@ class HangWatch:
         now = self.clock.monotonic()
         p99s = [t.p99_s for t in job.ranks.values() if t.p99_s]
         job_p99 = max(p99s) if p99s else None
-        over: list[tuple[float, int, RankTrack, float, LimitReason]] = []
+        stalls: list[StallSeen] = []
         # A learned limit that shrinks is caught up with within the cap; a random share of it keeps the jobs' close
         # looks from bunching up in one pass (at 20,000 nodes a pass over every rank holds the loop for ~0.5 s).
         due = now + MAX_SKIP_S * (0.5 + 0.5 * random.random())  # noqa: S311 - spreading work, not a secret
@@ -350,20 +365,25 @@ class HangWatch:
             if not track.alive:  # an ended process is not hung: its exit is a symptom of its own (or a clean end)
                 continue
             limit, why, since = limit_for(track, job_p99, limits)
-            if now - since > limit:
-                over.append((since, rank, track, limit, why))
+            stalls.append((since, rank, track, limit, why))
             deadline = min(deadline, since + limit)
         job.deadline = deadline
         job.next_check = min(due, deadline)
+        over = [o for o in stalls if now - o[0] > o[3]]
         if not over:
             return None
-        over.sort(key=lambda o: (o[0], o[2].step if o[2].step is not None else -1, o[1]))
-        since, _, _, limit, why = over[0]
-        grace = max(job_p99 or 0.0, 1.0)  # ranks that stopped within one step time of the first stopped together
-        together = [Stall(s, r, t) for s, r, t, *_ in over if s - since <= grace]
+        first = min(over, key=_stall_order)
+        since, _, _, limit, why = first
+        # Ranks that stopped within one step time of the first stopped together, whether or not their own limit has
+        # passed yet: a check at the first deadline finds one rank over its limit, and the frozen rank (whose stall
+        # counts from when its report first showed it stopped) must still be among those the culprit is chosen from.
+        grace = max(job_p99 or 0.0, 1.0)
+        stopped = _stopped_at(first)
+        together = [
+            Stall(o[0], o[1], o[2]) for o in sorted(stalls, key=_stall_order) if _stopped_at(o) - stopped <= grace
+        ]
         culprit, blame = hang_culprit(together, now)
         rank, track = culprit.rank, culprit.track
-        first = sorted(s.rank for s in together)
         steps = [t.step for t in job.ranks.values() if t.step is not None]
         top = max(steps, default=None)
         lagging = sorted(r for r, t in job.ranks.items() if top is not None and t.step is not None and t.step < top)
@@ -377,7 +397,7 @@ class HangWatch:
             node_id=track.node_id,
             job_id=job_id,
             rank=rank,
-            stalled_ranks=first,
+            stalled_ranks=sorted(s.rank for s in together),
             lagging_ranks=lagging,
             culprit_reason=blame,
             step=track.step,

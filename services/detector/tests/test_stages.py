@@ -232,6 +232,25 @@ def test_a_hang_blames_the_rank_the_kernel_holds_or_that_spins(
     assert hung.culprit_reason.startswith(reason), hung.culprit_reason
 
 
+def test_a_hang_called_at_the_first_deadline_still_blames_the_frozen_rank() -> None:
+    """Checked the moment the first rank passes its limit, only that rank is over it; the frozen rank, whose last step
+    came a moment later and whose stall counts from when it was seen stopped, must still be the one blamed."""
+    clock = ManualClock(T0)
+    book = ProgressBook(clock)
+    watch = HangWatch(clock=clock, book=book, defaults=LIMITS)  # floor 10 s
+    for rank in (2, 0, 1, 3):  # every rank's last step, 20 ms apart: rank 3 is frozen right after its own
+        book.update(f"node-{rank}", _status(rank, 35, step_time_p99_s=0.1))
+        clock.advance(0.02)
+    clock.advance(0.5)
+    book.update("node-3", _status(3, 35, step_time_p99_s=0.1, proc_state="T"))  # its next report: stopped
+    assert watch.check() == []
+    clock.advance(10.0 - clock.monotonic() + 0.001)  # just past rank 2's limit; the others' come later
+    [hung] = watch.check()
+    assert (hung.rank, hung.node_id) == (3, "node-3"), hung
+    assert hung.culprit_reason.startswith("its process is stopped"), hung.culprit_reason
+    assert hung.stalled_ranks == [0, 1, 2, 3]
+
+
 def test_a_pass_looks_closely_only_at_jobs_that_can_be_due_and_finds_a_hang_at_the_first_pass_past_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
