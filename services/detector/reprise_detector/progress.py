@@ -109,7 +109,8 @@ def fold(job: JobTrack, track: RankTrack, status: RankProgress, now: float) -> N
     """Fold a rank's new status into its track (`now`: the monotonic time it arrived); a step change or a new restart
     epoch resets the stall (and a reported hang). The caller counts the update (JobTrack.updates).
 
-    Updated in place (a report of 8 ranks a second per node must not churn objects); straggler state carries over.
+    Updated in place (a report of 8 ranks a second per node must not churn objects); straggler state carries over
+    from report to report, not to a new restart epoch.
     This runs for every rank of every report: what rarely changes (phase, process state) is compared before anything
     is written for it.
     """
@@ -118,6 +119,8 @@ def fold(job: JobTrack, track: RankTrack, status: RankProgress, now: float) -> N
     # same number as the replaced process's last step is no stall. It resets the stall, the phase clock and the CPU
     # count of the stall.
     if step != was_step or epoch != track.restart_epoch:
+        if epoch != track.restart_epoch:  # a new process (maybe on another node): the old one's slowness is not its own
+            track.slow_streak, track.straggling = 0, False
         track.step, track.restart_epoch = step, epoch
         track.phase_since = phase_since = now - (status.phase_age_s or 0.0)
         track.advanced_at = now - (status.heartbeat_age_s or 0.0) if step is not None else phase_since

@@ -376,6 +376,27 @@ def test_stragglers_need_n_slow_reports_in_a_row(times: list[float], verdicts: l
     assert seen == verdicts
 
 
+def test_a_relaunched_rank_starts_a_new_streak() -> None:
+    """The slow reports of a rank's last launch (maybe on another node) say nothing about its new process: a relaunch
+    neither completes the old streak nor keeps a reported straggler from being reported again."""
+    clock = ManualClock(T0)
+    book = ProgressBook(clock)
+    watch = StragglerWatch(clock=clock, book=book, factor=1.5, reports=3)
+
+    def report(step: int, epoch: int, slow: float) -> StragglerVerdict:
+        folded = [
+            book.update("node-1", _status(r, step, step_time_last_s=slow if r == 3 else 1.0, restart_epoch=epoch))
+            for r in range(4)
+        ]
+        return watch.judge(*folded[3])
+
+    assert [report(step, 0, 2.0) for step in (1, 2)] == [StragglerVerdict.SLOW] * 2
+    verdicts = [report(step, 1, 2.0) for step in (1, 2, 3)]  # relaunched from step 0, still slow
+    assert verdicts == [StragglerVerdict.SLOW, StragglerVerdict.SLOW, StragglerVerdict.STRAGGLER]
+    verdicts = [report(step, 2, 2.0) for step in (1, 2, 3)]  # reported in launch 1; relaunched again, still slow
+    assert verdicts == [StragglerVerdict.SLOW, StragglerVerdict.SLOW, StragglerVerdict.STRAGGLER]
+
+
 def test_too_few_ranks_to_compare_is_unknown() -> None:
     clock = ManualClock(T0)
     book = ProgressBook(clock)
