@@ -82,7 +82,10 @@ def test_labels_are_kept_shown_filtered_and_put_on_the_placement(client: TestCli
     job = labelled.json()
     assert job["labels"] == LABELS and job["spec"]["labels"] == LABELS
     assert job["state"] == "failed"  # no agent answered the launch; the placement was published before it
+    # No agent answered there, so node-1 is placeable again only once it reports again.
+    client.app.state.inventory.observe("node-1", node)  # type: ignore[attr-defined]
     other = client.post("/v1/jobs", json={"name": "b", "node_count": 1, "command": ["true"], "labels": {"team": "web"}})
+    client.app.state.inventory.observe("node-1", node)  # type: ignore[attr-defined]
     plain = client.post("/v1/jobs", json={"name": "c", "node_count": 1, "command": ["true"]})
     assert other.status_code == plain.status_code == 201
     assert client.get(f"/v1/jobs/{job['id']}").json()["labels"] == LABELS

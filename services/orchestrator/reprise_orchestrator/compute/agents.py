@@ -78,7 +78,7 @@ class AgentsBackend:
             )
             for node_id, ranks in by_node.items()
         }
-        return await command_nodes(self.bus, commands, timeout_s=self.command_timeout_s)
+        return await self._command(commands, timeout_s=self.command_timeout_s)
 
     async def stop(
         self,
@@ -112,7 +112,14 @@ class AgentsBackend:
             )
             for node_id in dict.fromkeys(node_ids)
         }
-        return await command_nodes(self.bus, commands, timeout_s=timeout_s)
+        return await self._command(commands, timeout_s=timeout_s)
+
+    async def _command(self, commands: Mapping[str, AgentCommand], *, timeout_s: float) -> Answers:
+        """command_nodes, and a node where no agent listens is not offered again until it reports again."""
+        answers = await command_nodes(self.bus, commands, timeout_s=timeout_s)
+        for node_id in answers.gone():
+            self.inventory.agent_gone(node_id)
+        return answers
 
     async def cordon(self, node_id: str, *, reason: str) -> None:
         """Nothing to tell the agent: it takes ranks only from launches, and placement leaves cordoned nodes out."""

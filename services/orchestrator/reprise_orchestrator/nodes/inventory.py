@@ -85,6 +85,7 @@ class Inventory:
         self._nodes: dict[str, NodeInfo] = {}
         self._unread: dict[str, tuple[bytes, float]] = {}  # node → its newest report not parsed yet, and its arrival
         self._ranks: dict[RankKey, dict[str, list[RankSeen]]] = {}  # (job, epoch) → node → its ranks there
+        self._gone: dict[str, float] = {}  # node → when a command found no agent listening there (monotonic)
         self._bus: Bus | None = None
         self._arrival = asyncio.Event()  # set (and replaced) whenever reports arrive
 
@@ -154,11 +155,19 @@ class Inventory:
                 if not by_node:
                     del self._ranks[key]
         self._nodes[node_id] = NodeInfo.of(report, seen_mono)
+        if node_id in self._gone and seen_mono > self._gone[node_id]:
+            del self._gone[node_id]  # its agent is back
         for rank in report.ranks:
             self._ranks.setdefault((rank.job_id, rank.restart_epoch), {}).setdefault(node_id, []).append(rank)
 
     def _fresh(self, info: NodeInfo, now: float) -> bool:
         return now - info.seen_mono <= self.stale_s
+
+    def agent_gone(self, node_id: str) -> None:
+        """No agent listens on the node (a command had no responder): it is not placeable until it reports again,
+        rather than until its last report goes stale (a node lost a second ago was offered as the next spare)."""
+        self._absorb()
+        self._gone[node_id] = self.clock.monotonic()
 
     def fresh(self, node_id: str) -> bool:
         """True when the node reported recently."""
@@ -173,7 +182,11 @@ class Inventory:
         return sorted(
             node_id
             for node_id, info in self._nodes.items()
-            if info.gpus_usable and info.spare == spares and node_id not in exclude and self._fresh(info, now)
+            if info.gpus_usable
+            and info.spare == spares
+            and node_id not in exclude
+            and node_id not in self._gone
+            and self._fresh(info, now)
         )
 
     def known(self) -> int:
