@@ -14,6 +14,9 @@ NODES ?= 4
 SPARES ?= 1
 # agents (the default): the platform's own agent on each simulated node; slurm: a local Slurm cluster runs the jobs
 SCHEDULER ?= agents
+# auto (the default): surviving ranks restart in place, replacements on warm standbys; cold: every recovery restarts
+# every rank as a new process, with no standbys (make demo RESTART=cold)
+RESTART ?= auto
 
 .PHONY: venv slurm-deps test lint typecheck pytest chaos soak up demo clean bench-agent bench-sdk bench-registry bench-detector bench-orchestrator \
 	bench-orchestrator-concurrent bench-vs-torchrun bench-hang-limits bench-standby bench-recovery bench-ettr bench-slurm
@@ -70,7 +73,7 @@ up: $(STAMP) $(if $(filter slurm,$(SCHEDULER)),slurm-deps)
 
 # SCHEDULER=slurm: the same job and faults on a local Slurm cluster (Slurm installed first, as root with apt)
 demo: $(STAMP) $(if $(filter slurm,$(SCHEDULER)),slurm-deps)
-	$(BIN)/reprise demo --scheduler $(SCHEDULER)
+	$(BIN)/reprise demo --scheduler $(SCHEDULER) --restart-mode $(RESTART)
 
 bench-agent: $(STAMP)
 	$(BIN)/python -m bench.bench_agent

@@ -156,7 +156,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     """Run the scripted demo."""
     from reprise_cli.demo import run_demo  # noqa: PLC0415 - keeps `reprise up` start-up light
 
-    return run_demo(_stack_config(args), keep=args.keep)
+    cold = args.restart_mode == "cold"
+    if cold:
+        args.standbys = 0  # the cold path starts every rank as a new interpreter
+    return run_demo(_stack_config(args), keep=args.keep, cold=cold)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -186,6 +189,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="start the platform, train a DDP job through four faults, show the recoveries")
     _add_stack_flags(demo, nodes=4, spares=1, standbys=2, state_dir=".state/demo")  # wiped at every demo start
     demo.add_argument("--keep", action="store_true", help="keep the platform running at the end until Ctrl-C")
+    demo.add_argument(
+        "--restart-mode",
+        choices=["auto", "cold"],
+        default="auto",
+        help="auto: surviving ranks restart in place, replacements on warm standbys (the fast path); cold: every rank "
+        "of every recovery starts as a new process, with no standbys",
+    )
     demo.set_defaults(func=cmd_demo)
 
     add_job_commands(sub)  # reprise job submit|list|show|cancel (jobs_cli.py)

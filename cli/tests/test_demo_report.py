@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 
+from reprise_cli.demo import report
 from reprise_cli.demo.models import DemoRun, Fault, FaultPlan, FaultRun
 from reprise_cli.demo.report import fault_numbers, goodput
 from reprise_cli.demo.sampler import Sample
 from reprise_cli.demo.timeline import draw
-from reprise_cli.demo.training import Reference, Training
+from reprise_cli.demo.training import Reference, Training, job_spec
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -97,3 +99,28 @@ def test_the_timeline_draws_faults_recoveries_and_an_unplanned_recovery(tmp_path
     assert [r["id"] for r in run.unplanned] == ["r2"]
     picture = draw(run, tmp_path / "timeline.png")
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_demo_shows_both_paths_as_bench_recovery_last_measured_them(tmp_path: Path) -> None:
+    saved = tmp_path / "recovery.json"
+    cells = {
+        "fast": {"rank_crash": {"time_to_progress_s_median": 0.385}, "hang": {"time_to_progress_s_median": None}},
+        "cold": {"rank_crash": {"time_to_progress_s_median": 5.421}, "xid79": {"time_to_progress_s_median": 5.4}},
+    }
+    saved.write_text(json.dumps({"machine": {"date": "2026-12-04T12:02:00+00:00"}, "figures": {"cells": cells}}))
+    assert report.bench_comparison(saved) == [
+        "both paths, fault -> training again (median of 5), from make bench-recovery of 2026-12-04 12:02 UTC:",
+        "  fast path rank crash 0.39 s, XID 79 -, hang -, node loss -",
+        "  cold      rank crash 5.42 s, XID 79 5.40 s, hang -, node loss -",
+    ]
+    assert report.bench_comparison(tmp_path / "none.json") == []  # never measured here: nothing to show
+    saved.write_text("{")
+    assert report.bench_comparison(saved) == []
+
+
+def test_a_cold_demo_job_restarts_cold_and_without_the_in_place_flag(tmp_path: Path) -> None:
+    fast = job_spec(Training(), name="a", nodes=4, min_nodes=3, work_dir=tmp_path)
+    cold = job_spec(Training(in_place=False), name="a", nodes=4, min_nodes=3, work_dir=tmp_path)
+    assert (fast["policy"]["restart_mode"], "--in-place" in fast["command"]) == ("auto", True)
+    assert (cold["policy"]["restart_mode"], "--in-place" in cold["command"]) == ("cold", False)
+    assert cold["env"] == {}  # no copies in memory to restore from

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -224,3 +225,26 @@ def summary(run: DemoRun, *, say: Callable[[str], None]) -> None:
         say(f"unplanned recovery {recovery['id']}: {recovery.get('outcome')}: {recovery.get('detail', '')}")
     verdict = "EQUAL" if run.params_equal else "DIFFERENT"
     say(f"final parameters {verdict} to the fault-free reference: job {run.digest} vs reference {run.reference.digest}")
+
+
+BENCH_FAULTS = (("rank_crash", "rank crash"), ("xid79", "XID 79"), ("hang", "hang"), ("node_loss", "node loss"))
+BENCH_SYSTEMS = (("fast", "fast path"), ("cold", "cold"))
+
+
+def bench_comparison(path: Path) -> list[str]:
+    """Both paths side by side as `make bench-recovery` last measured them (the same script through the same four
+    faults, 5 of each), read from its saved figures; nothing when there are none."""
+    try:
+        saved = json.loads(path.read_text())
+        cells, date = saved["figures"]["cells"], saved["machine"]["date"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    when = date[:16].replace("T", " ")
+    lines = [f"both paths, fault -> training again (median of 5), from make bench-recovery of {when} UTC:"]
+    for system, name in BENCH_SYSTEMS:
+        medians = []
+        for fault, label in BENCH_FAULTS:
+            median = (cells.get(system, {}).get(fault) or {}).get("time_to_progress_s_median")
+            medians.append(f"{label} {median:.2f} s" if isinstance(median, int | float) else f"{label} -")
+        lines.append(f"  {name:<9} " + ", ".join(medians))
+    return lines

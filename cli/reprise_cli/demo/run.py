@@ -8,6 +8,7 @@ import signal
 import sys
 import time
 from contextlib import closing
+from pathlib import Path
 from types import FrameType
 
 from reprise_cli.client import PlatformClient
@@ -22,6 +23,7 @@ from reprise_cli.topology import StackConfig, slack_receiver_url
 from reprise_common.errors import ConfigError
 
 SLURM_STEPS = 160
+BENCH_RECOVERY = Path(__file__).resolve().parents[3] / "bench" / "results" / "recovery.json"
 
 
 class Narrator:
@@ -39,8 +41,9 @@ def _interrupt(_signum: int, _frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 
-def run_demo(config: StackConfig, *, keep: bool = False) -> int:
-    """Run the whole demo; 0 when every fault was recovered and the parameters equal the reference's."""
+def run_demo(config: StackConfig, *, keep: bool = False, cold: bool = False) -> int:
+    """Run the whole demo; 0 when every fault was recovered and the parameters equal the reference's. `cold`: the job
+    restarts cold at every recovery (policy `restart_mode: cold`, the script without --in-place)."""
     # Explicit handlers: a launcher started from a script in the background inherits SIGINT as ignored.
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
@@ -50,7 +53,7 @@ def run_demo(config: StackConfig, *, keep: bool = False) -> int:
     # On Slurm the agents, and their warm standbys, start with the job's allocation, and the first fault waits until
     # the standbys are ready (Scenario._wait_for_standbys): 40 more steps (two checkpoint intervals) keep room for the
     # four faults after it. The faults, their spacing and what is measured of each are the same.
-    training = Training(steps=SLURM_STEPS) if config.scheduler == "slurm" else Training()
+    training = Training(steps=SLURM_STEPS if config.scheduler == "slurm" else Training.steps, in_place=not cold)
     # The reference trains while the platform starts: both are over before the job is submitted, so no timing of
     # the job or of a recovery shares the CPU with it.
     reference = ReferenceRun(training, world_size=config.nodes, work_dir=config.state_dir.resolve() / "reference")
@@ -105,6 +108,8 @@ def _run(stack: Stack, client: PlatformClient, training: Training, reference: Re
 def _conclude(run: DemoRun, stack: Stack, client: PlatformClient, say: Narrator) -> None:
     """The table, goodput and verdict, the picture, and where the incidents can be seen."""
     report.summary(run, say=say)
+    for line in report.bench_comparison(BENCH_RECOVERY):
+        say(line)
     picture = timeline.draw(run, stack.config.state_dir.resolve() / "timeline.png")
     say(f"timeline: {picture}")
     job_id = run.job["id"]

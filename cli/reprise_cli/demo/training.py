@@ -80,6 +80,7 @@ def job_spec(
             "hang_timeout_s": hang_timeout_s,  # the ranks step ~10 times a second: 3 s of silence is a hang
             "recovery_time_objective_s": objective_s,
             "backoff_initial_s": 0,  # every fault here restores a newer checkpoint: no reason to wait
+            "restart_mode": "auto" if training.in_place else "cold",
         },
     }
 
