@@ -10,6 +10,7 @@ interval later.
 from __future__ import annotations
 
 import asyncio
+import time
 import zlib
 from collections import deque
 from dataclasses import replace
@@ -59,9 +60,11 @@ HANG_SLICE_S = 0.01
 # The shortest wait between two ticks: a deadline that a tick cannot settle (while the detector hears no node, a node
 # overdue stays overdue) must not make the loop spin.
 MIN_WAIT_S = 0.01
-# A job's hang deadline brings a hang check forward from the interval's, but hang checks stay at least this far apart
-# (with thousands of jobs their deadlines are seconds or less apart; a check costs an override query and a pass).
+# A job's hang deadline brings a hang check forward from the interval's, but hang checks stay at least this far apart,
+# and at least HANG_GAP_PER_COST times as long as the last check took: with thousands of jobs some deadline is always
+# near, and a check (an override query and a pass over the jobs) must not take more than about 5 % of the time.
 HANG_MIN_GAP_S = 0.05
+HANG_GAP_PER_COST = 20.0
 MALFORMED_REPORTS = Counter(
     "reprise_detector_reports_malformed_total", "Node reports ignored because their subject or payload is unusable"
 )
@@ -138,6 +141,7 @@ class Watcher:
         self._malformed_logged: dict[str, float] = {}  # node (or subject) -> when its last bad report was logged
         self._pruned_at = -1  # the placement sequence the book was last pruned at
         self._hangs_checked_at = float("-inf")  # monotonic
+        self._hang_gap_s = HANG_MIN_GAP_S  # the shortest time to the next hang check, from the last one's cost
         self._tick_lock = asyncio.Lock()
         self._here: dict[str, dict[str, frozenset[int]]] = {}  # node -> job -> its ranks placed there (owned jobs)
         self._here_version = -1  # the placement map's version _here (and _tracks) was derived from
@@ -287,11 +291,13 @@ class Watcher:
             now = self.clock.monotonic()
             if now >= self._hangs_due():
                 self._hangs_checked_at = now
+                began = time.perf_counter()
                 overrides = await self.overrides() if self.book.jobs else {}
                 found = self.hangs.check(overrides, budget_s=HANG_SLICE_S)
                 while self.hangs.unfinished:  # a long pass is cut in slices: the reports waiting go in between
                     await asyncio.sleep(0)
                     found += self.hangs.check(overrides, budget_s=HANG_SLICE_S)
+                self._hang_gap_s = max(HANG_MIN_GAP_S, HANG_GAP_PER_COST * (time.perf_counter() - began))
                 self.pending.extend(found)
             await self.flush()
 
@@ -364,7 +370,7 @@ class Watcher:
         deadline = self.hangs.next_due
         if deadline is None:
             return interval_due
-        return min(interval_due, max(deadline, self._hangs_checked_at + HANG_MIN_GAP_S))
+        return min(interval_due, max(deadline, self._hangs_checked_at + self._hang_gap_s))
 
     def _peers_due(self) -> float | None:
         return self.peers.next_due() if self.peers is not None else None

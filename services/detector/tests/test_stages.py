@@ -312,6 +312,8 @@ def test_the_watch_checks_hangs_at_a_jobs_deadline_not_only_every_interval() -> 
     assert watcher._hangs_due() == 10.0  # a job's limit is passed before the interval's check
     hangs.next_due = 8.01
     assert watcher._hangs_due() == 8.0 + HANG_MIN_GAP_S  # but checks stay a little apart
+    watcher._hang_gap_s = 0.4  # the last check took 20 ms: some 5 % of the time at most
+    assert watcher._hangs_due() == 8.4
     hangs.next_due = 20.0
     assert watcher._hangs_due() == 13.0
 
