@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 
 from bench.common import machine_info, rss_kib, write_result
-from reprise_cli.client import PlatformClient
+from reprise_cli.client import PlatformClient, poll
 from reprise_cli.servers import ManagedProcess, free_stack_ports
 from reprise_cli.stack import Stack
 from reprise_cli.topology import DEFAULT_PORTS, StackConfig, agent_name
@@ -281,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with closing(stack.client()) as client:
             soak = Soak(stack, client, random.Random(args.seed))  # noqa: S311 - a reproducible draw, not a secret
+            every_node = args.nodes + args.spares  # the services are ready before every agent has reported
+            poll(client.nodes, lambda nodes: len([n for n in nodes if not n["stale"]]) == every_node, timeout_s=60)
             soak.submit(args.jobs)
             began = time.monotonic()
             deadline = began + args.minutes * 60
