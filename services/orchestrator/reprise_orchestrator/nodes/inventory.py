@@ -165,8 +165,8 @@ class Inventory:
 
     def agent_gone(self, node_id: str) -> None:
         """No agent listens on the node (a command had no responder): it is not placeable until it reports again,
-        rather than until its last report goes stale (a node lost a second ago was offered as the next spare)."""
-        self._absorb()
+        rather than until its last report goes stale (a node lost a second ago was offered as the next spare). A report
+        still unread keeps its arrival time, earlier than this mark, so it does not clear it."""
         self._gone[node_id] = self.clock.monotonic()
 
     def fresh(self, node_id: str) -> bool:
