@@ -262,8 +262,7 @@ def test_registry_killed_9_mid_validation_validates_the_checkpoint_once_after_re
 def test_one_server_of_a_3_server_nats_cluster_killed_9_mid_burst_loses_nothing(tmp_path: Path) -> None:
     """Streams replicated on 3 servers, as production runs them: one server killed and restarted mid-burst; every
     acknowledged report registered once, and the registry still connected (ready) at the end."""
-    cluster = NatsCluster.on_free_ports(tmp_path / "nats")
-    cluster.start()
+    cluster = NatsCluster.start_on_free_ports(tmp_path / "nats")
     registry = None
     try:
         registry = start_registry(cluster.url, tmp_path, replicas=3)

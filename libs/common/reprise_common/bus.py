@@ -48,6 +48,9 @@ log = get_logger("reprise.bus")
 W = TypeVar("W", bound=Wire)
 _MAX_DEAD_PAYLOAD = 64 * 1024
 _STREAM_EXISTS_DIFFERENTLY = 10058
+_CLUSTER_NO_PEERS = 10005  # "no suitable peers for placement": too few cluster members have joined yet
+# JetStream still forming (no meta leader yet): the API times out, has no responder, or answers 503
+_JETSTREAM_FORMING = (TimeoutError, nats.errors.NoRespondersError, nats.js.errors.ServiceUnavailableError)
 _SLOW_CONSUMER_LOG_EVERY_S = 60.0
 
 
@@ -170,8 +173,31 @@ class Bus:
         self._js = self._nc.jetstream(timeout=5)
         BUS_CONNECTED.labels(self.service).set(1)
         if self.provision:
-            await self.ensure_streams()
+            await self._provision(attempts=attempts, retry_s=retry_s)
         self.generation += 1
+
+    async def _provision(self, *, attempts: int | None, retry_s: float) -> None:
+        """ensure_streams, retried while JetStream is not available yet: a cluster that has just started has no
+        meta leader, or too few members for a replicated stream, for a few seconds (a service started with it, or
+        after a whole-cluster restart, would otherwise never become ready). Any other refusal raises at once."""
+        tries = 0
+        while True:
+            tries += 1
+            try:
+                await self.ensure_streams()
+                return
+            except _JETSTREAM_FORMING as exc:
+                reason: Exception = exc
+            except BusError as exc:
+                cause = exc.__cause__
+                if not (isinstance(cause, nats.js.errors.BadRequestError) and cause.err_code == _CLUSTER_NO_PEERS):
+                    raise
+                reason = exc
+            if attempts is not None and tries >= attempts:
+                raise BusError(f"JetStream at {self.url} is not available: {reason!r}") from reason
+            if tries == 1:
+                log.warning("JetStream not available yet: provisioning again", extra={"error": repr(reason)})
+            await asyncio.sleep(retry_s)
 
     def _identity(self) -> dict[str, Any]:
         options: dict[str, Any] = {}
@@ -243,6 +269,8 @@ class Bus:
                 for subject in spec.retired_subjects:
                     await self.js.purge_stream(spec.name, subject=subject)
                     log.info("purged a retired subject", extra={"stream": spec.name, "subject": subject})
+            except nats.js.errors.ServerError as exc:  # e.g. replicas > 1 on a server that is not in a cluster
+                raise BusError(f"cannot provision stream {spec.name}: {exc}") from exc
 
     async def close(self) -> None:
         """Stop consumers (each finishes its in-flight message), then drain the connection."""

@@ -222,10 +222,10 @@ class Background:
         """Begin connecting; on_connected runs once the bus is up (consumers, responders)."""
 
         async def run() -> None:
-            await self.bus.connect()
             try:
+                await self.bus.connect()  # retries while NATS or JetStream is not up yet; raises only what lasts
                 await on_connected()
-            except Exception as exc:  # e.g. a consumer its NATS identity may not create: it would never consume
+            except Exception as exc:  # e.g. an identity that may not create a stream or a consumer: never consumes
                 self.failed = exc
                 log.exception("could not start consuming: not ready (fix the cause and restart the service)")
                 return

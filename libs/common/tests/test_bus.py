@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 import nats
 import pytest
 from nats.js.api import StreamConfig
 from prometheus_client import REGISTRY
 
-from reprise_cli.servers import NatsServer
+from reprise_cli.servers import NatsCluster, NatsServer
 from reprise_common import subjects
 from reprise_common.aio import poll_until
 from reprise_common.bus import Bus, Delivery, Outcome
@@ -29,6 +30,32 @@ async def test_streams_are_provisioned_idempotently(nats_server: NatsServer) -> 
     await bus.ensure_streams()  # a second time changes nothing and raises nothing
     names = {info.config.name for info in await bus.js.streams_info()}
     assert {"AGENT", "INCIDENTS", "PLACEMENTS", "RECOVERIES", "DEADLETTER"} <= names
+    await bus.close()
+
+
+async def test_a_service_started_with_a_new_cluster_waits_for_it_to_form_then_provisions(tmp_path: Path) -> None:
+    """Right after a 3-server cluster starts, JetStream has no meta leader or too few peers for a replicated stream
+    (a timeout, or "no suitable peers"); a service started with it must provision once the cluster forms, not give
+    up and stay unready."""
+    cluster = NatsCluster.start_on_free_ports(tmp_path)
+    bus = Bus(url=cluster.url, service="test", replicas=3)
+    try:
+        await asyncio.wait_for(bus.connect(), timeout=60)
+        info = await bus.js.stream_info("AGENT")
+        assert info.config.num_replicas == 3
+    finally:
+        await bus.close()
+        cluster.stop()
+
+
+async def test_provisioning_refused_for_a_reason_other_than_a_forming_cluster_raises_at_once(
+    nats_server: NatsServer,
+) -> None:
+    """A single server can never place 3 replicas, but it answers with another refusal than a forming cluster's:
+    connect raises instead of waiting forever."""
+    bus = Bus(url=nats_server.url, service="test", replicas=3)
+    with pytest.raises(BusError, match="cannot provision stream"):
+        await asyncio.wait_for(bus.connect(), timeout=30)
     await bus.close()
 
 

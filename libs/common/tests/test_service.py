@@ -68,3 +68,21 @@ async def test_a_service_whose_start_hook_failed_is_not_ready_and_says_why(
     await background.stop()
     assert answer.status_code == (503 if fails else 200), answer.text
     assert ("could not start consuming" in caplog.text) is fails
+
+
+async def test_a_service_whose_bus_cannot_provision_is_not_ready_and_says_why(
+    nats_server: NatsServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A refusal while connecting (three replicas asked of a server that is not in a cluster) is recorded and logged,
+    not lost with the background task."""
+    bus = Bus(url=nats_server.url, service="test-service", replicas=3)
+    background = Background(bus)
+
+    async def on_connected() -> None:
+        raise AssertionError("never reached: the streams could not be provisioned")
+
+    background.start(on_connected)
+    assert await poll_until(lambda: background.failed is not None, timeout_s=30)
+    assert isinstance(background.failed, BusError)
+    assert "could not start consuming" in caplog.text
+    await background.stop()
