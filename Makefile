@@ -61,7 +61,7 @@ test: lint typecheck pytest
 
 # The chaos suite at full size (its cases also run in `make test`, smaller): the platform's own servers and services
 # killed under load; what held is tabled in docs/reliability.md.
-chaos: $(STAMP)
+chaos: $(STAMP) slurm-deps
 	REPRISE_CHAOS_EVENTS=10000 REPRISE_CHAOS_REDIS_AWAY_S=60 $(BIN)/pytest -m chaos -p no:cacheprovider -rA
 
 # The soak (not in CI): 30 minutes, 10 jobs, a random fault every 30 s → bench/results/soak.json (SOAK_ARGS to change)

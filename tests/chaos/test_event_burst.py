@@ -266,7 +266,7 @@ def test_one_server_of_a_3_server_nats_cluster_killed_9_mid_burst_loses_nothing(
     registry = None
     try:
         registry = start_registry(cluster.url, tmp_path, replicas=3)
-        victim = cluster.servers[0]
+        victim = member_serving(cluster, "checkpoint-registry")  # its consumer must move to another member
 
         def kill_and_restart() -> None:
             assert victim.process is not None
@@ -282,6 +282,15 @@ def test_one_server_of_a_3_server_nats_cluster_killed_9_mid_burst_loses_nothing(
         if registry is not None:
             registry.process.stop()
         cluster.stop()
+
+
+def member_serving(cluster: NatsCluster, client: str) -> NatsServer:
+    """The member a client (by its connection name) is connected to, read off each member's monitoring port."""
+    for server in cluster.servers:
+        connz = httpx.get(f"http://127.0.0.1:{server.monitor_port}/connz", timeout=5).json()
+        if any(connection.get("name") == client for connection in connz.get("connections") or []):
+            return server
+    raise AssertionError(f"no member of the cluster has a connection named {client}")
 
 
 async def replicas_of_agent_stream(nats_url: str) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from enum import StrEnum
@@ -258,7 +259,10 @@ class Consumer:
             except TimeoutError:
                 continue
             except (nats.errors.Error, BusError) as exc:
-                log.debug("fetch failed; will resubscribe", extra={"consumer": self.durable, "error": repr(exc)})
+                # a BusError (pull requests went unanswered, or the consumer refused them) is rare and worth seeing;
+                # a client error comes with every disconnect, which the bus already logs
+                level = logging.WARNING if isinstance(exc, BusError) else logging.DEBUG
+                log.log(level, "fetch failed; will resubscribe", extra={"consumer": self.durable, "error": repr(exc)})
                 if sub is not None:
                     with contextlib.suppress(nats.errors.Error, TimeoutError):
                         await sub.close()
