@@ -111,8 +111,7 @@ def slurm_session_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     reason = slurm_unavailable_reason()
     if reason is not None:
         pytest.skip(f"Slurm tests not run: {reason}")
-    cluster = SlurmCluster.on_free_ports(tmp_path_factory.mktemp("slurm"), nodes=SLURM_NODES)
-    cluster.start()
+    cluster = SlurmCluster.start_on_free_ports(tmp_path_factory.mktemp("slurm"), nodes=SLURM_NODES)
     yield cluster
     cluster.stop()
 

@@ -9,6 +9,7 @@ ports, so runs never meet. It authenticates through a munged of its own (own key
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import signal
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from reprise_cli.creds import private_draft
+from reprise_cli.ports import PortTaken, with_port_retries
 from reprise_cli.servers import ManagedProcess, free_port, wait_until
 from reprise_common.errors import ConfigError
 
@@ -126,6 +128,24 @@ class SlurmCluster:
             node_ports={f"node{index}": free_port() for index in range(1, nodes + 1)},
         )
 
+    @classmethod
+    def start_on_free_ports(cls, directory: Path, *, nodes: int = 5, timeout_s: float = 30.0) -> SlurmCluster:
+        """A cluster as on_free_ports gives it, started; when one of its ports was taken before its daemon bound it,
+        everything is stopped and the cluster started again on other ports, with its state and spools wiped (they
+        name the old ports)."""
+
+        def launch() -> SlurmCluster:
+            cluster = cls.on_free_ports(directory, nodes=nodes)
+            try:
+                cluster.start(timeout_s=timeout_s)
+            except PortTaken:  # start() stopped what it had started
+                for sub in ("state", "spool"):
+                    shutil.rmtree(cluster.directory / sub, ignore_errors=True)
+                raise
+            return cluster
+
+        return with_port_retries(launch)
+
     @property
     def conf_path(self) -> Path:
         """The absolute path of the cluster's slurm.conf (what SLURM_CONF names)."""
@@ -212,6 +232,10 @@ class SlurmCluster:
             self.start_controller()
             for name in self.node_ports:
                 self.start_node(name)
+            for name, port in self.node_ports.items():  # PortTaken when a slurmd lost its port to another process
+                slurmd = self.slurmds[name]
+                if not wait_until(functools.partial(slurmd.listening, port), timeout_s=timeout_s, interval_s=0.1):
+                    raise ConfigError(f"slurmd of {name} does not listen on port {port}: {slurmd.log_tail(3)}")
             if not self.wait_idle(timeout_s=timeout_s):
                 raise ConfigError(f"Slurm nodes not idle after {timeout_s:.0f} s: {self.node_states()}")
         except BaseException:
@@ -229,8 +253,12 @@ class SlurmCluster:
         if self.controller is not None:
             self.controller.stop(grace_s=10.0)
         argv = [_require("slurmctld"), "-D", "-f", str(self.conf_path)]
-        self.controller = self._daemon("slurmctld", argv)
-        if not wait_until(self.controller_answers, timeout_s=timeout_s, interval_s=0.2):
+        controller = self.controller = self._daemon("slurmctld", argv)
+
+        def answers() -> bool:  # listening() raises PortTaken when slurmctld ended for a port another process took
+            return controller.listening(self.controller_port) and self.controller_answers()
+
+        if not wait_until(answers, timeout_s=timeout_s, interval_s=0.2):
             raise ConfigError(f"slurmctld did not answer within {timeout_s:.0f} s: {self.controller.log_tail(3)}")
 
     def controller_answers(self) -> bool:

@@ -155,8 +155,9 @@ class Stack:
         self.nats.start()
         self.redis.start()
         if self.config.scheduler == "slurm":  # before the orchestrator, which reads its slurm.conf at start
-            self.slurm = SlurmCluster.on_free_ports(self.config.slurm_dir, nodes=self.config.nodes + self.config.spares)
-            self.slurm.start(timeout_s=60)
+            self.slurm = SlurmCluster.start_on_free_ports(
+                self.config.slurm_dir, nodes=self.config.nodes + self.config.spares, timeout_s=60
+            )
         self._start_slack_receiver()
         for spec in self.specs:
             process = ManagedProcess(

@@ -4,13 +4,16 @@ and stopping it ends every daemon and job step it started, and nothing else."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
-from reprise_cli.slurm import SlurmCluster
+from reprise_cli import slurm as slurm_module
+from reprise_cli.ports import PortTaken, free_port
+from reprise_cli.slurm import SlurmCluster, slurm_unavailable_reason
 from reprise_common.errors import ConfigError
 from reprise_common.procs import process_alive
 
@@ -79,3 +82,35 @@ def test_a_state_directory_too_deep_for_slurmds_sockets_is_refused(tmp_path: Pat
     with pytest.raises(ConfigError, match="too deep"):
         cluster.start()
     assert cluster.controller is None and cluster.munge is None
+
+
+@pytest.mark.parametrize("daemon", ["slurmctld", "slurmd"])
+def test_a_port_taken_before_its_daemon_bound_it_starts_the_cluster_again_on_other_ports(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch, daemon: str
+) -> None:
+    """free_port() chose a port that another process took before the daemon bound it: the start notices (PortTaken,
+    not a timeout) and the cluster comes up on other ports."""
+    reason = slurm_unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken = holder.getsockname()[1]
+        chosen = iter([taken] if daemon == "slurmctld" else [free_port(), taken])  # the controller's port comes first
+        monkeypatch.setattr(slurm_module, "free_port", lambda: next(chosen, None) or free_port())
+
+        directory = tmp_path_factory.mktemp("sp")  # short: slurmd's step sockets live under it
+        first = SlurmCluster.on_free_ports(directory / "a", nodes=1)
+        started = time.monotonic()
+        with pytest.raises(PortTaken):
+            first.start()
+        assert time.monotonic() - started < 20  # noticed when the daemon ended, not after the 30 s wait for idle
+
+        chosen = iter([taken] if daemon == "slurmctld" else [free_port(), taken])
+        cluster = SlurmCluster.start_on_free_ports(directory / "b", nodes=1)
+        try:
+            assert taken not in [cluster.controller_port, *cluster.node_ports.values()]
+            assert cluster.node_states() == {"node1": "idle"}
+        finally:
+            cluster.stop()
