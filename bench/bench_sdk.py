@@ -114,18 +114,17 @@ async def run_child(env: dict[str, str], *args: str) -> dict[str, Any]:
     return result
 
 
-def rank_env(socket_path: Path, rank: int = 0, **extra: str) -> dict[str, str]:
+def rank_env(socket_path: Path, rank: int = 0, extra: dict[str, str] | None = None) -> dict[str, str]:
     base = {k: v for k, v in os.environ.items() if not k.startswith("REPRISE_")}
-    return {**base, "REPRISE_SDK_SOCKET": str(socket_path), "REPRISE_JOB_ID": "bench", "RANK": str(rank), **extra}
+    own = {"REPRISE_SDK_SOCKET": str(socket_path), "REPRISE_JOB_ID": "bench", "RANK": str(rank)}
+    return {**base, **own, **(extra or {})}
 
 
 async def agent_cpu(server: SdkServer, seconds: float = 10.0) -> dict[str, Any]:
     """Eight ranks heartbeating every 10 ms: the agent-side CPU of receiving them, measured in the middle."""
     env = {"BENCH_SECONDS": str(seconds)}
     procs = [
-        await asyncio.create_subprocess_exec(
-            sys.executable, "-c", HEARTBEAT_LOOP, env=rank_env(server.path, rank, **env)
-        )
+        await asyncio.create_subprocess_exec(sys.executable, "-c", HEARTBEAT_LOOP, env=rank_env(server.path, rank, env))
         for rank in range(8)
     ]
     await asyncio.sleep(2.0)
@@ -155,14 +154,14 @@ async def measure(calls: int) -> dict[str, Any]:
         outside = {k: v for k, v in os.environ.items() if not k.startswith("REPRISE_")}
         figures["outside-reprise"] = await run_child(outside, str(calls), "0", "0", "0")
         figures["agent-absent"] = await run_child(rank_env(missing), str(calls), "0", "0", "0")
-        absent_every = rank_env(missing, **every_call)
+        absent_every = rank_env(missing, extra=every_call)
         figures["agent-absent-every-call"] = await run_child(absent_every, str(calls), "0", "0", "0")
         figures["live"] = await run_child(rank_env(server.path), str(calls), "0", "0", "0")
         figures["live-with-metric"] = await run_child(rank_env(server.path), str(calls), "0", "1", "0")
-        own = rank_env(directory / "own.sock", **every_call)
+        own = rank_env(directory / "own.sock", extra=every_call)
         figures["live-socket-every-call"] = await run_child(own, str(calls), "0", "0", "1")
         figures["live-socket-every-call-with-metric"] = await run_child(own, str(calls), "0", "1", "1")
-        server_every = rank_env(server.path, **every_call)
+        server_every = rank_env(server.path, extra=every_call)
         figures["live-every-call-after-10ms-sleep"] = await run_child(server_every, paced, "10000", "0", "0")
         figures["agent-cpu"] = await agent_cpu(server)
     finally:
