@@ -9,7 +9,7 @@ PACKAGES := libs/common sdk services/agent services/detector services/orchestrat
 STAMP := $(VENV)/.installed-stamp
 MYPY_TARGETS := libs/common/reprise_common services/agent/reprise_agent services/detector/reprise_detector \
 	services/orchestrator/reprise_orchestrator services/checkpoint-registry/reprise_registry cli/reprise_cli \
-	sdk/reprise_sdk services/notifier/reprise_notifier examples/ddp_train.py services/dashboard/reprise_dashboard
+	sdk/reprise_sdk services/notifier/reprise_notifier examples/ddp_train.py services/dashboard/reprise_dashboard bench
 NODES ?= 4
 SPARES ?= 1
 # agents (the default): the platform's own agent on each simulated node; slurm: a local Slurm cluster runs the jobs

@@ -191,7 +191,7 @@ async def measure_exit_latency(bench: Bench, samples: int) -> dict[str, Any]:
 async def measure_sdk(bench: Bench, calls: int) -> tuple[dict[str, Any], dict[str, Any]]:
     sock = Path(bench.root / "agent" / "sdk.sock")
     coalesced = await run_child(rank_env(sock), str(calls), "0", "0", "0")
-    every = await run_child(rank_env(sock, REPRISE_SDK_INTERVAL_S="0"), str(calls), "0", "0", "0")
+    every = await run_child(rank_env(sock, extra={"REPRISE_SDK_INTERVAL_S": "0"}), str(calls), "0", "0", "0")
     keep = ("calls", "median_us", "p99_us", "sent", "dropped")
     return {k: coalesced[k] for k in keep}, {k: every[k] for k in keep}
 
