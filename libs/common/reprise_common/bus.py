@@ -119,6 +119,7 @@ class Bus:
         self.disconnects = 0
         self.dead_letter_count = 0
         self._closing = False
+        self._reprovision: asyncio.Task[None] | None = None  # provisioning retried after a reconnect
 
     # --- connection -------------------------------------------------------------------------------------------
     @property
@@ -225,8 +226,20 @@ class Bus:
         try:
             await self.ensure_streams()
         except (BusError, nats.errors.Error, TimeoutError) as exc:
-            log.warning("could not re-provision streams after reconnect", extra={"error": str(exc)})
+            # e.g. a whole cluster restarted and still forming: streams it lost would otherwise never come back
+            log.warning("could not re-provision streams after reconnect: trying again", extra={"error": str(exc)})
+            if self._reprovision is None or self._reprovision.done():
+                self._reprovision = asyncio.create_task(self._provision_again(), name="reprovision")
         self.generation += 1
+
+    async def _provision_again(self) -> None:
+        """Provision in the background until JetStream answers (consumers retry their own subscriptions meanwhile)."""
+        try:
+            await self._provision(attempts=None, retry_s=1.0)
+        except (BusError, nats.errors.Error) as exc:  # refused for good, or the connection dropped again
+            log.warning("could not re-provision streams", extra={"error": str(exc)})
+            return
+        log.info("streams provisioned again after the reconnect")
 
     async def _on_error(self, exc: Exception) -> None:
         if isinstance(exc, nats.errors.SlowConsumerError):
@@ -275,6 +288,10 @@ class Bus:
     async def close(self) -> None:
         """Stop consumers (each finishes its in-flight message), then drain the connection."""
         self._closing = True
+        if self._reprovision is not None:
+            self._reprovision.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reprovision
         await asyncio.gather(*(c.stop() for c in self._consumers), *(f.stop() for f in self._followers))
         self._consumers.clear()
         self._followers.clear()

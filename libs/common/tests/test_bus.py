@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -43,6 +44,42 @@ async def test_a_service_started_with_a_new_cluster_waits_for_it_to_form_then_pr
         await asyncio.wait_for(bus.connect(), timeout=60)
         info = await bus.js.stream_info("AGENT")
         assert info.config.num_replicas == 3
+    finally:
+        await bus.close()
+        cluster.stop()
+
+
+async def test_streams_a_whole_cluster_lost_are_provisioned_again_once_it_has_formed_after_the_reconnect(
+    tmp_path: Path,
+) -> None:
+    """Every member restarted without its store (a cluster rebuilt, a volume lost): the client reconnects to the
+    first member back, before the cluster has a quorum, so its provisioning after the reconnect fails; the streams
+    must still come back once the others join, or no consumer could ever subscribe again."""
+    cluster = NatsCluster.start_on_free_ports(tmp_path)
+    bus = Bus(url=cluster.url, service="test", replicas=3)
+    try:
+        await asyncio.wait_for(bus.connect(), timeout=60)
+        generation = bus.generation
+        await asyncio.to_thread(cluster.stop)
+        for server in cluster.servers:
+            shutil.rmtree(server.store_dir)
+        first, *others = cluster.servers
+        await asyncio.to_thread(first.start)  # alone: no meta leader, every JetStream request times out
+        assert await poll_until(lambda: bus.generation > generation, timeout_s=60)  # reconnected, provisioning failed
+        for server in others:
+            await asyncio.to_thread(server.start)
+
+        async def agent_stream_exists() -> bool:
+            try:
+                await asyncio.wait_for(bus.js.stream_info("AGENT"), timeout=3)
+            except (nats.errors.Error, TimeoutError):
+                return False
+            return True
+
+        deadline = asyncio.get_running_loop().time() + 60
+        while not await agent_stream_exists():
+            assert asyncio.get_running_loop().time() < deadline, "the streams never came back"
+            await asyncio.sleep(0.5)
     finally:
         await bus.close()
         cluster.stop()
