@@ -11,7 +11,7 @@ import math
 import random
 import statistics
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from enum import StrEnum
@@ -89,15 +89,15 @@ class ProgressBook:
         job = self.jobs.get(status.job_id)
         if job is None:
             job = self.jobs[status.job_id] = JobTrack()
-        job.updates += 1
         track = job.ranks.get(status.rank)
         if track is None:
             track = job.ranks[status.rank] = _first_track(node_id, status, now)
+            job.updates += 1
             job.next_check = 0.0
             return job, track
         if track.node_id is not node_id:  # the same string object, report after report (msgspec sets cost 60 ns)
             track.node_id = node_id
-        fold(job, track, status, now)
+        fold(job, (track,), (status,), now)
         return job, track
 
     def forget(self, job_id: str) -> None:
@@ -105,44 +105,70 @@ class ProgressBook:
         self.jobs.pop(job_id, None)
 
 
-def fold(job: JobTrack, track: RankTrack, status: RankProgress, now: float) -> None:
-    """Fold a rank's new status into its track (`now`: the monotonic time it arrived); a step change or a new restart
-    epoch resets the stall (and a reported hang). The caller counts the update (JobTrack.updates).
+def fold(
+    job: JobTrack,
+    tracks: Sequence[RankTrack],
+    statuses: Sequence[RankProgress],
+    now: float,
+    slow_above: float = math.inf,
+) -> tuple[int, list[RankTrack]]:
+    """Fold ranks' new statuses into their tracks, pairwise in order, while each status is of its track's rank (`now`:
+    the monotonic time they arrived); a step change or a new restart epoch resets the stall (and a reported hang).
+    Returns how many were folded (counted in JobTrack.updates), and those of them a straggler judgement may change: a
+    slow streak, or a step time above `slow_above`.
 
     Updated in place (a report of 8 ranks a second per node must not churn objects); straggler state carries over
     from report to report, not to a new restart epoch.
-    This runs for every rank of every report: what rarely changes (phase, process state) is compared before anything
-    is written for it.
+    This runs for every rank of every report, a node's ranks in one loop: what rarely changes (epoch, phase, process
+    state) is compared before anything is written for it.
     """
-    step, was_step, epoch = status.step, track.step, status.restart_epoch
-    # A new step is progress, and so is a new launch of the rank: its step counts again from where it restored, and the
-    # same number as the replaced process's last step is no stall. It resets the stall, the phase clock and the CPU
-    # count of the stall.
-    if step != was_step or epoch != track.restart_epoch:
-        if epoch != track.restart_epoch:  # a new process (maybe on another node): the old one's slowness is not its own
-            track.slow_streak, track.straggling = 0, False
-        track.step, track.restart_epoch = step, epoch
-        track.phase_since = phase_since = now - (status.phase_age_s or 0.0)
-        track.advanced_at = now - (status.heartbeat_age_s or 0.0) if step is not None else phase_since
-        track.cpu_at_advance = status.cpu_s
-        job.hung = False
-    elif track.cpu_at_advance is None:
-        track.cpu_at_advance = status.cpu_s
-    track.cpu_s = status.cpu_s
+    folded = 0
+    to_judge: list[RankTrack] = []
+    for track, status in zip(tracks, statuses, strict=True):
+        if status.rank != track.rank or status.job_id != track.job_id:
+            break
+        step, was_step, epoch = status.step, track.step, status.restart_epoch
+        # A new step is progress, and so is a new launch of the rank: its step counts again from where it restored, and
+        # the same number as the replaced process's last step is no stall. It resets the stall, the phase clock and the
+        # CPU count of the stall.
+        if step != was_step or epoch != track.restart_epoch:
+            if epoch != track.restart_epoch:  # a new process (maybe elsewhere): the old one's slowness is not its own
+                track.slow_streak, track.straggling, track.restart_epoch = 0, False, epoch
+            track.step = step
+            track.phase_since = phase_since = now - (status.phase_age_s or 0.0)
+            track.advanced_at = now - (status.heartbeat_age_s or 0.0) if step is not None else phase_since
+            track.cpu_at_advance = status.cpu_s
+            if job.hung:
+                job.hung = False
+        elif track.cpu_at_advance is None:
+            track.cpu_at_advance = status.cpu_s
+        track.cpu_s = status.cpu_s
+        if status.phase != track.phase or status.alive is not track.alive or status.proc_state or track.proc_state:
+            _fold_state(job, track, status, now, same_step=step == was_step)
+        p99 = status.step_time_p99_s
+        if p99 and p99 != track.p99_s:
+            track.p99_s = p99
+        step_time = status.step_time_last_s or status.step_time_p50_s
+        if step_time and step_time != track.step_time_s:
+            track.step_time_s = step_time
+        if track.slow_streak or (track.step_time_s or 0.0) > slow_above:
+            to_judge.append(track)
+        folded += 1
+    job.updates += folded
+    return folded, to_judge
+
+
+def _fold_state(job: JobTrack, track: RankTrack, status: RankProgress, now: float, *, same_step: bool) -> None:
+    """fold() for what changes rarely: the phase, whether the process is alive, its scheduler state (on the common
+    path: the same phase, alive, state "" for unknown or running)."""
     if status.phase != track.phase:
-        if step == was_step:
+        if same_step:
             track.phase_since = now - (status.phase_age_s or 0.0)
         track.phase = status.phase
         job.next_check = 0.0  # another phase, another limit: what was computed for the old one no longer holds
     if status.alive is not track.alive:
         track.alive = status.alive
-    p99 = status.step_time_p99_s
-    if p99 and p99 != track.p99_s:
-        track.p99_s = p99
-    step_time = status.step_time_last_s or status.step_time_p50_s
-    if step_time and step_time != track.step_time_s:
-        track.step_time_s = step_time
-    if status.proc_state or track.proc_state:  # "" (unknown, or running) on the common path
+    if status.proc_state or track.proc_state:
         _fold_proc_state(job, track, status.proc_state, track.proc_state, now)
         track.proc_state = status.proc_state
 

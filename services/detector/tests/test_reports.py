@@ -4,6 +4,7 @@ consumer and stored reports removed, and hangs checked at their own interval."""
 from __future__ import annotations
 
 import logging
+import zlib
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -15,9 +16,10 @@ from prometheus_client import REGISTRY
 from reprise_common import subjects
 from reprise_common.bus import stream_config
 from reprise_common.clock import ManualClock, utcnow
-from reprise_common.events import GpuHealth, GpuStatus, RankStatus
+from reprise_common.events import GpuHealth, GpuStatus, NodeReport, RankStatus
 from reprise_common.subjects import AGENT_STREAM, STREAMS
 from reprise_detector.runtime import RETIRED_REPORTS_DURABLE
+from reprise_detector.watch import REPORT_ID_BYTES
 
 Harness = Any  # tests/conftest.py
 StartDetector = Any
@@ -119,3 +121,15 @@ async def test_hangs_are_checked_at_a_jobs_deadline_before_their_interval_and_da
     [incident] = await h.open_incidents("job-h")
     assert "hung" in incident["root_cause"]
     assert datetime.fromisoformat(incident["first_symptom_at"]) == t0 + timedelta(seconds=5)
+
+
+def test_an_agents_reports_differ_within_the_bytes_a_report_id_is_taken_from() -> None:
+    """A report's id (which a node's loss is named by, the same in every replica) is the checksum of its first bytes
+    only: an agent's report carries its event id and time there, so two reports of one node never share an id."""
+    first, second = (
+        NodeReport(source="node-1", node_id="node-1", interval_s=1.0, gpu_backend="sim", time=utcnow() + timedelta(s))
+        for s in (0, 1)
+    )
+    head = first.model_dump_json().encode()[:REPORT_ID_BYTES]
+    assert first.event_id.encode() in head and first.time.isoformat()[:19].encode() in head
+    assert zlib.crc32(head) != zlib.crc32(second.model_dump_json().encode()[:REPORT_ID_BYTES])

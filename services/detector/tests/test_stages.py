@@ -3,11 +3,13 @@ order, reputation rules and partitions."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from reprise_common.bus import Outcome
 from reprise_common.clock import ManualClock
 from reprise_common.events import Category, QuarantineReason, RankStatus, RecommendedAction, Severity
 from reprise_detector.classify import Classification
@@ -24,6 +26,7 @@ from reprise_detector.progress import (
     ProgressBook,
     StragglerVerdict,
     StragglerWatch,
+    fold,
 )
 from reprise_detector.settings import DetectorSettings
 from reprise_detector.watch import HANG_MIN_GAP_S, REHEAR_S, Watcher
@@ -346,6 +349,46 @@ def test_a_reconnect_is_seen_before_the_bus_moves_its_generation() -> None:
     assert watcher._hearing()
 
 
+def test_a_tick_for_a_hang_deadline_alone_does_not_pass_over_the_nodes() -> None:
+    """Hang deadlines can bring ticks twenty times a second; node loss is looked for at the interval's ticks (and when
+    a suspect's grace ends), so the pass over every node is not made at each."""
+
+    @dataclass
+    class Placements:
+        last_seq: int = -1  # what the watch last pruned at: nothing placed since
+
+    @dataclass
+    class Stub:  # the detector as the tick uses it: its early exits, and the pipeline derived symptoms go through
+        found: list[object]
+
+        def check(self) -> list[object]:
+            return []
+
+        @property
+        def early_exits(self) -> Stub:
+            return self
+
+        async def process_derived(self, batch: list[object]) -> object:
+            self.found.extend(batch)
+            return Outcome.ACK
+
+    clock = ManualClock(T0)
+    liveness = Liveness(clock=clock, lost_after_s=5.0)
+    detector = Stub([])
+    book = ProgressBook(clock)
+    watcher = Watcher(
+        detector=detector, placements=Placements(), partition=None, liveness=liveness, book=book,  # type: ignore[arg-type]
+        hangs=HangWatch(clock=clock, book=book, defaults=LIMITS), stragglers=None, engine=None,  # type: ignore[arg-type]
+        clock=clock, hang_check_interval_s=0.5,
+    )  # fmt: skip
+    liveness.saw("node-1", 7)
+    clock.advance(6.0)
+    asyncio.run(watcher.tick(nodes=False))
+    assert detector.found == []
+    asyncio.run(watcher.tick())
+    assert [lost.event_id for lost in detector.found] == ["node-lost:node-1:7"]  # type: ignore[attr-defined]
+
+
 def test_a_job_with_a_dead_rank_is_not_called_hung() -> None:
     clock = ManualClock(T0)
     book = ProgressBook(clock)
@@ -397,6 +440,27 @@ def test_a_relaunched_rank_starts_a_new_streak() -> None:
     assert verdicts == [StragglerVerdict.SLOW, StragglerVerdict.SLOW, StragglerVerdict.STRAGGLER]
     verdicts = [report(step, 2, 2.0) for step in (1, 2, 3)]  # reported in launch 1; relaunched again, still slow
     assert verdicts == [StragglerVerdict.SLOW, StragglerVerdict.SLOW, StragglerVerdict.STRAGGLER]
+
+
+def test_a_nodes_ranks_fold_in_one_pass_while_each_status_is_of_its_track() -> None:
+    """A report's ranks are folded into the tracks its node's last report went to, in one pass: it stops at the first
+    status of another rank (the node lists other ranks now), and returns the ranks whose speed needs judging."""
+    clock = ManualClock(T0)
+    book = ProgressBook(clock)
+    tracks = [book.update("node-1", _status(rank, 1, step_time_last_s=1.0))[1] for rank in range(4)]
+    job = book.jobs["job-a"]
+    updates = job.updates
+    clock.advance(1.0)
+    now = clock.monotonic()
+    statuses = [_status(rank, 2, step_time_last_s=3.0 if rank == 2 else 1.0) for rank in range(4)]
+    folded, to_judge = fold(job, tracks, statuses, now, slow_above=1.5)
+    assert (folded, to_judge, job.updates - updates) == (4, [tracks[2]], 4)
+    assert [(t.step, t.advanced_at) for t in tracks] == [(2, now)] * 4
+    clock.advance(1.0)
+    moved = [_status(0, 3), _status(1, 3), _status(9, 3), _status(3, 3)]  # rank 9 in rank 2's place
+    folded, _ = fold(job, tracks, moved, clock.monotonic())
+    assert folded == 2
+    assert [t.step for t in tracks] == [3, 3, 2, 2]  # the rest is left for a lookup
 
 
 def test_too_few_ranks_to_compare_is_unknown() -> None:

@@ -26,6 +26,11 @@ RELEASE_IN_FLIGHT_S = 2.0  # a report this soon after the scheduler ended the no
 DEFAULT_INTERVAL_S = 1.0  # a node's report interval until a report read says its own (the agents' default)
 
 
+ReportId = int | str
+"""An id of a node's report, the same in every replica (the watcher's: a checksum, formatted only when a loss names
+it in its event id)."""
+
+
 class NodeState(StrEnum):
     """What the detector believes of a node that has reported at least once."""
 
@@ -37,7 +42,7 @@ class NodeSeen(msgspec.Struct, gc=False):
     """The last report of one node, as received (not scanned by the garbage collector: see RankTrack)."""
 
     last_seen: float  # the detector's monotonic clock
-    last_report_id: str
+    last_report_id: ReportId
     state: NodeState = NodeState.ALIVE
     gpus: tuple[GpuSeen, ...] = ()
     dropped_at: float | None = None  # when the server said its agent's connection closed (not reconnected since)
@@ -65,7 +70,7 @@ class Liveness:
     def saw(
         self,
         node_id: str,
-        report_id: str,
+        report_id: ReportId,
         gpus: tuple[GpuSeen, ...] | None = None,
         *,
         stopping: bool = False,
@@ -81,12 +86,14 @@ class Liveness:
             now = self.clock.monotonic()
         if seen is None:
             seen = self.nodes[node_id] = NodeSeen(now, report_id, gpus=gpus or ())
-        seen.last_seen, seen.last_report_id, seen.state = now, report_id, NodeState.ALIVE
+        seen.last_seen, seen.last_report_id = now, report_id
+        if seen.state is not NodeState.ALIVE:  # what rarely changes is compared before it is written (every report)
+            seen.state = NodeState.ALIVE
         if seen.released_at is not None and not stopping and now - seen.released_at > RELEASE_IN_FLIGHT_S:
             seen.released_at = None  # a running agent reports again (the step's next allocation): judged as any
         if stopping:
             seen.leaving, seen.dropped_at = True, None
-        elif gpus is not None:
+        elif gpus is not None and seen.leaving:
             seen.leaving = False  # a running agent's report (a new one after a graceful restart)
         if seen.dropped_at is not None and now - seen.dropped_at > REPORT_IN_FLIGHT_S:
             seen.dropped_at = None  # reporting again: it reconnected (the advisory may have been missed)
