@@ -384,7 +384,8 @@ class Watcher:
         next one tries again."""
         next_tick = self.clock.monotonic() + interval_s
         while not stopping.is_set():
-            dues = (next_tick, self.liveness.next_due(), self._peers_due(), self._hangs_due())
+            grace = self.liveness.next_due()  # a pass over every node: once per wait
+            dues = (next_tick, grace, self._peers_due(), self._hangs_due())
             until = min(d for d in dues if d is not None)
             woken = asyncio.ensure_future(self._woken.wait())
             stop = asyncio.ensure_future(stopping.wait())
@@ -404,7 +405,6 @@ class Watcher:
             interval = now >= next_tick  # the interval's tick (else a grace or a deadline came first: it stays due)
             if interval:
                 next_tick = now + interval_s
-            grace = self.liveness.next_due()
             try:
                 await self.tick(nodes=interval or (grace is not None and now >= grace))
             except Exception:  # the watch must outlive a bad tick (a database hiccup, a bug in one stage)
