@@ -37,9 +37,10 @@ SLOTS_PER_S = 100
 P99_LIMIT_MS = 100.0
 HANDLED_SHARE = 0.95  # a round counts when it handled at least this share of the rate offered (N reports/s)
 LEAD_S = 2.5  # from sending the generators their round to its first report
-# A round's window begins once the receiver has caught up with the live reports (its latest lag within the p99
-# limit), at least a second after the first report (a fresh detector creates every node's tracks from its first
-# report, more than a second's work at 40,000 nodes) and at most this long after it; `caught_up_after_s` says when.
+# A round's window begins once the receiver has caught up with the live reports (every report it handled in the last
+# CATCH_UP_SPAN_S within the p99 limit), at least a second after the first report (a fresh detector creates every
+# node's tracks from its first report, more than a second's work at 40,000 nodes) and at most this long after it;
+# `caught_up_after_s` says when (None: it had not caught up).
 CATCH_UP_MAX_S = 6.0
 CATCH_UP_SPAN_S = 0.5  # caught up: every report handled in the last half second within the limit
 

@@ -1,10 +1,10 @@
 """Node reports in; node loss, hangs and stragglers out, as derived symptoms through the same pipeline.
 
 Reports arrive on core NATS in batches (the latest per node) and change only in-memory state (about 20 µs of CPU a
-report in the bench, transport included); a decision that needs the database (a derived symptom) goes through the pipeline. A
-replica parses a report only when the node runs a job it owns; every replica still notes every node's liveness from
-the subject alone. A malformed report is counted and ignored (logged once a minute per node): the next one comes an
-interval later.
+report in the bench, transport included); a decision that needs the database (a derived symptom) goes through the
+pipeline. A replica parses a report only when the node runs a job it owns; every replica still notes every node's
+liveness from the subject alone. A malformed report is counted and ignored (logged once a minute per node): the next
+one comes an interval later.
 """
 
 from __future__ import annotations
