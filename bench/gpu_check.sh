@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One short check of the real NVML backend on a GPU machine (a few minutes): the gpu-marked tests, what NVML returned
-# for every GPU as JSON (nvml.json), then bench-agent with the agent on the real GPUs (agent-nvml.json); both in $OUT
-# when OUT is set, else in bench/results/.
+# One short check of the real NVML backend on a GPU machine (a few minutes): the gpu-marked tests (the agent's NVML
+# backend, and the SDK's in-place restart with an NCCL process group: aborted at a park, rebuilt in the same process;
+# it needs the machine's python3 to hold torch with CUDA), what NVML returned for every GPU as JSON (nvml.json), then
+# bench-agent with the agent on the real GPUs (agent-nvml.json); both in $OUT when OUT is set, else in bench/results/.
 # With internet: a virtual environment with the agent installed. Offline: fill a wheelhouse for that machine's Python
 # first (the command is in bench/gpu_wheels.txt) and point WHEELHOUSE at it (default .whl/); when that folder exists
 # the wheels go beside the machine's own python3 (which must have PyYAML, httpx, prometheus-client and Pygments) and
@@ -19,7 +20,8 @@ if [ -d "$WHEELHOUSE" ]; then
   PY=python3
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
     "$WHEELHOUSE"/*.whl || exit 1
-  export PYTHONPATH="$SITE:libs/common:services/agent:cli:sdk" PATH="$SITE/bin:$PATH"  # nats-server from its wheel
+  # the orchestrator's sources only for its settings, which the root conftest imports
+  export PYTHONPATH="$SITE:libs/common:services/agent:services/orchestrator:cli:sdk" PATH="$SITE/bin:$PATH"
 else
   python3 -m venv "$VENV" || exit 1
   PY=$VENV/bin/python
@@ -29,7 +31,7 @@ else
 fi
 "$PY" --version
 
-PYTHONUNBUFFERED=1 "$PY" -m pytest -m gpu services/agent -v -p no:cacheprovider
+PYTHONUNBUFFERED=1 "$PY" -m pytest -m gpu services/agent sdk/tests -v -p no:cacheprovider -rs
 tests=$?
 
 "$PY" bench/gpu_check.py "$RESULT"

@@ -229,3 +229,68 @@ def test_the_wait_for_rank_0s_store_is_bounded() -> None:
     started = time.monotonic()
     assert await_rendezvous(env, within_s=0.2) is False  # nobody listens: torch's own connect takes over
     assert time.monotonic() - started < 15  # a generous ceiling: only that it gives up, not how fast
+
+
+NCCL_SCRIPT = """
+import os, socket
+import torch
+import torch.distributed as dist
+import reprise_sdk
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+def train(info):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="1", RANK="0")
+    dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
+    total = torch.full((1024,), float(info.restart_epoch + 1), device="cuda")
+    dist.all_reduce(total)
+    torch.cuda.synchronize()
+    print(f"epoch={info.restart_epoch} pid={os.getpid()} sum={total.sum().item():.0f}", flush=True)
+    if info.restart_epoch >= 1:
+        dist.destroy_process_group()
+        return "done"
+    step = 0
+    while True:
+        step += 1
+        reprise_sdk.heartbeat(step)
+        dist.all_reduce(total)
+
+print("result", reprise_sdk.run(train), flush=True)
+"""
+
+
+@pytest.mark.gpu
+def test_an_nccl_group_is_aborted_at_a_park_and_a_new_one_built_in_the_same_process(short_dir: Path) -> None:
+    """The NCCL path of in-place restart on a real GPU: at a park `run` aborts the NCCL process group (not a plain
+    destroy, which can wait on a collective a dead peer never joins), and the next epoch builds a new one in the same
+    process. One GPU holds one NCCL rank, so the group is a world of one."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available() or not torch.distributed.is_nccl_available():
+        pytest.skip("needs a CUDA GPU and NCCL")
+    agent = FakeAgent(short_dir)
+    script = short_dir / "rank.py"
+    script.write_text(NCCL_SCRIPT)
+    env = {**agent.env(), "RANK": "0"}
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    agent.sock.settimeout(60)  # importing torch with CUDA, and NCCL's first communicator, take a while
+    try:
+        agent.next_of("inplace")
+        agent.next_of("hb")  # training, collectives running
+        agent.order(proc.pid, {"k": "park"})
+        assert agent.next_of("parked")["why"] == "restart ordered"
+        agent.order(proc.pid, {"k": "assign", "env": {"RANK": "0", "REPRISE_RESTART_EPOCH": "1"}})
+        out, _ = proc.communicate(timeout=40)
+    except (TimeoutError, subprocess.TimeoutExpired, AssertionError):
+        proc.kill()
+        raise AssertionError(proc.communicate()[0]) from None
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out
+    assert f"epoch=0 pid={proc.pid} sum=1024" in out and f"epoch=1 pid={proc.pid} sum=2048" in out, out
+    assert "not torn down cleanly" not in out, out  # the abort itself worked
+    assert "result done" in out, out
