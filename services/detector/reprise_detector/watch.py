@@ -166,7 +166,8 @@ class Watcher:
         found: list[DerivedSymptom] = []
         if self.placements.version != self._here_version:
             self._here, self._tracks, self._here_version = {}, {}, self.placements.version
-        sent: list[datetime] = []  # the reports' times, for a benchmark's record of when the batch was decided
+        record = self.decided  # a benchmark's: the reports' times are collected only for it
+        sent: list[datetime] = []
         now = self.clock.monotonic()
         for subject, data in reports.items():
             node_id = self._node_of.get(subject)
@@ -195,9 +196,10 @@ class Watcher:
             )
             if here:
                 found.extend(self._progress(node_id, report.ranks, here, now))
-            sent.append(report.time)
-        if self.decided is not None:
-            self.decided.append((self.clock.now(), sent))
+            if record is not None:
+                sent.append(report.time)
+        if record is not None:
+            record.append((self.clock.now(), sent))
         if found:
             self.pending.extend(found)
             await self.flush()
