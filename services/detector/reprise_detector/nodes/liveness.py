@@ -66,6 +66,9 @@ class Liveness:
         self.lost_after_s = lost_after_s
         self.reconnect_grace_s = reconnect_grace_s
         self.nodes: dict[str, NodeSeen] = {}
+        # Nodes whose agent's connection closed (dropped()): next_due() looks at these alone, not at every node, once
+        # per wait of the watch loop. Kept until next_due() finds one no longer suspect.
+        self._suspects: set[str] = set()
 
     def saw(
         self,
@@ -113,6 +116,7 @@ class Liveness:
         if seen.released_at is not None:
             return False
         seen.dropped_at, seen.dropped_id, seen.dropped_reason = self.clock.monotonic(), advisory_id, reason
+        self._suspects.add(node_id)
         return True
 
     def connected(self, node_id: str) -> None:
@@ -204,8 +208,14 @@ class Liveness:
 
     def next_due(self) -> float | None:
         """The monotonic time the earliest suspicion's grace ends; None when no node is suspect."""
-        due = [s.dropped_at for s in self.nodes.values() if s.dropped_at is not None and s.state is NodeState.ALIVE]
-        return min(due) + self.reconnect_grace_s if due else None
+        due: float | None = None
+        for node_id in list(self._suspects):
+            seen = self.nodes[node_id]
+            if seen.dropped_at is None or seen.state is not NodeState.ALIVE:
+                self._suspects.discard(node_id)  # reconnected, reporting again, released or lost meanwhile
+            elif due is None or seen.dropped_at < due:
+                due = seen.dropped_at
+        return None if due is None else due + self.reconnect_grace_s
 
     def age(self, node_id: str) -> float | None:
         """Seconds since the node's last report; None if it never reported."""
