@@ -226,8 +226,12 @@ class Bus:
         try:
             await self.ensure_streams()
         except (BusError, nats.errors.Error, TimeoutError) as exc:
-            # e.g. a whole cluster restarted and still forming: streams it lost would otherwise never come back
-            log.warning("could not re-provision streams after reconnect: trying again", extra={"error": str(exc)})
+            # e.g. a restarted server whose JetStream is not ready yet, or a whole cluster still forming: streams it
+            # lost would otherwise never come back. Expected after a restart, so not a warning; a refusal for good is.
+            log.info(
+                "JetStream not ready after the reconnect: provisioning streams in the background",
+                extra={"error": str(exc)},
+            )
             if self._reprovision is None or self._reprovision.done():
                 self._reprovision = asyncio.create_task(self._provision_again(), name="reprovision")
         self.generation += 1
@@ -237,7 +241,7 @@ class Bus:
         try:
             await self._provision(attempts=None, retry_s=1.0)
         except (BusError, nats.errors.Error) as exc:  # refused for good, or the connection dropped again
-            log.warning("could not re-provision streams", extra={"error": str(exc)})
+            log.warning("gave up provisioning streams after the reconnect", extra={"error": str(exc)})
             return
         log.info("streams provisioned again after the reconnect")
 
