@@ -303,7 +303,14 @@ def _median_round(runs: list[dict[str, Any]], lag_key: str) -> dict[str, Any]:
     p99s = sorted(r[lag_key]["p99_ms"] for r in runs)
     kept = min(runs, key=lambda r: abs(r[lag_key]["p99_ms"] - statistics.median(p99s)))
     handled = sorted(r["handled_reports_per_s"] for r in runs)
-    return kept | {"runs": len(runs), "p99_ms_each": p99s, "handled_reports_per_s_each": handled}
+    cpu_key = next(key for key in kept if key.endswith("_cpu_us_per_report"))
+    cpu = sorted(r[cpu_key] for r in runs)
+    return kept | {
+        "runs": len(runs),
+        "p99_ms_each": p99s,
+        "handled_reports_per_s_each": handled,
+        f"{cpu_key}_each": cpu,
+    }
 
 
 def _going(rounds: list[dict[str, Any]], lag_key: str) -> bool:
@@ -319,6 +326,7 @@ def _ingest_figures(
     bare = sustained(bare_rounds, "report_to_decoded")
     rate = detector["handled_reports_per_s"] if detector else 0
     ceiling = bare["handled_reports_per_s"] if bare else 0
+    rows = side_by_side(detector_rounds, bare_rounds)
     figures = {
         "ingest": detector_rounds,
         "ingest_bare": bare_rounds,
@@ -329,12 +337,21 @@ def _ingest_figures(
         # False: the bare receiver passed the highest rate tried, so the ceiling is higher and the ratio lower
         "ingest_bare_ceiling_reached": bool(bare_rounds) and not passed(bare_rounds[-1], "report_to_decoded"),
         "ingest_ratio": round(rate / ceiling, 3) if ceiling else None,
+        "ingest_cpu_side_by_side": rows,
         "ingest_load_avg_1m": {
             "start": round(loads_1m[0], 2),
             "end": round(loads_1m[-1], 2),
             "max": round(max(loads_1m), 2),
         },
     }
+    same_rate = next((r for r in rows if detector and r["nodes"] == detector["nodes"]), None)
+    if same_rate is not None:
+        print(
+            f"ingest: CPU a report at {same_rate['nodes']:,} nodes, side by side: detector"
+            f" {same_rate['detector_cpu_us_per_report']} µs, bare {same_rate['receiver_cpu_us_per_report']} µs,"
+            f" ratio {same_rate['cpu_ratio']}",
+            flush=True,
+        )
     print(
         f"ingest: bare ceiling {ceiling:,} reports/s"
         f"{'' if figures['ingest_bare_ceiling_reached'] else ' (not reached: higher)'}, detector sustained {rate:,}"
@@ -343,6 +360,29 @@ def _ingest_figures(
         flush=True,
     )
     return figures
+
+
+def side_by_side(detector_rounds: list[dict[str, Any]], bare_rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """At each rate both series passed, the median CPU a report of each receiver over the rate's rounds, and their
+    ratio (bare ÷ detector): the rounds of a rate run within minutes, interleaved, so a host whose speed drifts over the
+    run moves this figure less than the ratio of the two ceilings, which are reached at different rates and times."""
+    bare_at = {r["nodes"]: r for r in bare_rounds if passed(r, "report_to_decoded")}
+    rows = []
+    for detector in detector_rounds:
+        bare = bare_at.get(detector["nodes"])
+        if bare is None or not passed(detector, "report_to_decision"):
+            continue
+        detector_us = statistics.median(detector["detector_cpu_us_per_report_each"])
+        bare_us = statistics.median(bare["receiver_cpu_us_per_report_each"])
+        rows.append(
+            {
+                "nodes": detector["nodes"],
+                "detector_cpu_us_per_report": detector_us,
+                "receiver_cpu_us_per_report": bare_us,
+                "cpu_ratio": round(bare_us / detector_us, 3) if detector_us else None,
+            }
+        )
+    return rows
 
 
 # --- storm ----------------------------------------------------------------------------------------------------
