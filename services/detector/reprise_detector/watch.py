@@ -386,7 +386,7 @@ class Watcher:
         next one tries again."""
         next_tick = self.clock.monotonic() + interval_s
         while not stopping.is_set():
-            grace = self.liveness.next_due()  # a pass over every node: once per wait
+            grace = self.liveness.next_due()  # the suspect nodes alone (those whose connection closed)
             dues = (next_tick, grace, self._peers_due(), self._hangs_due())
             until = min(d for d in dues if d is not None)
             woken = asyncio.ensure_future(self._woken.wait())
