@@ -37,6 +37,7 @@ class PlacementMap:
         self.last_seq = 0
         self.version = 0  # changes whenever a node's ranks change: what callers derived from the map is stale
         self._nodes_of: dict[str, set[str]] = {}  # job -> the nodes it has ranks on
+        self._changed: set[str] = set()  # jobs whose placement changed since take_changed() (the watch prunes them)
         self._advanced = asyncio.Event()
 
     def apply(self, placement: JobPlacement) -> bool:
@@ -53,6 +54,7 @@ class PlacementMap:
         else:
             self.hang_timeouts.pop(job_id, None)
         self.version += 1
+        self._changed.add(job_id)
         for node_id in self._nodes_of.pop(job_id, ()):
             kept = [placed for placed in self._by_node[node_id] if placed.job_id != job_id]
             if kept:
@@ -66,6 +68,11 @@ class PlacementMap:
                 self._by_node.setdefault(assignment.node_id, []).append(placed)
                 nodes.add(assignment.node_id)
         return True
+
+    def take_changed(self) -> set[str]:
+        """The jobs whose placement changed (placed, relaunched, shrunk, ended) since the last call."""
+        changed, self._changed = self._changed, set()
+        return changed
 
     def labels_of(self, job_id: str) -> dict[str, str]:
         """The job's labels from its latest placement; none for a job never placed."""

@@ -11,7 +11,15 @@ import pytest
 
 from reprise_common.bus import Outcome
 from reprise_common.clock import ManualClock
-from reprise_common.events import Category, QuarantineReason, RankStatus, RecommendedAction, Severity
+from reprise_common.events import (
+    Category,
+    JobPlacement,
+    QuarantineReason,
+    RankAssignment,
+    RankStatus,
+    RecommendedAction,
+    Severity,
+)
 from reprise_detector.classify import Classification
 from reprise_detector.correlate import Decision, decide
 from reprise_detector.incidents.models import Incident
@@ -19,6 +27,7 @@ from reprise_detector.nodes.liveness import Liveness, NodeState
 from reprise_detector.nodes.models import NodeFaultBase
 from reprise_detector.nodes.reputation import ReputationRules, judge
 from reprise_detector.partition import Partition, partition_of
+from reprise_detector.placements import PlacementMap
 from reprise_detector.progress import (
     HangLimits,
     HangWatch,
@@ -573,3 +582,48 @@ def test_every_job_has_exactly_one_owner_and_the_split_is_fair() -> None:
     assert partition_of("job-7", 2) == partition_of("job-7", 2)
     assert Partition().durable("detector-events") == "detector-events"
     assert parts[1].durable("detector-events") == "detector-events-p1of2"
+
+
+def test_a_placement_prunes_the_ranks_of_its_own_job_only() -> None:
+    """A relaunch that moves or drops ranks prunes them from the book; the jobs whose placement did not change are not
+    passed over (their ranks are all placed: reports add only placed ranks), so a placement costs the ranks of its
+    job, not every rank tracked."""
+
+    def placement(job_id: str, epoch: int, ranks: dict[int, str], *, active: bool = True) -> JobPlacement:
+        assigned = [RankAssignment(rank=r, node_id=node, gpu=0, local_rank=0) for r, node in ranks.items()]
+        return JobPlacement(
+            source="test", job_id=job_id, restart_epoch=epoch, world_size=len(ranks), ranks=assigned, active=active
+        )
+
+    clock = ManualClock(T0)
+    book = ProgressBook(clock)
+    placements = PlacementMap()
+    watcher = Watcher(
+        detector=None, placements=placements, partition=None, liveness=None, book=book,  # type: ignore[arg-type]
+        hangs=None, stragglers=None, engine=None, clock=clock, hang_check_interval_s=1.0,  # type: ignore[arg-type]
+    )  # fmt: skip
+    placements.apply(placement("job-a", 0, {0: "node-1", 1: "node-1"}))
+    placements.apply(placement("job-b", 0, {0: "node-2"}))
+    placements.apply(placement("job-c", 0, {0: "node-3"}))
+
+    def status(job_id: str, rank: int) -> RankStatus:
+        return RankStatus(job_id=job_id, rank=rank, step=5, phase="training", heartbeat_age_s=0.0)
+
+    for node, job_id, rank in [
+        ("node-1", "job-a", 0),
+        ("node-1", "job-a", 1),
+        ("node-2", "job-b", 0),
+        ("node-3", "job-c", 0),
+    ]:
+        book.update(node, status(job_id, rank))
+    watcher._prune()  # the placements above: every rank tracked is placed
+    assert {job: set(track.ranks) for job, track in book.jobs.items()} == {"job-a": {0, 1}, "job-b": {0}, "job-c": {0}}
+    # job-b's track of a rank it no longer has would go only with a new placement of job-b
+    book.update("node-2", status("job-b", 7))
+    placements.apply(placement("job-a", 1, {0: "node-1", 1: "node-4"}))  # rank 1 moved
+    placements.apply(placement("job-c", 0, {}, active=False))  # job-c ended
+    watcher._prune()
+    assert {job: set(track.ranks) for job, track in book.jobs.items()} == {"job-a": {0}, "job-b": {0, 7}}
+    placements.apply(placement("job-b", 1, {0: "node-2"}))
+    watcher._prune()
+    assert set(book.jobs["job-b"].ranks) == {0}
