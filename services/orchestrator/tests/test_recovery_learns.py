@@ -236,15 +236,19 @@ def test_a_a_recovery_follows_its_incident_upgraded_to_a_lost_gpu(stack: Cluster
 
     final = stack.job(job["id"])
     epoch = final["restart_epoch"]
+    # The XID reaches the orchestrator 50 ms after the kill, while the first attempt restores; on a busy host it can
+    # come just after that attempt began launching, and the re-plan then stops the launch before its ranks start (an
+    # epoch whose rank logs show no process started). What must not happen is a rank started twice for the fault.
+    started = {node: {e: n for e, n in epochs.items() if n} for node, epochs in stack.launches(job["id"]).items()}
     seen = {
         "cordoned": nodes_view(stack)[lost]["cordoned"],
         "placement": [r["node_id"] for r in final["placement"]],
         "state": final["state"],
-        "launches": stack.launches(job["id"]),
+        "launches": started,
         "not progressing": not_progressing(stack, final),
     }
-    print(seen)
-    # The lost GPU's node is cordoned and a spare takes its place; each node launched once for the fault.
+    print(seen, stack.launches(job["id"]))
+    # The lost GPU's node is cordoned and a spare takes its place; each node started its ranks once for the fault.
     assert seen == {
         "cordoned": True,
         "placement": [killed, SPARE],
