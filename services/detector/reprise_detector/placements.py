@@ -82,10 +82,6 @@ class PlacementMap:
         """The ranks placed on a node, every job."""
         return list(self._by_node.get(node_id, ()))
 
-    def active_jobs(self) -> set[str]:
-        """Every job with at least one placed rank."""
-        return {job_id for job_id, nodes in self._nodes_of.items() if nodes}
-
     def epoch_of(self, job_id: str) -> int | None:
         """The restart epoch of the job's active placement; None when the job is not placed (or no longer runs)."""
         return self._epochs.get(job_id) if self.is_placed(job_id) else None
