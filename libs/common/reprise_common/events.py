@@ -139,6 +139,9 @@ class RankStatus(Wire):
     proc_state: str = Field(
         default="", max_length=1, description="scheduler state of a live rank: R, S, D, T (stopped), ...; '' unknown"
     )
+    proc_state_age_s: float | None = Field(
+        default=None, ge=0, description="seconds since the agent first saw the live rank in this state (in a row)"
+    )
     cpu_s: float | None = Field(default=None, ge=0, description="CPU seconds the live rank used so far")
 
 

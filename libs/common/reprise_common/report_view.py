@@ -45,6 +45,7 @@ class RankSeen(msgspec.Struct, frozen=True, gc=False):
     alive: bool = True
     exit_code: int | None = None
     proc_state: Annotated[str, msgspec.Meta(max_length=1)] = ""
+    proc_state_age_s: Annotated[float, msgspec.Meta(ge=0)] | None = None
     cpu_s: Annotated[float, msgspec.Meta(ge=0)] | None = None
 
 

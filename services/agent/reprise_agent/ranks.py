@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import socket
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Set
 from dataclasses import dataclass, field
@@ -80,6 +81,8 @@ class RankProcess:
     signalled: bool = False  # this agent signalled it (a stop, an injected fault): not an outside signal
     parked: asyncio.Event = field(default_factory=asyncio.Event)  # it waits for the next epoch
     parked_why: str = ""
+    state_seen: str = ""  # its scheduler state at the last status() ...
+    state_since: float = 0.0  # ... and since when (monotonic) the samples showed it, in a row
 
     @property
     def alive(self) -> bool:
@@ -89,6 +92,9 @@ class RankProcess:
     def status(self) -> RankStatus:
         """This rank as a node report shows it; a live one with its scheduler state and CPU time."""
         sample = sample_process(self.proc.pid) if self.alive else None
+        state, now = sample.state if sample else "", time.monotonic()
+        if state != self.state_seen:
+            self.state_seen, self.state_since = state, now
         return RankStatus(
             job_id=self.job_id,
             rank=self.rank,
@@ -97,7 +103,8 @@ class RankProcess:
             gpu=self.gpu,
             alive=self.alive,
             exit_code=self.exit_code,
-            proc_state=sample.state if sample else "",
+            proc_state=state,
+            proc_state_age_s=round(now - self.state_since, 3) if state else None,
             cpu_s=sample.cpu_s if sample else None,
         )
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -404,6 +405,27 @@ async def test_stopped_rank_shows_a_growing_heartbeat_age(harness: Harness) -> N
         assert after[-1].alive
     finally:
         os.kill(reply.data["pids"][0], signal.SIGCONT)
+
+
+async def test_a_rank_reports_how_long_it_has_been_in_its_state(harness: Harness) -> None:
+    """The detector folds a node's reports a few seconds apart: the state's age says when a rank was first seen
+    stopped, as the step's heartbeat age says when its step finished."""
+    reply = await harness.launch(fence=1, command_id="l", command=LOOPER)
+    pid = reply.data["pids"][0]
+    statuses = lambda: [r for e in harness.of_type(NodeReport) if isinstance(e, NodeReport) for r in e.ranks]  # noqa: E731
+    assert await wait_for(lambda: any(r.proc_state in ("S", "R") for r in statuses()))
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        assert await wait_for(lambda: len([r for r in statuses() if r.proc_state == "T"]) >= 3, timeout_s=10)
+        stopped = [r.proc_state_age_s for r in statuses() if r.proc_state == "T"]
+        assert stopped[0] is not None and stopped[0] < 0.5  # the first sample that saw it stopped
+        assert all(b is not None and a is not None and b > a for a, b in itertools.pairwise(stopped))
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    seen = len(statuses())
+    assert await wait_for(lambda: any(r.proc_state != "T" for r in statuses()[seen:]), timeout_s=10)
+    resumed = next(r for r in statuses()[seen:] if r.proc_state != "T")
+    assert resumed.proc_state_age_s is not None and resumed.proc_state_age_s < 2.0  # a new state, a new age
 
 
 async def test_an_unreachable_rendezvous_master_is_reported_for_its_job_only(harness: Harness) -> None:
