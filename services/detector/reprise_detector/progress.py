@@ -11,7 +11,7 @@ import math
 import random
 import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from enum import StrEnum
@@ -72,6 +72,25 @@ class JobTrack:
     next_check: float = 0.0  # monotonic time before which no rank can pass its limit (0: check at the next pass)
     deadline: float = math.inf  # monotonic time its first rank passes its limit, as of the last close look
     limits: HangLimits | None = None  # the limits next_check was computed with
+    waiting: set[str] = field(default_factory=set)  # nodes whose latest report may wait unfolded (NodeRanks.unread)
+
+
+class NodeRanks(msgspec.Struct, gc=False):
+    """One node's ranks of one job: their tracks in the order its reports list them, and its latest report's ranks
+    while they wait to be folded into them (see the watch's FOLD_EVERY_S).
+
+    A node lists the same ranks in the same order report after report, so a report is folded into these tracks (each
+    checked against its status's job and rank) without a placement and a book lookup per rank. Not scanned by the
+    garbage collector (one per node; the job's `waiting` names nodes, not these, so it is in no cycle).
+    """
+
+    job: JobTrack
+    tracks: tuple[RankTrack, ...]
+    version: int  # the placement map's version the tracks were looked up at (another: look them up again)
+    folded_at: float  # monotonic time the report last folded into the tracks arrived
+    unread: msgspec.Raw | None = None  # the ranks (JSON) of the latest report, not yet folded
+    unread_at: float = 0.0  # monotonic time that report arrived
+    unread_reports: int = 0  # reports since the last fold (the unread one included)
 
 
 class ProgressBook:
@@ -169,7 +188,7 @@ def _fold_state(job: JobTrack, track: RankTrack, status: RankProgress, now: floa
     if status.alive is not track.alive:
         track.alive = status.alive
     if status.proc_state or track.proc_state:
-        _fold_proc_state(job, track, status.proc_state, track.proc_state, now)
+        _fold_proc_state(job, track, status, track.proc_state, now)
         track.proc_state = status.proc_state
 
 
@@ -192,18 +211,24 @@ def _first_track(node_id: str, status: RankProgress, now: float) -> RankTrack:
         cpu_at_advance=status.cpu_s,
         p99_s=status.step_time_p99_s,
         step_time_s=status.step_time_last_s or status.step_time_p50_s,
-        stopped_since=now if status.proc_state in STOPPED_STATES else None,
+        stopped_since=_state_since(status, now) if status.proc_state in STOPPED_STATES else None,
     )
 
 
-def _fold_proc_state(job: JobTrack, track: RankTrack, state: str, was: str, now: float) -> None:
+def _fold_proc_state(job: JobTrack, track: RankTrack, status: RankProgress, was: str, now: float) -> None:
     """Note since when a rank's process is stopped (state T/t), in a row; a stopped process is timed as training,
     whatever its phase."""
-    if state not in STOPPED_STATES:
+    if status.proc_state not in STOPPED_STATES:
         track.stopped_since = None
     elif track.stopped_since is None or was not in STOPPED_STATES:
-        track.stopped_since = now
+        track.stopped_since = _state_since(status, now)
         job.next_check = 0.0
+
+
+def _state_since(status: RankProgress, now: float) -> float:
+    """When the agent first saw the process in its state: the state's age back-dates it (a status read some time after
+    it arrived, or an agent that does not say: when it arrived)."""
+    return now - (status.proc_state_age_s or 0.0)
 
 
 # --- hangs ------------------------------------------------------------------------------------------------------
@@ -341,6 +366,9 @@ class HangWatch:
         self.defaults = defaults
         self.unfinished = False  # the last check() spent its budget before every due job had its look
         self.next_due: float | None = None  # the soonest deadline of a watched job after the last check()
+        # Folds the reports a job's nodes sent since their last fold (JobTrack.waiting) into its tracks, before a
+        # close look judges them (set by the watch, which reads reports; None: every report is folded as it arrives).
+        self.settle: Callable[[JobTrack], None] | None = None
 
     def check(
         self, overrides: Mapping[str, HangLimits] | None = None, *, budget_s: float | None = None
@@ -370,6 +398,8 @@ class HangWatch:
                 break
             looked = True
             job.limits = limits
+            if job.waiting and self.settle is not None:
+                self.settle(job)
             if not all(t.alive for t in job.ranks.values()):
                 continue  # a dead rank is a crash, reported as such
             hung = self._judge(job_id, job, limits)
@@ -467,8 +497,14 @@ class StragglerWatch:
         median = job.median_s if job.updates - job.median_updates < len(job.ranks) else self.median(job)
         return None if median is None else self.factor * median
 
-    def judge(self, job: JobTrack, track: RankTrack) -> StragglerVerdict:
-        """Update the rank's streak from its latest step time and say what it is."""
+    def judge(self, job: JobTrack, track: RankTrack, reports: int = 1) -> StragglerVerdict:
+        """Update the rank's streak from its latest step time and say what it is; `reports`: how many of its node's
+        reports this look stands for (those since the rank was last looked at, the latest included).
+
+        A rank is looked at when its latest status is folded, which may be a few reports after the last look. A slow
+        look extends a streak by every report since the last look (the rank was slow at both ends of them); the first
+        slow look counts as one report, since those before it may have been fast.
+        """
         limit = self.slow_above(job)
         step_time = track.step_time_s
         if step_time is None or limit is None:
@@ -477,7 +513,7 @@ class StragglerWatch:
             if track.slow_streak:
                 track.slow_streak, track.straggling = 0, False
             return _NORMAL
-        track.slow_streak += 1
+        track.slow_streak += reports if track.slow_streak else 1
         if track.slow_streak >= self.reports and not track.straggling:
             track.straggling = True
             return _STRAGGLER

@@ -24,10 +24,10 @@ from sqlmodel import Session, select
 
 from reprise_common import subjects
 from reprise_common.bus import Bus, Outcome
-from reprise_common.clock import Clock
+from reprise_common.clock import Clock, utcnow
 from reprise_common.errors import MalformedEventError
 from reprise_common.logging import get_logger
-from reprise_common.report_view import RankSeen, ReportSeen
+from reprise_common.report_view import GpuSeen, RankSeen
 from reprise_detector.derived import DerivedSymptom
 from reprise_detector.nodes.liveness import Liveness
 from reprise_detector.nodes.models import HangPolicy
@@ -39,6 +39,7 @@ from reprise_detector.progress import (
     HangLimits,
     HangWatch,
     JobTrack,
+    NodeRanks,
     ProgressBook,
     RankTrack,
     StragglerVerdict,
@@ -53,6 +54,13 @@ log = get_logger("reprise.detector.watch")
 # serialised first), so consecutive reports differ there, and the whole ~2 KB report would cost 1 µs to checksum.
 REPORT_ID_BYTES = 256
 MALFORMED_LOG_EVERY_S = 60.0
+# A node's reports are folded into its ranks' tracks at most this long apart (its latest report then; those between
+# are passed over), and whenever a close look at their job is due (HangWatch.settle): a hang is judged on every node's
+# latest report. Folding every report (decoding its ranks and updating each one's track) cost about half of the
+# detector's processor time in the ingest bench. What waits: a new phase or a stopped process is seen up to this much
+# later (times are still read from the report's arrival and the heartbeat's age), and a slow streak is counted in the
+# reports between two looks (StragglerWatch.judge).
+FOLD_EVERY_S = 4.0
 # After the detector's own connection came back, nothing is judged until every node had time to report again (agents
 # report every second): a rank's last step seen is from before the outage, which was no stall of its own.
 REHEAR_S = 2.5
@@ -72,34 +80,41 @@ MALFORMED_REPORTS = Counter(
 )
 
 
-class WatchedReport(ReportSeen, frozen=True, gc=False):
-    """A node report as the watch reads it: the shared view, and how often the node reports (NodeReport.interval_s),
-    which its peers' errors are weighed against (nodes/peers.py)."""
+_NO_RANKS = msgspec.Raw(b"[]")
 
+
+class WatchedReport(msgspec.Struct, frozen=True, gc=False):
+    """A node report as the watch reads it: what liveness reads of it (the fields of the shared view,
+    `reprise_common.report_view.ReportSeen`), how often the node reports (NodeReport.interval_s, which its peers'
+    errors are weighed against: nodes/peers.py), and its ranks still undecoded. They are decoded when they are folded
+    (FOLD_EVERY_S), so most reports cost the decoding of their header and GPUs alone."""
+
+    time: Annotated[datetime, msgspec.Meta(tz=True)] = msgspec.field(default_factory=utcnow)
+    gpus: tuple[GpuSeen, ...] = ()
+    ranks: msgspec.Raw = msgspec.field(default_factory=lambda: _NO_RANKS)
+    stopping: bool = False
     interval_s: Annotated[float, msgspec.Meta(gt=0)] = 1.0
 
 
 _REPORT_DECODER = msgspec.json.Decoder(WatchedReport)
-
-
-class NodeTracks(msgspec.Struct, gc=False):
-    """Where a node's last report went: its ranks' tracks in the report's order, all of one job.
-
-    A node lists the same ranks in the same order report after report, so the next report is folded into these tracks
-    (each checked against its status's job and rank) without a placement and a book lookup per rank. Not scanned by
-    the garbage collector (one per node; nothing refers back to it, so it is in no cycle).
-    """
-
-    job: JobTrack
-    tracks: tuple[RankTrack, ...]
+_RANKS_DECODER = msgspec.json.Decoder(tuple[RankSeen, ...])
 
 
 def read_watched_report(data: bytes) -> WatchedReport:
-    """Decode a node report's payload; MalformedEventError (naming the field) when it is not one."""
+    """Decode a node report's payload, its ranks left undecoded; MalformedEventError (naming the field) when it is not
+    one."""
     try:
         return _REPORT_DECODER.decode(data)
     except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
         raise MalformedEventError(str(exc)) from exc
+
+
+def read_ranks(raw: msgspec.Raw) -> tuple[RankSeen, ...]:
+    """Decode a report's ranks (WatchedReport.ranks); MalformedEventError (naming the field) when they are not."""
+    try:
+        return _RANKS_DECODER.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise MalformedEventError(f"{exc} (in `ranks`)") from exc
 
 
 class Watcher:
@@ -148,13 +163,15 @@ class Watcher:
         self._hang_gap_s = HANG_MIN_GAP_S  # the shortest time to the next hang check, from the last one's cost
         self._tick_lock = asyncio.Lock()
         self._here: dict[str, dict[str, frozenset[int]]] = {}  # node -> job -> its ranks placed there (owned jobs)
-        self._here_version = -1  # the placement map's version _here (and _tracks) was derived from
-        self._tracks: dict[str, NodeTracks] = {}  # node -> the tracks its last report went to (forgotten with _here)
+        self._here_version = -1  # the placement map's version _here was derived from
+        self._tracks: dict[str, NodeRanks] = {}  # node -> the tracks its reports go to, and its latest not yet folded
         self._node_of: dict[str, str] = {}  # report subject -> its node (as many as liveness keeps nodes)
         self._woken = asyncio.Event()  # a node became suspect: its grace may end before the next tick
         self.peers = peers
         if peers is not None:
             peers.wake = self.wake  # a job's peers failed: look when its quietest node becomes overdue
+        if hangs is not None:
+            hangs.settle = self._settle  # a job is judged on its nodes' latest reports
 
     # --- reports ----------------------------------------------------------------------------------------------
     async def handle_reports(self, reports: dict[str, bytes]) -> None:
@@ -164,8 +181,8 @@ class Watcher:
         map last said (per node, then per job) and the in-place update of its ranks' tracks.
         """
         found: list[DerivedSymptom] = []
-        if self.placements.version != self._here_version:
-            self._here, self._tracks, self._here_version = {}, {}, self.placements.version
+        if self.placements.version != self._here_version:  # each node's tracks are looked up again at its next report
+            self._here, self._here_version = {}, self.placements.version
         record = self.decided  # a benchmark's: the reports' times are collected only for it
         sent: list[datetime] = []
         now = self.clock.monotonic()
@@ -196,6 +213,8 @@ class Watcher:
             )
             if here:
                 found.extend(self._progress(node_id, report.ranks, here, now))
+            elif report.ranks != _NO_RANKS:  # no job of this replica's runs there: its ranks are only checked
+                self._check_ranks(node_id, report.ranks)
             if record is not None:
                 sent.append(report.time)
         if record is not None:
@@ -224,31 +243,90 @@ class Watcher:
             log.warning("ignoring malformed node reports", extra={"node_id": node, "reason": reason[:200]})
 
     def _progress(
-        self, node_id: str, ranks: tuple[RankSeen, ...], here: dict[str, frozenset[int]], now: float
+        self, node_id: str, ranks: msgspec.Raw, here: dict[str, frozenset[int]], now: float
     ) -> list[DerivedSymptom]:
-        """Fold a report's rank statuses into their tracks and judge each rank's speed: into the tracks the node's last
-        report went to while it lists the same ranks (NodeTracks), else looked up (and remembered for the next one)."""
+        """Keep a report's ranks for the node's next fold (FOLD_EVERY_S), or fold them now: into the tracks its
+        earlier reports went to (NodeRanks) while it lists the same ranks, else looked up (and remembered)."""
+        known = self._tracks.get(node_id)
+        if known is not None and known.version == self._here_version:
+            if not known.unread_reports:
+                known.job.waiting.add(node_id)  # a close look at the job folds it first (_settle)
+            known.unread, known.unread_at = ranks, now
+            known.unread_reports += 1
+            if now - known.folded_at < FOLD_EVERY_S:
+                return []
+            return self._fold(node_id, known)
         found: list[DerivedSymptom] = []
-        known, folded = self._tracks.get(node_id), 0
-        if known is not None and len(known.tracks) == len(ranks):
+        if known is not None:  # looked up under an earlier placement: its unread report is folded as it was read
+            found = self._fold(node_id, known, look_up=False)
+            self._tracks.pop(node_id, None)
+        try:
+            statuses = read_ranks(ranks)
+        except MalformedEventError as exc:
+            self._malformed(node_id, str(exc))
+            return found
+        return found + self._look_up(node_id, statuses, here, now, remember=True)
+
+    def _fold(self, node_id: str, known: NodeRanks, *, look_up: bool = True) -> list[DerivedSymptom]:
+        """Fold the node's unread report into its tracks and judge each rank's speed. Ranks it lists beyond them (its
+        ranks changed) are looked up, unless `look_up` is False: then the node's tracks are dropped and its next
+        report looks them up."""
+        raw, at, reports = known.unread, known.unread_at, known.unread_reports
+        known.unread, known.unread_reports = None, 0
+        if raw is None:
+            return []
+        known.folded_at = at
+        try:
+            statuses = read_ranks(raw)
+        except MalformedEventError as exc:
+            self._malformed(node_id, str(exc))
+            return []
+        found: list[DerivedSymptom] = []
+        folded = 0
+        if len(known.tracks) == len(statuses):
             job = known.job
             # Judged only when its step time is above the job's limit or it was slow: otherwise judge() changes nothing
-            # (the limit is the job's as this report began; one refreshed meanwhile applies from the next report).
+            # (the limit is the job's as this fold began; one refreshed meanwhile applies from the next fold).
             limit = self.stragglers.slow_above(job)
-            folded, to_judge = fold(job, known.tracks, ranks, now, math.inf if limit is None else limit)
+            folded, to_judge = fold(job, known.tracks, statuses, at, math.inf if limit is None else limit)
             for track in to_judge:
-                if self.stragglers.judge(job, track) is STRAGGLER:
+                if self.stragglers.judge(job, track, reports) is STRAGGLER:
                     found.append(self.stragglers.finding(track.job_id, track.rank))
-            if folded == len(ranks):
+            if folded == len(statuses):
                 return found
+        if self._tracks.get(node_id) is known:
             del self._tracks[node_id]  # it lists other ranks now: the rest are looked up
-        return found + self._look_up(node_id, ranks[folded:], here, now, remember=not folded)
+        if not look_up:
+            return found
+        here = self._here.get(node_id)
+        if here is None:
+            here = self._here[node_id] = self._placed_here(node_id)
+        return found + self._look_up(node_id, statuses[folded:], here, at, remember=not folded)
+
+    def _check_ranks(self, node_id: str, ranks: msgspec.Raw) -> None:
+        """Count a report's ranks as malformed when they cannot be read (ranks nothing here folds)."""
+        try:
+            read_ranks(ranks)
+        except MalformedEventError as exc:
+            self._malformed(node_id, str(exc))
+
+    def _settle(self, job: JobTrack) -> None:
+        """Fold the reports the job's nodes sent since their last fold, before the job is judged (HangWatch.settle).
+
+        Nothing is looked up here (the hang check passes over the book's jobs, which a lookup may add to): a node that
+        lists other ranks now has them looked up at its next report, a second later.
+        """
+        waiting, job.waiting = job.waiting, set()
+        for node_id in waiting:
+            known = self._tracks.get(node_id)
+            if known is not None and known.job is job:
+                self.pending.extend(self._fold(node_id, known, look_up=False))
 
     def _look_up(
         self, node_id: str, ranks: tuple[RankSeen, ...], here: dict[str, frozenset[int]], now: float, *, remember: bool
     ) -> list[DerivedSymptom]:
-        """_progress for ranks looked up in the placement and the book; `remember`: keep their tracks for the node's
-        next report when they are the whole report and all of one placed job."""
+        """Fold ranks looked up in the placement and the book; `remember`: keep their tracks for the node's next
+        report when they are the whole report and all of one placed job."""
         found: list[DerivedSymptom] = []
         update, judge = self.book.update, self.stragglers.judge
         jobs: set[int] = set()
@@ -265,7 +343,7 @@ class Watcher:
             if judge(job, track) is STRAGGLER:
                 found.append(self.stragglers.finding(status.job_id, status.rank))
         if remember and job is not None and len(jobs) == 1:
-            self._tracks[node_id] = NodeTracks(job, tuple(tracks))
+            self._tracks[node_id] = NodeRanks(job, tuple(tracks), version=self._here_version, folded_at=now)
         return found
 
     # --- ticks ------------------------------------------------------------------------------------------------
@@ -328,13 +406,19 @@ class Watcher:
         every other job's tracks are still placed (at 60,000 nodes a pass over every rank is 480,000 tracks).
         """
         self._pruned_at = self.placements.last_seq
-        self._tracks = {}  # they may hold tracks forgotten here
         placed: dict[str, set[tuple[str, int]]] = {}  # node -> (job, rank) placed on it
         for job_id in self.placements.take_changed():
             job = self.book.jobs.get(job_id)
             if job is None:
                 continue
-            if not self.placements.is_placed(job_id):
+            ended = not self.placements.is_placed(job_id)
+            for node_id in {track.node_id for track in job.ranks.values()}:  # their tracks are looked up again
+                known = self._tracks.get(node_id)
+                if known is not None and known.job is job:
+                    if not ended:  # a report read under the old placement is folded as it was read
+                        self.pending.extend(self._fold(node_id, known, look_up=False))
+                    self._tracks.pop(node_id, None)
+            if ended:
                 self.book.forget(job_id)
                 continue
             for rank, track in list(job.ranks.items()):

@@ -18,10 +18,12 @@ StartDetector = Any
 JOB, NODE = "job-r", "node-1"
 
 
-def _rank(rank: int, epoch: int, step: int | None, phase: str, **fields: Any) -> RankStatus:
+def _rank(rank: int, epoch: int, step: int | None, phase: str, *, ages: float = 0, **fields: Any) -> RankStatus:
+    """A rank's status; `ages`: seconds since its step's heartbeat and since its phase began (as the agent says)."""
     return RankStatus(
-        job_id=JOB, rank=rank, restart_epoch=epoch, step=step, phase=phase, heartbeat_age_s=0, phase_age_s=0, **fields
-    )
+        job_id=JOB, rank=rank, restart_epoch=epoch, step=step, phase=phase, heartbeat_age_s=ages, phase_age_s=ages,
+        **fields,
+    )  # fmt: skip
 
 
 async def _report(h: Harness, *ranks: RankStatus) -> None:
@@ -53,13 +55,18 @@ async def _launch_and_freeze(h: Harness, clock: ManualClock, epoch: int) -> None
     for step in (650, 700):
         clock.advance(1)
         await _report(h, _rank(0, epoch, step, "training"), _rank(1, epoch, step, "training"))
-    clock.advance(1)
-    await _report(h, _rank(0, epoch, 700, "eval", proc_state="S"), _rank(1, epoch, 700, "eval", proc_state="S"))
-    clock.advance(1)
-    await _report(h, _rank(0, epoch, 700, "eval", proc_state="S"), _rank(1, epoch, 700, "eval", proc_state="T"))
-    for _ in range(4):
-        clock.advance(4)
-        await _report(h, _rank(0, epoch, 700, "eval", proc_state="S"), _rank(1, epoch, 700, "eval", proc_state="T"))
+    # Step 700 ends in an evaluation (its heartbeat says so), and a second later rank 1 is frozen in it. Each report
+    # carries the ages the agent's does: the detector folds a node's reports a few seconds apart, and reads from them
+    # when the step, the phase and the stop began.
+    for stopped_s in (None, 0, 4, 8, 12, 16):  # how long the agent's samples have shown rank 1 stopped
+        clock.advance(4 if stopped_s else 1)
+        ages = 1 + (stopped_s if stopped_s is not None else -1)
+        others = _rank(0, epoch, 700, "eval", ages=ages, proc_state="S")
+        if stopped_s is None:
+            await _report(h, others, _rank(1, epoch, 700, "eval", ages=ages, proc_state="S"))
+        else:
+            frozen = _rank(1, epoch, 700, "eval", ages=ages, proc_state="T", proc_state_age_s=stopped_s)
+            await _report(h, others, frozen)
 
 
 async def test_each_launch_freezing_at_the_same_step_and_phase_opens_a_hang_of_its_own(

@@ -40,19 +40,23 @@ async def test_a_malformed_report_is_counted_and_ignored_and_logged_once_a_minut
     await h.report_bytes("node-1", b"{not json")
     await h.report("node-2")
     await h.settled()
-    await h.report_bytes("node-1", b'{"ranks": [{"rank": -1}]}')
-    await h.settled()
     watcher = h.runtime.watcher
-    assert watcher.reports_malformed == 2 and _malformed_total() == before + 2
-    assert watcher.reports_parsed == 1  # node-2's; neither of node-1's reached the progress book
     assert "node-1" not in watcher.liveness.nodes  # a report that cannot be read does not show the node alive
+    # Its ranks are read apart from the rest (when they are folded; for the node's first report at once): a report
+    # whose ranks cannot be read is counted, and none of them reaches the progress book.
+    await h.report_bytes("node-1", b'{"ranks": [{"rank": -1}]}')
+    await h.report_bytes("node-3", b'{"ranks": [{"job_id": "job-x"}]}')  # no job placed there: still checked
+    await h.settled()
+    assert watcher.reports_malformed == 3 and _malformed_total() == before + 3
+    assert watcher.reports_parsed == 3  # node-2's, and the two whose ranks are malformed (the rest of them was read)
+    assert "job-a" not in watcher.book.jobs
     logged = [r for r in caplog.records if r.getMessage() == "ignoring malformed node reports"]
-    assert [r.__dict__["node_id"] for r in logged] == ["node-1"]  # the second one within the minute is only counted
+    assert [r.__dict__["node_id"] for r in logged] == ["node-1", "node-3"]  # node-1's second one is only counted
     clock.advance(61)
     await h.report_bytes("node-1", b"[]")
     await h.settled()
     logged = [r for r in caplog.records if r.getMessage() == "ignoring malformed node reports"]
-    assert len(logged) == 2 and watcher.reports_malformed == 3
+    assert len(logged) == 3 and watcher.reports_malformed == 4
 
 
 async def test_node_health_shows_the_gpus_of_the_last_report(detector: Harness) -> None:

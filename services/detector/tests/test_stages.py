@@ -9,11 +9,13 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from reprise_common import subjects
 from reprise_common.bus import Outcome
 from reprise_common.clock import ManualClock
 from reprise_common.events import (
     Category,
     JobPlacement,
+    NodeReport,
     QuarantineReason,
     RankAssignment,
     RankStatus,
@@ -38,7 +40,7 @@ from reprise_detector.progress import (
     fold,
 )
 from reprise_detector.settings import DetectorSettings
-from reprise_detector.watch import HANG_MIN_GAP_S, REHEAR_S, Watcher
+from reprise_detector.watch import FOLD_EVERY_S, HANG_MIN_GAP_S, REHEAR_S, Watcher
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -430,6 +432,26 @@ def test_stragglers_need_n_slow_reports_in_a_row(times: list[float], verdicts: l
     assert seen == verdicts
 
 
+def test_a_slow_look_counts_the_reports_since_the_last_look() -> None:
+    """A rank's status is looked at when it is folded, every few reports: a slow look extends the streak by every
+    report since the last look, except the first slow look, which counts one (the reports before it may have been
+    fast); a fast look ends the streak."""
+    clock = ManualClock(T0)
+    book = ProgressBook(clock)
+    watch = StragglerWatch(clock=clock, book=book, factor=1.5, reports=5)
+
+    def look(step: int, slow: float, reports: int) -> tuple[StragglerVerdict, int]:
+        folded = [book.update("node-1", _status(r, step, step_time_last_s=slow if r == 3 else 1.0)) for r in range(4)]
+        verdict = watch.judge(*folded[3], reports)
+        return verdict, folded[3][1].slow_streak
+
+    assert look(1, 1.0, 1) == (StragglerVerdict.NORMAL, 0)
+    assert look(5, 2.0, 4) == (StragglerVerdict.SLOW, 1)  # slow at this look only: the three before may have been fast
+    assert look(9, 2.0, 4) == (StragglerVerdict.STRAGGLER, 5)  # slow at both ends of four reports
+    assert look(13, 1.0, 4) == (StragglerVerdict.NORMAL, 0)
+    assert look(17, 2.0, 4) == (StragglerVerdict.SLOW, 1)
+
+
 def test_a_relaunched_rank_starts_a_new_streak() -> None:
     """The slow reports of a rank's last launch (maybe on another node) say nothing about its new process: a relaunch
     neither completes the old streak nor keeps a reported straggler from being reported again."""
@@ -627,3 +649,71 @@ def test_a_placement_prunes_the_ranks_of_its_own_job_only() -> None:
     placements.apply(placement("job-b", 1, {0: "node-2"}))
     watcher._prune()
     assert set(book.jobs["job-b"].ranks) == {0}
+
+
+def _fleet(clock: ManualClock, ranks: dict[str, list[int]]) -> tuple[Watcher, ProgressBook, HangWatch]:
+    """A watch over job-a's ranks on each node (node -> ranks), with real placements, liveness, book and stages."""
+    placements = PlacementMap()
+    assigned = [RankAssignment(rank=r, node_id=node, gpu=r, local_rank=r) for node, rs in ranks.items() for r in rs]
+    placements.apply(
+        JobPlacement(source="test", job_id="job-a", restart_epoch=0, world_size=len(assigned), ranks=assigned)
+    )
+    book = ProgressBook(clock)
+    hangs = HangWatch(clock=clock, book=book, defaults=LIMITS)
+    watcher = Watcher(
+        detector=None, placements=placements, partition=Partition(), liveness=Liveness(clock=clock, lost_after_s=60),  # type: ignore[arg-type]
+        book=book, hangs=hangs, stragglers=StragglerWatch(clock=clock, book=book, factor=1.5, reports=5),
+        engine=None, clock=clock, hang_check_interval_s=1.0,  # type: ignore[arg-type]
+    )  # fmt: skip
+    return watcher, book, hangs
+
+
+def _report(watcher: Watcher, node: str, statuses: list[RankStatus]) -> None:
+    report = NodeReport(source=node, node_id=node, gpu_backend="sim", interval_s=1.0, ranks=statuses)
+    asyncio.run(watcher.handle_reports({subjects.node_report(node): report.model_dump_json().encode()}))
+
+
+def test_a_nodes_reports_are_folded_every_few_seconds_and_a_job_is_judged_on_the_latest() -> None:
+    """Reports are folded into the ranks' tracks at most FOLD_EVERY_S apart; the ones between wait (the latest of
+    each node) until then or until a close look at the job, which folds them first: a rank that stepped in a
+    report not folded yet is not called hung."""
+    clock = ManualClock(T0)
+    watcher, book, hangs = _fleet(clock, {"node-1": [0, 1]})
+    _report(watcher, "node-1", [_status(0, 1), _status(1, 1)])  # a node's first report is folded at once
+    tracks = book.jobs["job-a"].ranks
+    assert [t.step for t in tracks.values()] == [1, 1]
+    for step in (2, 3):  # within FOLD_EVERY_S of the last fold: kept unread
+        clock.advance(1.0)
+        _report(watcher, "node-1", [_status(0, step), _status(1, step)])
+    assert [t.step for t in tracks.values()] == [1, 1]
+    clock.advance(LIMITS.floor_s - 2.0 + 0.5)  # 10.5 s after step 1, 8.5 s after step 3
+    assert hangs.check() == []  # the close look folded step 3 first
+    assert [(t.step, t.advanced_at) for t in tracks.values()] == [(3, 2.0)] * 2
+    clock.advance(2.0)  # 10.5 s after step 3
+    [hung] = hangs.check()
+    assert (hung.step, hung.stalled_s) == (3, 10.5)
+
+
+def test_a_node_whose_reports_keep_coming_is_folded_at_most_fold_every_s_apart() -> None:
+    clock = ManualClock(T0)
+    watcher, book, _ = _fleet(clock, {"node-1": [0], "node-2": [1]})
+    steps = []
+    for step in range(1, 11):
+        _report(watcher, "node-1", [_status(0, step)])
+        steps.append(book.jobs["job-a"].ranks[0].step)
+        clock.advance(1.0)
+    assert steps == [1, 1, 1, 1, 5, 5, 5, 5, 9, 9]  # FOLD_EVERY_S (4 s) apart
+    assert FOLD_EVERY_S == 4.0
+
+
+def test_a_stopped_rank_is_timed_from_when_its_agent_first_saw_it_stopped() -> None:
+    """A status may be folded seconds after an earlier report first showed the stop: the state's age dates it."""
+    clock = ManualClock(T0)
+    book = ProgressBook(clock)
+    _, first = book.update("node-1", _status(0, 5, "eval", proc_state="T", proc_state_age_s=3.0))
+    _, track = book.update("node-1", _status(1, 5, "eval", proc_state="S"))
+    clock.advance(10.0)
+    book.update("node-1", _status(1, 5, "eval", proc_state="T", proc_state_age_s=2.5))
+    assert (first.stopped_since, track.stopped_since) == (-3.0, 7.5)
+    book.update("node-1", _status(1, 5, "eval", proc_state="T"))  # an agent that does not say: still stopped since
+    assert track.stopped_since == 7.5
