@@ -87,7 +87,7 @@ class NodeRanks(msgspec.Struct, gc=False):
     job: JobTrack
     tracks: tuple[RankTrack, ...]
     version: int  # the placement map's version the tracks were looked up at (another: look them up again)
-    folded_at: float  # monotonic time the report last folded into the tracks arrived
+    fold_at: float  # monotonic time from which the node's next report is folded as it arrives
     unread: msgspec.Raw | None = None  # the ranks (JSON) of the latest report, not yet folded
     unread_at: float = 0.0  # monotonic time that report arrived
     unread_reports: int = 0  # reports since the last fold (the unread one included)
@@ -521,11 +521,14 @@ class StragglerWatch:
 
     @staticmethod
     def median(job: JobTrack) -> float | None:
-        """The job's median step time (None with fewer than 3 ranks to compare), recomputed once per round."""
+        """The job's median step time (None with fewer than 3 ranks to compare), recomputed once per round; while it is
+        unknown, at every call (a node's statuses are folded seconds apart: the next fold must not wait a round)."""
         if job.updates - job.median_updates >= len(job.ranks):
             times = [t.step_time_s for t in job.ranks.values() if t.step_time_s]
-            job.median_s = statistics.median(times) if len(times) >= 3 else None
-            job.median_updates = job.updates
+            known = len(times) >= 3
+            job.median_s = statistics.median(times) if known else None
+            if known:
+                job.median_updates = job.updates
         return job.median_s
 
     def finding(self, job_id: str, rank: int) -> RankStraggling:

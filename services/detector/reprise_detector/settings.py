@@ -87,7 +87,9 @@ class DetectorSettings(ServiceSettings, DatabaseSettings, AuthSettings):
         default=900.0, gt=0, le=86400, description="the limit while a rank loads data (phase data_loading, ...)"
     )
     straggler_factor: float = Field(default=1.5, gt=1, description="a rank this many times the job median is slow")
-    straggler_reports: int = Field(default=5, ge=1, description="consecutive slow reports before a straggler warning")
+    straggler_reports: int = Field(
+        default=5, ge=1, description="slow reports in a row before a straggler warning (counted between folds)"
+    )
     reputation_xid: int = Field(default=48, ge=0, description="the XID whose repeats on one node recommend quarantine")
     reputation_xid_count: int = Field(default=2, ge=1, description="that many of reputation_xid within the window")
     reputation_jobs: int = Field(default=3, ge=1, description="hardware faults in this many different jobs")

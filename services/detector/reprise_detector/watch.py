@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import random
 import time
 import zlib
 from dataclasses import replace
@@ -55,11 +56,12 @@ log = get_logger("reprise.detector.watch")
 REPORT_ID_BYTES = 256
 MALFORMED_LOG_EVERY_S = 60.0
 # A node's reports are folded into its ranks' tracks at most this long apart (its latest report then; those between
-# are passed over), and whenever a close look at their job is due (HangWatch.settle): a hang is judged on every node's
-# latest report. Folding every report (decoding its ranks and updating each one's track) cost about half of the
-# detector's processor time in the ingest bench. What waits: a new phase or a stopped process is seen up to this much
-# later (times are still read from the report's arrival and the heartbeat's age), and a slow streak is counted in the
-# reports between two looks (StragglerWatch.judge).
+# are passed over; the first fold after its tracks were looked up comes sooner, at a random moment), and whenever a
+# close look at their job is due (HangWatch.settle): a hang is judged on every node's latest report. Folding every
+# report (decoding its ranks and updating each one's track) cost about half of the detector's processor time in the
+# ingest bench. What waits: a new phase or a stopped process is seen up to this much later (times are still read from
+# the report's arrival and the ages it carries), and a slow streak is counted in the reports between two looks
+# (StragglerWatch.judge).
 FOLD_EVERY_S = 4.0
 # After the detector's own connection came back, nothing is judged until every node had time to report again (agents
 # report every second): a rank's last step seen is from before the outage, which was no stall of its own.
@@ -253,7 +255,7 @@ class Watcher:
                 known.job.waiting.add(node_id)  # a close look at the job folds it first (_settle)
             known.unread, known.unread_at = ranks, now
             known.unread_reports += 1
-            if now - known.folded_at < FOLD_EVERY_S:
+            if now < known.fold_at:
                 return []
             return self._fold(node_id, known)
         found: list[DerivedSymptom] = []
@@ -275,7 +277,7 @@ class Watcher:
         known.unread, known.unread_reports = None, 0
         if raw is None:
             return []
-        known.folded_at = at
+        known.fold_at = at + FOLD_EVERY_S
         try:
             statuses = read_ranks(raw)
         except MalformedEventError as exc:
@@ -343,7 +345,10 @@ class Watcher:
             if judge(job, track) is STRAGGLER:
                 found.append(self.stragglers.finding(status.job_id, status.rank))
         if remember and job is not None and len(jobs) == 1:
-            self._tracks[node_id] = NodeRanks(job, tuple(tracks), version=self._here_version, folded_at=now)
+            # Nodes looked up together (a fresh detector, a placement) would fold together, one second in four:
+            # their first fold comes at a random moment within FOLD_EVERY_S, and the next ones FOLD_EVERY_S apart.
+            fold_at = now + FOLD_EVERY_S * random.random()  # noqa: S311 - spreading work, not a secret
+            self._tracks[node_id] = NodeRanks(job, tuple(tracks), version=self._here_version, fold_at=fold_at)
         return found
 
     # --- ticks ------------------------------------------------------------------------------------------------

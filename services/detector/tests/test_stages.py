@@ -4,6 +4,7 @@ order, reputation rules and partitions."""
 from __future__ import annotations
 
 import asyncio
+import math
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
@@ -22,6 +23,7 @@ from reprise_common.events import (
     RecommendedAction,
     Severity,
 )
+from reprise_detector import watch
 from reprise_detector.classify import Classification
 from reprise_detector.correlate import Decision, decide
 from reprise_detector.incidents.models import Incident
@@ -673,10 +675,13 @@ def _report(watcher: Watcher, node: str, statuses: list[RankStatus]) -> None:
     asyncio.run(watcher.handle_reports({subjects.node_report(node): report.model_dump_json().encode()}))
 
 
-def test_a_nodes_reports_are_folded_every_few_seconds_and_a_job_is_judged_on_the_latest() -> None:
+def test_a_nodes_reports_are_folded_every_few_seconds_and_a_job_is_judged_on_the_latest(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Reports are folded into the ranks' tracks at most FOLD_EVERY_S apart; the ones between wait (the latest of
     each node) until then or until a close look at the job, which folds them first: a rank that stepped in a
     report not folded yet is not called hung."""
+    monkeypatch.setattr(watch.random, "random", lambda: 0.99)  # the node's first fold 3.96 s after its first report
     clock = ManualClock(T0)
     watcher, book, hangs = _fleet(clock, {"node-1": [0, 1]})
     _report(watcher, "node-1", [_status(0, 1), _status(1, 1)])  # a node's first report is folded at once
@@ -694,16 +699,24 @@ def test_a_nodes_reports_are_folded_every_few_seconds_and_a_job_is_judged_on_the
     assert (hung.step, hung.stalled_s) == (3, 10.5)
 
 
-def test_a_node_whose_reports_keep_coming_is_folded_at_most_fold_every_s_apart() -> None:
+@pytest.mark.parametrize("first_fold", [0.0, 0.3, 0.99])
+def test_a_node_whose_reports_keep_coming_is_folded_at_most_fold_every_s_apart(
+    first_fold: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After its tracks are looked up, a node's first fold comes at a random moment within FOLD_EVERY_S (nodes looked
+    up together must not fold together), and then every FOLD_EVERY_S."""
+    monkeypatch.setattr(watch.random, "random", lambda: first_fold)
     clock = ManualClock(T0)
     watcher, book, _ = _fleet(clock, {"node-1": [0], "node-2": [1]})
-    steps = []
-    for step in range(1, 11):
+    folded = []
+    for step in range(1, 14):
         _report(watcher, "node-1", [_status(0, step)])
-        steps.append(book.jobs["job-a"].ranks[0].step)
+        if book.jobs["job-a"].ranks[0].step == step:
+            folded.append(step - 1)  # seconds after the first report
         clock.advance(1.0)
-    assert steps == [1, 1, 1, 1, 5, 5, 5, 5, 9, 9]  # FOLD_EVERY_S (4 s) apart
+    first = max(1, math.ceil(first_fold * FOLD_EVERY_S))  # the first report at or after it (one a second)
     assert FOLD_EVERY_S == 4.0
+    assert folded == [0, *range(first, 13, 4)]
 
 
 def test_a_stopped_rank_is_timed_from_when_its_agent_first_saw_it_stopped() -> None:
@@ -717,3 +730,21 @@ def test_a_stopped_rank_is_timed_from_when_its_agent_first_saw_it_stopped() -> N
     assert (first.stopped_since, track.stopped_since) == (-3.0, 7.5)
     book.update("node-1", _status(1, 5, "eval", proc_state="T"))  # an agent that does not say: still stopped since
     assert track.stopped_since == 7.5
+
+
+def test_a_jobs_median_unknown_at_a_nodes_lookup_is_known_at_its_next_fold(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node's first report is folded rank by rank, and the job's median step time is unknown until three ranks
+    have one: it is known from the third (not a round of updates later), so the node's next fold, seconds later,
+    compares with it."""
+    monkeypatch.setattr(watch.random, "random", lambda: 0.0)  # the node's first fold at its next report
+    clock = ManualClock(T0)
+    watcher, book, _ = _fleet(clock, {"node-1": [0, 1, 2]})
+
+    def statuses(step: int) -> list[RankStatus]:
+        return [_status(r, step, step_time_last_s=3.0 if r == 2 else 1.0) for r in range(3)]
+
+    _report(watcher, "node-1", statuses(1))
+    assert book.jobs["job-a"].ranks[2].slow_streak == 1  # judged against the median of the three
+    clock.advance(1.0)
+    _report(watcher, "node-1", statuses(2))
+    assert book.jobs["job-a"].ranks[2].slow_streak == 2
