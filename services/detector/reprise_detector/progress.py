@@ -69,6 +69,8 @@ class JobTrack:
     updates: int = 0  # rank statuses folded in so far
     median_s: float | None = None  # the job's median step time, refreshed about once per round of reports
     median_updates: int = -1
+    timed: int = 0  # ranks that have reported a step time (while the median is unknown, it is recomputed as this grows)
+    median_timed: int = 0
     next_check: float = 0.0  # monotonic time before which no rank can pass its limit (0: check at the next pass)
     deadline: float = math.inf  # monotonic time its first rank passes its limit, as of the last close look
     limits: HangLimits | None = None  # the limits next_check was computed with
@@ -112,6 +114,7 @@ class ProgressBook:
         if track is None:
             track = job.ranks[status.rank] = _first_track(node_id, status, now)
             job.updates += 1
+            job.timed += track.step_time_s is not None
             job.next_check = 0.0
             return job, track
         if track.node_id is not node_id:  # the same string object, report after report (msgspec sets cost 60 ns)
@@ -169,6 +172,8 @@ def fold(
             track.p99_s = p99
         step_time = status.step_time_last_s or status.step_time_p50_s
         if step_time and step_time != track.step_time_s:
+            if track.step_time_s is None:
+                job.timed += 1
             track.step_time_s = step_time
         if track.slow_streak or (track.step_time_s or 0.0) > slow_above:
             to_judge.append(track)
@@ -477,6 +482,14 @@ class StragglerVerdict(StrEnum):
     STRAGGLER = "straggler"  # just crossed the count: report it (once, until it speeds up)
 
 
+def _median_due(job: JobTrack) -> bool:
+    """Whether the job's median step time is to be recomputed: a round of statuses was folded since, or it is unknown
+    and more ranks have a step time now."""
+    return job.updates - job.median_updates >= len(job.ranks) or (
+        job.median_s is None and job.timed != job.median_timed
+    )
+
+
 # Bound once: looking a member up on its enum class costs about 0.2 µs, and judge() runs for every rank of every report.
 _UNKNOWN, _NORMAL = StragglerVerdict.UNKNOWN, StragglerVerdict.NORMAL
 _SLOW, _STRAGGLER = StragglerVerdict.SLOW, StragglerVerdict.STRAGGLER
@@ -494,7 +507,7 @@ class StragglerWatch:
     def slow_above(self, job: JobTrack) -> float | None:
         """The step time above which a rank of the job is slow (factor x the job's median, refreshed when due); None
         while the median is unknown. A rank at or below it, with no slow streak, is NORMAL: judge() changes nothing."""
-        median = job.median_s if job.updates - job.median_updates < len(job.ranks) else self.median(job)
+        median = self.median(job) if _median_due(job) else job.median_s
         return None if median is None else self.factor * median
 
     def judge(self, job: JobTrack, track: RankTrack, reports: int = 1) -> StragglerVerdict:
@@ -522,13 +535,12 @@ class StragglerWatch:
     @staticmethod
     def median(job: JobTrack) -> float | None:
         """The job's median step time (None with fewer than 3 ranks to compare), recomputed once per round; while it is
-        unknown, at every call (a node's statuses are folded seconds apart: the next fold must not wait a round)."""
-        if job.updates - job.median_updates >= len(job.ranks):
+        unknown, also when another rank reported a step time (a node's statuses are folded seconds apart: its next
+        fold must not wait a round of folds for the median)."""
+        if _median_due(job):
             times = [t.step_time_s for t in job.ranks.values() if t.step_time_s]
-            known = len(times) >= 3
-            job.median_s = statistics.median(times) if known else None
-            if known:
-                job.median_updates = job.updates
+            job.median_s = statistics.median(times) if len(times) >= 3 else None
+            job.median_updates, job.median_timed = job.updates, job.timed
         return job.median_s
 
     def finding(self, job_id: str, rank: int) -> RankStraggling:

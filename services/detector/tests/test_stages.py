@@ -23,7 +23,7 @@ from reprise_common.events import (
     RecommendedAction,
     Severity,
 )
-from reprise_detector import watch
+from reprise_detector import progress, watch
 from reprise_detector.classify import Classification
 from reprise_detector.correlate import Decision, decide
 from reprise_detector.incidents.models import Incident
@@ -748,3 +748,22 @@ def test_a_jobs_median_unknown_at_a_nodes_lookup_is_known_at_its_next_fold(monke
     clock.advance(1.0)
     _report(watcher, "node-1", statuses(2))
     assert book.jobs["job-a"].ranks[2].slow_streak == 2
+
+
+def test_the_median_of_a_job_without_step_times_is_recomputed_once_a_round() -> None:
+    """A job whose ranks report no step time (no SDK) has no median: it is recomputed once per round of statuses,
+    not at every look (a pass over every rank of the job each time), and as soon as three ranks have a step time."""
+    clock = ManualClock(T0)
+    book = ProgressBook(clock)
+    watch = StragglerWatch(clock=clock, book=book, factor=1.5, reports=5)
+    recomputed = 0
+    for step in range(3):  # three rounds of 64 ranks, each rank looked at as it is folded
+        for rank in range(64):
+            job, _ = book.update("node-1", _status(rank, step))
+            due = progress._median_due(job)
+            assert watch.slow_above(job) is None
+            recomputed += due
+    assert recomputed <= 4
+    for rank in range(3):
+        job, _ = book.update("node-1", _status(rank, 3, step_time_last_s=1.0))
+    assert watch.slow_above(job) == 1.5  # three ranks with a step time: known at once, not a round later
