@@ -10,8 +10,10 @@ figures and saves bench/results/detector.json:
                            payloads (bench/detector_ingest.py); per N, over a window of ``--seconds`` that begins once
                            the detector has caught up with the first report of every node (`caught_up_after_s`, at
                            most 6 s): reports/s offered and handled, reports superseded or dropped, report time →
-                           decision (progress, straggler and liveness state updated; every report of the window)
-                           median / p99 (target ≤ 100 ms), and the 1-minute load average before and during the round
+                           handled (liveness updated, and the ranks folded into the progress book or kept for the
+                           node's next fold, at most 4 s later and before any hang judgement of the job; every report
+                           of the window) median / p99 (target ≤ 100 ms), and the 1-minute load average before and
+                           during the round
                            (the machine may be shared: generators and nats-server share its cores with the
                            detector); three rounds per N, each on a fresh detector: the round with the median p99 is
                            kept, with every round's p99 and handled rate
