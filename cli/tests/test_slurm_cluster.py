@@ -48,9 +48,10 @@ def test_the_cluster_lives_in_its_own_directory_on_its_own_ports(slurm_cluster: 
 
 
 def test_stop_ends_every_daemon_and_job_step_it_started_and_only_those(
-    slurm_cluster: SlurmCluster, tmp_path: Path
+    slurm_cluster: SlurmCluster, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    other = SlurmCluster.on_free_ports(tmp_path / "other", nodes=2)
+    # short: slurmd's step sockets live under it (under tmp_path, a pytest run numbered 100 or more went past the limit)
+    other = SlurmCluster.on_free_ports(tmp_path_factory.mktemp("so"), nodes=2)
     other.start()
     try:
         script = "#!/bin/sh\nsrun sleep 300\n"
