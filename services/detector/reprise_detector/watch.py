@@ -25,10 +25,10 @@ from sqlmodel import Session, select
 
 from reprise_common import subjects
 from reprise_common.bus import Bus, Outcome
-from reprise_common.clock import Clock, utcnow
+from reprise_common.clock import Clock
 from reprise_common.errors import MalformedEventError
 from reprise_common.logging import get_logger
-from reprise_common.report_view import GpuSeen, RankSeen
+from reprise_common.report_view import RankSeen, ReportSeen
 from reprise_detector.derived import DerivedSymptom
 from reprise_detector.nodes.liveness import Liveness
 from reprise_detector.nodes.models import HangPolicy
@@ -85,16 +85,12 @@ MALFORMED_REPORTS = Counter(
 _NO_RANKS = msgspec.Raw(b"[]")
 
 
-class WatchedReport(msgspec.Struct, frozen=True, gc=False):
-    """A node report as the watch reads it: what liveness reads of it (the fields of the shared view,
-    `reprise_common.report_view.ReportSeen`), how often the node reports (NodeReport.interval_s, which its peers'
-    errors are weighed against: nodes/peers.py), and its ranks still undecoded. They are decoded when they are folded
-    (FOLD_EVERY_S), so most reports cost the decoding of their header and GPUs alone."""
+class WatchedReport(ReportSeen, frozen=True, gc=False):
+    """A node report as the watch reads it: the shared view with its ranks still undecoded (they are decoded when they
+    are folded, FOLD_EVERY_S, so most reports cost the decoding of the rest alone), and how often the node reports
+    (NodeReport.interval_s), which its peers' errors are weighed against (nodes/peers.py)."""
 
-    time: Annotated[datetime, msgspec.Meta(tz=True)] = msgspec.field(default_factory=utcnow)
-    gpus: tuple[GpuSeen, ...] = ()
-    ranks: msgspec.Raw = msgspec.field(default_factory=lambda: _NO_RANKS)
-    stopping: bool = False
+    ranks: msgspec.Raw = msgspec.field(default_factory=lambda: _NO_RANKS)  # type: ignore[assignment]  # undecoded here
     interval_s: Annotated[float, msgspec.Meta(gt=0)] = 1.0
 
 
@@ -216,7 +212,7 @@ class Watcher:
             if here:
                 found.extend(self._progress(node_id, report.ranks, here, now))
             elif report.ranks != _NO_RANKS:  # no job of this replica's runs there: its ranks are only checked
-                self._check_ranks(node_id, report.ranks)
+                self._read_ranks(node_id, report.ranks)
             if record is not None:
                 sent.append(report.time)
         if record is not None:
@@ -262,10 +258,8 @@ class Watcher:
         if known is not None:  # looked up under an earlier placement: its unread report is folded as it was read
             found = self._fold(node_id, known, look_up=False)
             self._tracks.pop(node_id, None)
-        try:
-            statuses = read_ranks(ranks)
-        except MalformedEventError as exc:
-            self._malformed(node_id, str(exc))
+        statuses = self._read_ranks(node_id, ranks)
+        if statuses is None:
             return found
         return found + self._look_up(node_id, statuses, here, now, remember=True)
 
@@ -278,10 +272,8 @@ class Watcher:
         if raw is None:
             return []
         known.fold_at = at + FOLD_EVERY_S
-        try:
-            statuses = read_ranks(raw)
-        except MalformedEventError as exc:
-            self._malformed(node_id, str(exc))
+        statuses = self._read_ranks(node_id, raw)
+        if statuses is None:
             return []
         found: list[DerivedSymptom] = []
         folded = 0
@@ -305,12 +297,13 @@ class Watcher:
             here = self._here[node_id] = self._placed_here(node_id)
         return found + self._look_up(node_id, statuses[folded:], here, at, remember=not folded)
 
-    def _check_ranks(self, node_id: str, ranks: msgspec.Raw) -> None:
-        """Count a report's ranks as malformed when they cannot be read (ranks nothing here folds)."""
+    def _read_ranks(self, node_id: str, ranks: msgspec.Raw) -> tuple[RankSeen, ...] | None:
+        """A report's ranks decoded; None (counted and logged as a malformed report) when they cannot be."""
         try:
-            read_ranks(ranks)
+            return read_ranks(ranks)
         except MalformedEventError as exc:
             self._malformed(node_id, str(exc))
+            return None
 
     def _settle(self, job: JobTrack) -> None:
         """Fold the reports the job's nodes sent since their last fold, before the job is judged (HangWatch.settle).
