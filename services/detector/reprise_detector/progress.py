@@ -157,8 +157,7 @@ def fold(
             if epoch != track.restart_epoch:  # a new process (maybe elsewhere): the old one's slowness is not its own
                 track.slow_streak, track.straggling, track.restart_epoch = 0, False, epoch
             track.step = step
-            track.phase_since = phase_since = now - (status.phase_age_s or 0.0)
-            track.advanced_at = now - (status.heartbeat_age_s or 0.0) if step is not None else phase_since
+            track.advanced_at, track.phase_since = _dated(status, now)
             track.cpu_at_advance = status.cpu_s
             if job.hung:
                 job.hung = False
@@ -199,8 +198,7 @@ def _fold_state(job: JobTrack, track: RankTrack, status: RankProgress, now: floa
 
 def _first_track(node_id: str, status: RankProgress, now: float) -> RankTrack:
     """A rank's track from its first status; the heartbeat age back-dates its step, the phase age its phase."""
-    phase_since = now - (status.phase_age_s or 0.0)
-    advanced = now - (status.heartbeat_age_s or 0.0) if status.step is not None else phase_since
+    advanced, phase_since = _dated(status, now)
     return RankTrack(
         job_id=status.job_id,
         rank=status.rank,
@@ -218,6 +216,15 @@ def _first_track(node_id: str, status: RankProgress, now: float) -> RankTrack:
         step_time_s=status.step_time_last_s or status.step_time_p50_s,
         stopped_since=_state_since(status, now) if status.proc_state in STOPPED_STATES else None,
     )
+
+
+def _dated(status: RankProgress, now: float) -> tuple[float, float]:
+    """(advanced_at, phase_since) of a status that shows a new step (`now`: when it arrived): its heartbeat's age dates
+    the step, its phase's age the phase. A status that does not say its phase's age had its phase since its heartbeat
+    at least: dated at its arrival, the stall of a status folded seconds later would count from the fold."""
+    beat = now - (status.heartbeat_age_s or 0.0)
+    phase_since = now - status.phase_age_s if status.phase_age_s is not None else beat
+    return (beat if status.step is not None else phase_since), phase_since
 
 
 def _fold_proc_state(job: JobTrack, track: RankTrack, status: RankProgress, was: str, now: float) -> None:

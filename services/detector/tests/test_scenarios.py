@@ -6,6 +6,7 @@ the table says how many incidents each job must have and what the first one must
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -16,6 +17,7 @@ import pytest
 from reprise_common import subjects
 from reprise_common.clock import ManualClock, utcnow
 from reprise_common.events import GpuXid, RankExited, RankStatus
+from reprise_detector import watch
 
 Harness = Any  # tests/conftest.py
 StartDetector = Any
@@ -105,14 +107,27 @@ async def node_lost(w: World) -> None:
 
 
 async def hang(w: World) -> None:
-    """Rank 1 stops at step 10, the others stop one step later (blocked in the next collective)."""
+    """Rank 1 stops at step 10, the others stop one step later (blocked in the next collective).
+
+    Each rank's status says how long ago its last heartbeat was, as an agent's does: the detector dates a step by
+    it, since it may read a node's reports seconds after they arrived (watch.FOLD_EVERY_S).
+    """
     await w.h.place("job-a", [(0, "node-1", 0), (1, "node-1", 1), (2, "node-2", 0), (3, "node-2", 1)])
+    reached: dict[int, tuple[int, float]] = {}  # rank -> its step, and when it heartbeated it first (monotonic)
 
     def statuses(node: str, step_of: Callable[[int], int]) -> list[RankStatus]:
-        first = 0 if node == "node-1" else 2
+        first, now = (0 if node == "node-1" else 2), w.clock.monotonic()
+        for r in (first, first + 1):
+            if r not in reached or reached[r][0] != step_of(r):
+                reached[r] = (step_of(r), now)
         return [
             RankStatus(
-                job_id="job-a", rank=r, step=step_of(r), phase="training", step_time_p99_s=0.2, heartbeat_age_s=0
+                job_id="job-a",
+                rank=r,
+                step=reached[r][0],
+                phase="training",
+                step_time_p99_s=0.2,
+                heartbeat_age_s=now - reached[r][1],
             )
             for r in (first, first + 1)
         ]
@@ -167,16 +182,22 @@ SCENARIOS: list[tuple[Scenario, dict[str, Expect]]] = [
 ]
 
 
-@pytest.mark.parametrize(("scenario", "expected"), SCENARIOS, ids=[s.__name__ for s, _ in SCENARIOS])
-async def test_scenario(
-    start_detector: StartDetector, sqlite_url: str, scenario: Scenario, expected: dict[str, Expect]
-) -> None:
+async def _played(start_detector: StartDetector, sqlite_url: str, scenario: Scenario) -> Harness:
+    """A detector with a hand-moved clock that has handled everything the scenario sent, and its last watch tick."""
     clock = ManualClock(utcnow())
     h = await start_detector(sqlite_url, clock=clock, hang_floor_s=5.0, hang_k=5.0, watch_interval_s=3600)
     world = World(h, clock)
     await scenario(world)
     await world.tick()
     await h.settled()
+    return h
+
+
+@pytest.mark.parametrize(("scenario", "expected"), SCENARIOS, ids=[s.__name__ for s, _ in SCENARIOS])
+async def test_scenario(
+    start_detector: StartDetector, sqlite_url: str, scenario: Scenario, expected: dict[str, Expect]
+) -> None:
+    h = await _played(start_detector, sqlite_url, scenario)
     for job_id, want in expected.items():
         incidents = await h.open_incidents(job_id)
         assert len(incidents) == want.count, (job_id, [i["root_cause"] for i in incidents])
@@ -193,6 +214,19 @@ async def test_scenario(
             assert incident["symptom_count"] == want.symptoms, incident
         opened = [c for c in await h.changes(job_id) if c.change == "opened"]
         assert len(opened) == want.count, opened
+
+
+@pytest.mark.parametrize("draws", [(0.4, 0.0), (0.4, 0.8), (0.6, 0.2), (0.6, 0.8)])
+async def test_a_hang_blames_the_rank_that_stopped_first_whenever_its_nodes_reports_are_folded(
+    start_detector: StartDetector, sqlite_url: str, monkeypatch: pytest.MonkeyPatch, draws: tuple[float, float]
+) -> None:
+    """The nodes' reports are folded seconds apart, at moments drawn at random (watch.FOLD_EVERY_S): the culprit is
+    the rank whose step came first by the reports' ages, not by when each node was folded."""
+    draw = itertools.cycle(draws)
+    monkeypatch.setattr(watch.random, "random", lambda: next(draw))
+    h = await _played(start_detector, sqlite_url, hang)
+    [incident] = await h.open_incidents("job-a")
+    assert (incident["culprit_node_id"], incident["culprit_rank"]) == ("node-1", 1), incident["root_cause"]
 
 
 async def test_secondary_symptoms_are_evidence_with_their_log_tails(

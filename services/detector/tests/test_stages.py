@@ -40,6 +40,7 @@ from reprise_detector.progress import (
     StragglerVerdict,
     StragglerWatch,
     fold,
+    limit_for,
 )
 from reprise_detector.settings import DetectorSettings
 from reprise_detector.watch import FOLD_EVERY_S, HANG_MIN_GAP_S, REHEAR_S, Watcher
@@ -730,6 +731,23 @@ def test_a_stopped_rank_is_timed_from_when_its_agent_first_saw_it_stopped() -> N
     assert (first.stopped_since, track.stopped_since) == (-3.0, 7.5)
     book.update("node-1", _status(1, 5, "eval", proc_state="T"))  # an agent that does not say: still stopped since
     assert track.stopped_since == 7.5
+
+
+def test_a_step_folded_late_is_timed_from_its_heartbeat_even_without_its_phases_age() -> None:
+    """A status may be folded seconds after it arrived: its ages date its step and its phase. One that does not say its
+    phase's age was in that phase at its heartbeat at least; its stall does not count from when it was folded."""
+    clock = ManualClock(T0)
+    book = ProgressBook(clock)
+
+    def status(step: int, heartbeat_age_s: float, phase_age_s: float | None = None) -> RankStatus:
+        return RankStatus(job_id="job-a", rank=0, step=step, heartbeat_age_s=heartbeat_age_s, phase_age_s=phase_age_s)
+
+    _, track = book.update("node-1", status(4, 3.0), now=10.0)
+    assert limit_for(track, None, LIMITS)[2] == 7.0
+    book.update("node-1", status(5, 2.5), now=14.0)  # a new step, folded 2.5 s after its beat
+    assert (track.advanced_at, track.phase_since, limit_for(track, None, LIMITS)[2]) == (11.5, 11.5, 11.5)
+    book.update("node-1", status(6, 1.0, phase_age_s=30.0), now=20.0)  # an agent that says
+    assert (track.advanced_at, track.phase_since) == (19.0, -10.0)
 
 
 def test_a_jobs_median_unknown_at_a_nodes_lookup_is_known_at_its_next_fold(monkeypatch: pytest.MonkeyPatch) -> None:
