@@ -6,6 +6,9 @@ does one dict store per message; a task hands what has gathered to the handler e
 falls behind, a newer message of a subject replaces the older one still waiting (counted as superseded), so what
 waits never exceeds one message per subject; what overflows the client's pending limits before the callback runs is
 dropped by nats-py and counted by the bus (`reprise_bus_slow_consumer_dropped_total`).
+
+A handler that falls behind reads every subject late, the more so the more subjects wait: `lag_s()` says how late,
+so that the silence of a subject is not taken for its sender's when the reader is the one behind.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
@@ -63,6 +68,12 @@ class Follower:
         self.superseded = 0
         self.dropped = 0  # counted by the bus from nats-py's slow-consumer errors
         self._waiting: dict[str, bytes] = {}
+        # lag_s(): subjects that joined what waits, over the follower's life (a newer message of a waiting one does
+        # not join), and how many of them were taken; at each take, how many had joined by then, and when.
+        self._joined = 0
+        self._taken = 0
+        self._takes: deque[tuple[int, float]] = deque()
+        self._read_until = time.monotonic()  # every message received before this was handed over
         self._arrived = asyncio.Event()
         self._full = asyncio.Event()
         self._stopping = False
@@ -112,6 +123,8 @@ class Follower:
         if msg.subject in waiting:
             self.superseded += 1
             self._superseded_metric.inc()
+        else:
+            self._joined += 1
         waiting[msg.subject] = msg.data
         self._arrived.set()
         if len(waiting) >= self.batch:
@@ -151,17 +164,33 @@ class Follower:
             if self.received == before:
                 return
 
+    def lag_s(self) -> float:
+        """How far behind the handler is: the seconds since the moment before which every message received has been
+        handed to it (0 while nothing waits). A subject whose message waits has sent nothing the handler has not been
+        handed for at most this long."""
+        if not self._waiting:
+            return 0.0
+        return max(0.0, time.monotonic() - self._read_until)
+
     def _take(self) -> dict[str, bytes]:
         """The `batch` subjects that have waited longest (with their latest message), or all when fewer wait."""
         waiting = self._waiting
+        self._takes.append((self._joined, time.monotonic()))
         if len(waiting) <= self.batch:
             self._waiting = {}
             self._arrived.clear()
             self._full.clear()
-            return waiting
-        taken = dict(itertools.islice(waiting.items(), self.batch))
-        for subject in taken:
-            del waiting[subject]
-        if len(waiting) < self.batch:
-            self._full.clear()
+            taken = waiting
+        else:
+            taken = dict(itertools.islice(waiting.items(), self.batch))
+            for subject in taken:
+                del waiting[subject]
+            if len(waiting) < self.batch:
+                self._full.clear()
+        # Subjects are taken in the order they joined: once as many were taken as had joined at an earlier take,
+        # every message received before that take has been handed over.
+        self._taken += len(taken)
+        takes = self._takes
+        while takes and takes[0][0] <= self._taken:
+            self._read_until = takes.popleft()[1]
         return taken

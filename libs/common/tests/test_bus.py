@@ -19,6 +19,7 @@ from reprise_common.aio import poll_until
 from reprise_common.bus import Bus, Delivery, Outcome
 from reprise_common.errors import BusError, MalformedEventError
 from reprise_common.events import DeadLetter, Event, GpuXid, NodeReport, parse_event
+from reprise_common.follow import Follower
 
 
 async def _wait_for(predicate: Callable[[], object], timeout: float = 10.0) -> bool:
@@ -300,23 +301,57 @@ async def test_a_follower_that_falls_behind_drops_and_counts_and_keeps_following
 
 
 async def test_a_follower_hands_over_at_most_a_batch_at_a_time_longest_waiting_first(nats_server: NatsServer) -> None:
+    batches: list[list[str]] = []
+    bus, follower, release = await _held_follower(nats_server, lambda _f, reports: batches.append(list(reports)))
+    release.set()
+    assert await _wait_for(lambda: follower.idle and follower.handled == 6)
+    assert [[s.split(".")[2] for s in b] for b in batches] == [
+        ["node-0"],
+        ["node-1", "node-2"],
+        ["node-3", "node-4"],
+        ["node-5"],
+    ]
+    await bus.close()
+
+
+async def test_a_follower_says_how_long_what_waits_has_waited_since_all_before_was_handed_over(
+    nats_server: NatsServer,
+) -> None:
+    """lag_s(): the subjects still waiting have sent nothing unhandled for longer than this (0 while none waits)."""
+    lags: list[float] = []  # at the start of each batch
+    bus, follower, release = await _held_follower(nats_server, lambda f, _reports: lags.append(f.lag_s()))
+    await asyncio.sleep(0.3)
+    assert follower.lag_s() >= 0.3  # everything received before node-0's batch was taken is handed over, no more
+    release.set()
+    assert await _wait_for(lambda: follower.idle and follower.handled == 6)
+    # node-0 alone; then node-1 and 2, node-3 and 4, taken while others that arrived as early still wait; node-5 last,
+    # and with it every report that had arrived.
+    assert lags[0] == 0.0 and min(lags[1:3]) >= 0.3 and lags[3] == 0.0, lags
+    assert follower.lag_s() == 0.0
+    await bus.close()
+
+
+async def _held_follower(
+    nats_server: NatsServer, on_batch: Callable[[Follower, dict[str, bytes]], object]
+) -> tuple[Bus, Follower, asyncio.Event]:
+    """A follower of node reports in batches of 2 whose handler calls `on_batch` and then waits for the event: node-0's
+    report is handled (and held), node-1 to node-5's wait behind it."""
     bus = Bus(url=nats_server.url, service="test")
     await bus.connect(attempts=5)
-    batches: list[list[str]] = []
     release = asyncio.Event()
+    batches = 0
 
     async def handle(reports: dict[str, bytes]) -> None:
-        batches.append([s.split(".")[2] for s in reports])
+        nonlocal batches
+        batches += 1
+        on_batch(follower, reports)
         await release.wait()
 
     follower = bus.follow(subjects.AGENT_REPORTS, handler=handle, batch=2)
     await follower.open()
     await bus.publish_snapshot(subjects.node_report("node-0"), _report("node-0"))
-    assert await _wait_for(lambda: len(batches) == 1)
+    assert await _wait_for(lambda: batches == 1)
     for n in range(1, 6):
         await bus.publish_snapshot(subjects.node_report(f"node-{n}"), _report(f"node-{n}"))
     assert await _wait_for(lambda: follower.received == 6)
-    release.set()
-    assert await _wait_for(lambda: follower.idle and follower.handled == 6)
-    assert batches == [["node-0"], ["node-1", "node-2"], ["node-3", "node-4"], ["node-5"]]
-    await bus.close()
+    return bus, follower, release

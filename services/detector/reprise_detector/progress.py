@@ -381,6 +381,9 @@ class HangWatch:
         # Folds the reports a job's nodes sent since their last fold (JobTrack.waiting) into its tracks, before a
         # close look judges them (set by the watch, which reads reports; None: every report is folded as it arrives).
         self.settle: Callable[[JobTrack], None] | None = None
+        # How far behind the reading of reports is, in seconds (set by the runtime: its report follower's lag_s).
+        # Stalls are judged as of that long ago: a rank whose node's report waits unread is not hung for the delay.
+        self.lag: Callable[[], float] = lambda: 0.0
 
     def check(
         self, overrides: Mapping[str, HangLimits] | None = None, *, budget_s: float | None = None
@@ -394,7 +397,8 @@ class HangWatch:
         look is made) and sets `unfinished`; the jobs not looked at stay due for the next call.
         """
         found: list[JobHung] = []
-        now = self.clock.monotonic()
+        lag = self.lag()
+        now = self.clock.monotonic() - lag
         started, looked = time.perf_counter(), False
         self.unfinished = False
         soonest = math.inf
@@ -414,7 +418,7 @@ class HangWatch:
                 self.settle(job)
             if not all(t.alive for t in job.ranks.values()):
                 continue  # a dead rank is a crash, reported as such
-            hung = self._judge(job_id, job, limits)
+            hung = self._judge(job_id, job, limits, now, lag)
             if hung is not None:
                 job.hung = True
                 found.append(hung)
@@ -423,8 +427,8 @@ class HangWatch:
         self.next_due = None if self.unfinished or soonest == math.inf else soonest
         return found
 
-    def _judge(self, job_id: str, job: JobTrack, limits: HangLimits) -> JobHung | None:
-        now = self.clock.monotonic()
+    def _judge(self, job_id: str, job: JobTrack, limits: HangLimits, now: float, lag: float) -> JobHung | None:
+        """A close look at a job (`now`: the monotonic moment it is judged as of, `lag` seconds ago)."""
         p99s = [t.p99_s for t in job.ranks.values() if t.p99_s]
         job_p99 = max(p99s) if p99s else None
         stalls: list[StallSeen] = []
@@ -464,7 +468,7 @@ class HangWatch:
         epoch = track.restart_epoch
         return JobHung(
             event_id=f"hang:{job_id}:{epoch}:{rank}:{track.step}:{track.phase}"[:128],
-            time=self.clock.now() - timedelta(seconds=stalled - limit),
+            time=self.clock.now() - timedelta(seconds=lag + stalled - limit),
             node_id=track.node_id,
             job_id=job_id,
             rank=rank,

@@ -127,6 +127,8 @@ class Runtime:
             linger_s=self.settings.report_linger_s,
         )
         await self.reports.open()
+        # A report that waits unread is no silence of its node: silences and stalls are judged as of the reading.
+        self.watcher.liveness.lag = self.watcher.hangs.lag = self.reports.lag_s
         if self.settings.node_keys_file is not None:  # agents' closed connections, at once (nodes/connections.py)
             connections = Connections(
                 liveness=self.watcher.liveness,

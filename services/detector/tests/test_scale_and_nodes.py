@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from datetime import timedelta
 from typing import Any
 
@@ -152,3 +153,48 @@ async def test_ranks_a_relaunch_dropped_or_moved_stop_counting_for_hangs(detecto
     await h.settled()
     await h.runtime.watcher.tick()
     assert set(book.jobs["job-s"].ranks) == {0}  # rank 1 on node-2 can no longer look hung
+
+
+async def test_a_detector_behind_on_reading_reports_calls_no_node_lost_and_no_hang_for_its_own_delay(
+    start_detector: StartDetector, sqlite_url: str
+) -> None:
+    """A detector whose report handling stalls (a restart meeting a large fleet, a burst) holds reports that arrived
+    but are not read yet: their nodes are not silent and their ranks not stalled. A node that really goes silent is
+    still lost, once the reading has caught up."""
+    h = await start_detector(sqlite_url, node_lost_after_s=1.0, hang_floor_s=1.5, watch_interval_s=0.1)
+    await h.place("job-r", [(0, "node-1", 0)])
+    step = 0
+
+    async def report() -> None:
+        nonlocal step
+        step += 1
+        status = RankStatus(job_id="job-r", rank=0, step=step, phase="training", heartbeat_age_s=0.0)
+        await h.report("node-1", [status])
+
+    await report()
+    await h.settled()
+    follower = h.runtime.reports
+    handle, gate = follower.handler, asyncio.Event()
+
+    async def held(batch: dict[str, bytes]) -> None:
+        await gate.wait()
+        await handle(batch)
+
+    follower.handler = held
+    try:
+        for _ in range(15):  # 3 s of reports every 0.2 s: the first is held, the rest wait behind it
+            await report()
+            await asyncio.sleep(0.2)
+        assert follower.lag_s() > 2.0
+        await h.runtime.watcher.tick()
+        assert await h.open_incidents("job-r") == []
+    finally:
+        follower.handler = handle
+        gate.set()
+    await h.settled()
+    await h.runtime.watcher.tick()
+    assert await h.open_incidents("job-r") == []
+    await asyncio.sleep(2.0)  # now node-1 is silent
+    await h.runtime.watcher.tick()
+    [lost] = await h.open_incidents("job-r")
+    assert "node-1 lost" in lost["root_cause"], lost

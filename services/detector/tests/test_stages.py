@@ -276,7 +276,7 @@ def test_a_pass_looks_closely_only_at_jobs_that_can_be_due_and_finds_a_hang_at_t
     watch = HangWatch(clock=clock, book=book, defaults=LIMITS)  # floor 10 s
     looks: list[str] = []
     judge = watch._judge
-    monkeypatch.setattr(watch, "_judge", lambda job_id, job, limits: looks.append(job_id) or judge(job_id, job, limits))
+    monkeypatch.setattr(watch, "_judge", lambda job_id, *args: looks.append(job_id) or judge(job_id, *args))
     for job in ("job-a", "job-b"):
         for rank in range(4):
             book.update("node-1", RankStatus(job_id=job, rank=rank, step=10, phase="training", heartbeat_age_s=0.0))
@@ -748,6 +748,27 @@ def test_a_step_folded_late_is_timed_from_its_heartbeat_even_without_its_phases_
     assert (track.advanced_at, track.phase_since, limit_for(track, None, LIMITS)[2]) == (11.5, 11.5, 11.5)
     book.update("node-1", status(6, 1.0, phase_age_s=30.0), now=20.0)  # an agent that says
     assert (track.advanced_at, track.phase_since) == (19.0, -10.0)
+
+
+def test_silences_and_stalls_are_judged_as_of_the_reading_of_reports() -> None:
+    """While reports wait unread (`lag`: the reading is that far behind), a node is not silent nor a rank stalled for
+    that delay; what is called is dated as of the reading."""
+    clock = ManualClock(T0)
+    lag = [0.0]
+    live = Liveness(clock=clock, lost_after_s=5.0)
+    book = ProgressBook(clock)
+    hangs = HangWatch(clock=clock, book=book, defaults=LIMITS)
+    live.lag = hangs.lag = lambda: lag[0]
+    live.saw("node-1", "r-1")
+    book.update("node-1", _status(0, 10))
+    clock.advance(12.0)
+    lag[0] = 7.5  # the reports of the last 7.5 s wait
+    assert (live.check(), hangs.check()) == ([], [])
+    lag[0] = 1.0
+    [lost] = live.check()
+    assert (lost.silent_s, lost.time) == (11.0, T0 + timedelta(seconds=5.0))
+    [hung] = hangs.check()
+    assert (hung.stalled_s, hung.time) == (11.0, T0 + timedelta(seconds=LIMITS.floor_s))
 
 
 def test_a_jobs_median_unknown_at_a_nodes_lookup_is_known_at_its_next_fold(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -12,7 +12,8 @@ limit) is not lost at all until it reports again: it was released, and the sched
 
 from __future__ import annotations
 
-from datetime import timedelta
+from collections.abc import Callable
+from datetime import datetime, timedelta
 from enum import StrEnum
 
 import msgspec
@@ -69,6 +70,9 @@ class Liveness:
         # Nodes whose agent's connection closed (dropped()): next_due() looks at these alone, not at every node, once
         # per wait of the watch loop. Kept until next_due() finds one no longer suspect.
         self._suspects: set[str] = set()
+        # How far behind the reading of reports is, in seconds (set by the runtime: its report follower's lag_s).
+        # Silences are judged as of that long ago: a node whose report waits unread is not lost for the reader's delay.
+        self.lag: Callable[[], float] = lambda: 0.0
 
     def saw(
         self,
@@ -135,7 +139,7 @@ class Liveness:
 
     def check(self) -> list[NodeLost]:
         """Nodes that just crossed the limit (each silence is reported once)."""
-        now, wall = self.clock.monotonic(), self.clock.now()
+        now, wall = self._judged_at()
         lost: list[NodeLost] = []
         for node_id, seen in self.nodes.items():
             if seen.state is not NodeState.ALIVE or seen.released_at is not None:
@@ -186,7 +190,7 @@ class Liveness:
         records the same symptom.
         """
         due = self.overdue_at(node_id, factor)
-        now = self.clock.monotonic()
+        now, wall = self._judged_at()
         if due is None or now <= due:
             return None
         seen = self.nodes[node_id]
@@ -194,12 +198,17 @@ class Liveness:
         silent, limit = now - seen.last_seen, factor * seen.interval_s
         return NodeLost(
             event_id=f"node-lost:{node_id}:{seen.last_report_id}"[:128],
-            time=self.clock.now() - timedelta(seconds=now - due),
+            time=wall - timedelta(seconds=now - due),
             node_id=node_id,
             silent_s=silent,
             limit_s=limit,
             how=f"{evidence} and it has not reported for {silent:.1f} s"[:512],
         )
+
+    def _judged_at(self) -> tuple[float, datetime]:
+        """The moment silences are judged as of (monotonic, wall): now, less how far behind the reading is."""
+        lag = self.lag()
+        return self.clock.monotonic() - lag, self.clock.now() - timedelta(seconds=lag)
 
     def heard_all(self, now: float) -> None:
         """The detector could not hear any node until `now` (its own connection was down): silences count from now."""
