@@ -115,7 +115,11 @@ class ProgressBook:
             track = job.ranks[status.rank] = _first_track(node_id, status, now)
             job.updates += 1
             job.timed += track.step_time_s is not None
-            job.next_check = 0.0
+            if job.limits is None:
+                job.next_check = 0.0
+            else:  # no close look before the new rank can pass the least of the limits it was looked at with
+                due = min(track.advanced_at, track.phase_since) + job.limits.least  # limit_for's `since` is later
+                job.next_check, job.deadline = min(job.next_check, due), min(job.deadline, due)
             return job, track
         if track.node_id is not node_id:  # the same string object, report after report (msgspec sets cost 60 ns)
             track.node_id = node_id
@@ -267,6 +271,12 @@ class HangLimits:
     evaluating_s: float = 1800.0
     loading_data_s: float = 900.0
     timeout_s: float | None = None
+
+    @property
+    def least(self) -> float:
+        """The shortest limit any rank can have under these limits (a learned limit is never below the floor)."""
+        own = min(self.startup_s, self.checkpointing_s, self.evaluating_s, self.loading_data_s)
+        return min(own, self.floor_s, self.timeout_s if self.timeout_s is not None else math.inf)
 
     def of_phase(self, reason: LimitReason) -> float:
         """The limit of a phase that has its own (PHASE_LIMITS)."""

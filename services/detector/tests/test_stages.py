@@ -293,6 +293,33 @@ def test_a_pass_looks_closely_only_at_jobs_that_can_be_due_and_finds_a_hang_at_t
     assert book.jobs["job-a"].next_check == 0.0  # a new phase, another limit: due at the next pass
 
 
+def test_ranks_joining_a_watched_job_bring_no_close_look_before_they_can_pass_a_limit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A fresh detector meets a job's nodes one report at a time: the job is looked at once, not at every pass while
+    its ranks arrive (at 45,000 nodes that was a close look at every job twice a second for seconds); a rank that
+    joined late is still hung at its own limit."""
+    clock = ManualClock(T0)
+    book = ProgressBook(clock)
+    watch = HangWatch(clock=clock, book=book, defaults=LIMITS)  # floor 10 s, the least of its limits
+    looks: list[str] = []
+    judge = watch._judge
+    monkeypatch.setattr(watch, "_judge", lambda job_id, *args: looks.append(job_id) or judge(job_id, *args))
+    book.update("node-0", RankStatus(job_id="job-a", rank=0, step=10, phase="training", heartbeat_age_s=0.0))
+    for rank in range(1, 8):  # one node's ranks a pass, 0.5 s apart; rank 0 keeps stepping
+        clock.advance(0.5)
+        book.update("node-0", RankStatus(job_id="job-a", rank=0, step=10 + rank, phase="training"))
+        assert watch.check() == []
+        book.update(f"node-{rank}", RankStatus(job_id="job-a", rank=rank, step=10, phase="training"))
+    assert looks == ["job-a"]
+    assert book.jobs["job-a"].next_check == 0.5 + 10.0  # rank 1's limit, the first a new rank can pass
+    clock.advance(6.9)  # 10.4 s: no rank can be past its limit yet
+    assert watch.check() == [] and looks == ["job-a"]
+    clock.advance(0.2)
+    [hung] = watch.check()
+    assert (hung.rank, hung.stalled_s, len(looks)) == (1, pytest.approx(10.1), 2)
+
+
 def test_the_soonest_deadline_of_a_watched_job_is_known_after_a_check() -> None:
     """The watch wakes at that deadline instead of at the next interval, so a hang is called at its limit."""
     clock = ManualClock(T0)
