@@ -71,9 +71,14 @@ class JobTrack:
     median_updates: int = -1
     timed: int = 0  # ranks that have reported a step time (while the median is unknown, it is recomputed as this grows)
     median_timed: int = 0
-    next_check: float = 0.0  # monotonic time before which no rank can pass its limit (0: check at the next pass)
+    next_check: float = math.inf  # monotonic time before which no rank can pass its limit (0: check at the next pass)
     deadline: float = math.inf  # monotonic time its first rank passes its limit, as of the last close look
     limits: HangLimits | None = None  # the limits next_check was computed with
+    # The earliest stall start of the ranks that joined since the last close look (limit_for's `since` is never
+    # earlier): none of them can pass a limit before it plus the least limit, and no close look is due for them before.
+    # A fresh detector meets a job's nodes over seconds, and looking at the job as each rank joined meant a close look
+    # at every job at every pass while the detector was busiest.
+    joined_since: float = math.inf
     waiting: set[str] = field(default_factory=set)  # nodes whose latest report may wait unfolded (NodeRanks.unread)
 
 
@@ -115,11 +120,7 @@ class ProgressBook:
             track = job.ranks[status.rank] = _first_track(node_id, status, now)
             job.updates += 1
             job.timed += track.step_time_s is not None
-            if job.limits is None:
-                job.next_check = 0.0
-            else:  # no close look before the new rank can pass the least of the limits it was looked at with
-                due = min(track.advanced_at, track.phase_since) + job.limits.least  # limit_for's `since` is later
-                job.next_check, job.deadline = min(job.next_check, due), min(job.deadline, due)
+            job.joined_since = min(job.joined_since, track.advanced_at, track.phase_since)  # see JobTrack
             return job, track
         if track.node_id is not node_id:  # the same string object, report after report (msgspec sets cost 60 ns)
             track.node_id = node_id
@@ -416,8 +417,11 @@ class HangWatch:
             limits = (overrides or {}).get(job_id, self.defaults)
             if job.hung or not job.ranks:
                 continue
-            if limits == job.limits and now < job.next_check:
-                soonest = min(soonest, job.deadline)
+            # Limits other than those of the last look: what it computed with them no longer holds.
+            due = job.next_check if job.limits is None or limits == job.limits else 0.0
+            joined_due = job.joined_since + limits.least
+            if now < due and now < joined_due:
+                soonest = min(soonest, job.deadline, joined_due)
                 continue
             if looked and budget_s is not None and time.perf_counter() - started >= budget_s:
                 self.unfinished = True
@@ -454,6 +458,7 @@ class HangWatch:
             deadline = min(deadline, since + limit)
         job.deadline = deadline
         job.next_check = min(due, deadline)
+        job.joined_since = math.inf
         over = [o for o in stalls if now - o[0] > o[3]]
         if not over:
             return None
