@@ -66,6 +66,7 @@ class Follower:
         self.received = 0
         self.handled = 0  # handed to the handler, which has returned
         self.superseded = 0
+        self._superseded_counted = 0  # of those, added to the metric so far
         self.dropped = 0  # counted by the bus from nats-py's slow-consumer errors
         self._waiting: dict[str, bytes] = {}
         # lag_s(): subjects that joined what waits, over the follower's life (a newer message of a waiting one does
@@ -121,8 +122,7 @@ class Follower:
         waiting = self._waiting
         self.received += 1
         if msg.subject in waiting:
-            self.superseded += 1
-            self._superseded_metric.inc()
+            self.superseded += 1  # the metric is moved once per batch (_run): a backlog supersedes thousands a second
         else:
             self._joined += 1
         waiting[msg.subject] = msg.data
@@ -149,6 +149,9 @@ class Follower:
                 self._busy = False
             self.handled += len(batch)
             self._handled_metric.inc(len(batch))
+            if self.superseded != self._superseded_counted:
+                self._superseded_metric.inc(self.superseded - self._superseded_counted)
+                self._superseded_counted = self.superseded
 
     async def _catch_up(self) -> None:
         """Let the connection hand over what it has already read, so that a backlog collapses into the latest

@@ -227,6 +227,8 @@ async def test_a_follower_gets_the_latest_report_per_node_and_resumes_after_a_re
         batches.append({s: NodeReport.model_validate_json(d) for s, d in reports.items()})
         await release.wait()  # the first batch holds the handler while more reports arrive
 
+    metric = {"service": "test", "subject_kind": "reprise.agent.report", "outcome": "superseded"}
+    superseded = REGISTRY.get_sample_value("reprise_snapshots_total", metric) or 0.0
     follower = bus.follow(subjects.AGENT_REPORTS, handler=handle)
     await follower.open()
     await bus.publish_snapshot(subjects.node_report("node-0"), _report("node-0"))
@@ -242,6 +244,7 @@ async def test_a_follower_gets_the_latest_report_per_node_and_resumes_after_a_re
         subjects.node_report("node-2"): other.event_id,
     }
     assert (follower.handled, follower.superseded) == (3, 1)
+    assert REGISTRY.get_sample_value("reprise_snapshots_total", metric) == superseded + 1
 
     await asyncio.to_thread(nats_server.stop)
     assert await _wait_for(lambda: not bus.connected)
