@@ -71,7 +71,9 @@ class JobTrack:
     median_updates: int = -1
     timed: int = 0  # ranks that have reported a step time (while the median is unknown, it is recomputed as this grows)
     median_timed: int = 0
-    next_check: float = math.inf  # monotonic time before which no rank can pass its limit (0: check at the next pass)
+    # Monotonic time before which no rank can pass its limit, as of the last close look (0: look at the next pass;
+    # inf before the first look, which joined_since brings).
+    next_check: float = math.inf
     deadline: float = math.inf  # monotonic time its first rank passes its limit, as of the last close look
     limits: HangLimits | None = None  # the limits next_check was computed with
     # The earliest stall start of the ranks that joined since the last close look (limit_for's `since` is never
