@@ -421,7 +421,7 @@ class HangWatch:
                 continue
             # Limits other than those of the last look: what it computed with them no longer holds.
             due = job.next_check if job.limits is None or limits == job.limits else 0.0
-            joined_due = job.joined_since + limits.least
+            joined_due = job.joined_since + limits.least if job.joined_since < math.inf else math.inf  # none joined
             if now < due and now < joined_due:
                 soonest = min(soonest, job.deadline, joined_due)
                 continue
