@@ -1,10 +1,13 @@
 """Ports for the servers and services the tests and the local stack start: choosing a free one, and getting past
 another process taking it before ours binds it.
 
-free_port() asks the kernel for a port that is free now; between that and the bind of the process started on it, any
-other process (a parallel run's server, an outgoing connection's ephemeral port) can take it. Launchers therefore
-start through with_port_retries, which tries again on other ports when a try ends in PortTaken, and tell a process
-that lost its port (ManagedProcess.listening) from one that failed for another reason.
+free_port() picks a port that is free now, at random below both the kernel's ephemeral range (the source ports of
+outgoing connections) and the rendezvous ports the orchestrator draws from (29500 and up): no connection this host
+opens can take it, however long before its process binds it (a Slurm allocation's agents bind theirs tens of seconds
+after the stack chose them; a restarted server binds its port again). Another process's explicit bind can still
+take it (a parallel run's server): launchers therefore start through with_port_retries, which tries again on other
+ports when a try ends in PortTaken, and tell a process that lost its port (ManagedProcess.listening) from one that
+failed for another reason.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import secrets
 import socket
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -34,24 +38,48 @@ def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
     return True
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port the kernel says is free right now (another process may take it before ours binds it: see
-    with_port_retries)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+CHOSEN_PORTS = range(10_000, 29_500)  # above the well-known defaults (8800, 4222, ...), below the rendezvous ports
+_EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def ephemeral_ports() -> range:
+    """The kernel's range of source ports for outgoing connections (Linux's default where it cannot be read)."""
+    try:
+        low, high = (int(word) for word in _EPHEMERAL.read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    return range(low, high + 1)
+
+
+def free_port(host: str = "127.0.0.1", *, run: int = 1) -> int:
+    """The first of `run` consecutive ports that are all free right now, outside the kernel's ephemeral range (see
+    the module's docstring); the kernel's choice where that range leaves too few. Another process may still bind it
+    before ours does: see with_port_retries."""
+    ephemeral = ephemeral_ports()
+    firsts = [
+        p
+        for p in range(CHOSEN_PORTS.start, CHOSEN_PORTS.stop - run + 1)
+        if p + run <= ephemeral.start or p >= ephemeral.stop
+    ]
+    for _ in range(200 if len(firsts) >= 1000 else 0):
+        first = secrets.choice(firsts)
+        if all(port_is_free(port, host) for port in range(first, first + run)):
+            return first
+    while True:  # the kernel's choice (in its ephemeral range)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+            first = int(sock.getsockname()[1])
+        if all(port_is_free(port, host) for port in range(first + 1, first + run)):
+            return first
 
 
 def free_stack_ports(defaults: dict[str, int], *, agents: int = 8) -> dict[str, int]:
     """A free port for every key of `defaults`, and for "agent" a base with `agents` free ports after it.
 
     The agents' run is chosen first and no other port may fall inside it (tests and benchmarks start whole stacks
-    on free ports; a kernel-chosen port can land in the middle of the agents' run otherwise).
+    on free ports; a port chosen after them could land in the middle of their run otherwise).
     """
-    while True:
-        base = free_port()
-        if all(port_is_free(base + i) for i in range(agents)):
-            break
+    base = free_port(run=agents)
     taken = set(range(base, base + agents))
     ports = {"agent": base}
     for key in defaults:

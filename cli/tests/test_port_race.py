@@ -63,12 +63,25 @@ def taken(monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
     with _impostor() as port:
         handed = iter([port])
 
-        def first_taken(host: str = "127.0.0.1") -> int:
-            return next(handed, None) or real(host)
+        def first_taken(host: str = "127.0.0.1", *, run: int = 1) -> int:
+            return next(handed, None) or real(host, run=run)
 
         monkeypatch.setattr(ports, "free_port", first_taken)
         monkeypatch.setattr(servers, "free_port", first_taken)
         yield port
+
+
+def test_no_connection_this_host_opens_can_take_a_port_chosen_for_a_stack() -> None:
+    """A Slurm allocation's agents bind the ports the stack chose for them tens of seconds later (the CI flake of a job
+    left pending: the second agent's port had become an outgoing connection's source port). Source ports come from the
+    kernel's ephemeral range, and the orchestrator draws rendezvous ports from 29500 up: no chosen port is in either."""
+    ephemeral = ports.ephemeral_ports()
+    for _ in range(50):
+        chosen = free_stack_ports(DEFAULT_PORTS)
+        agents = range(chosen["agent"], chosen["agent"] + 8)
+        for port in {*chosen.values(), *agents}:
+            assert port not in ephemeral and not 29_500 <= port < 30_500, (port, chosen)
+        assert all(ports.port_is_free(port) for port in agents)
 
 
 def test_a_nats_server_whose_port_was_taken_starts_on_another(taken: int, tmp_path: Path) -> None:

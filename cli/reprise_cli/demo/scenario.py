@@ -69,7 +69,15 @@ class Scenario:
             self.job = poll(
                 lambda: self.client.job(self.job["id"]), lambda j: j["state"] != "pending", timeout_s=self.timeout_s
             )
-            self.say(f"allocation running, an agent on each node (srun); {len(self.client.nodes())} nodes report")
+            reporting = sorted(node["node_id"] for node in self.client.nodes())
+            if self.job["state"] == "pending":
+                slurm = ", ".join(f"{node} {state}" for node, (state, _) in self.slurm.cluster.node_view().items())
+                raise DemoFailure(
+                    f"the job is still pending {self.timeout_s:g} s after its submission: agents report from "
+                    f"{', '.join(reporting) or 'no node'}; Slurm's nodes: {slurm or 'not known'}; the agents' "
+                    f"errors are in the allocation's output, {self.work_dir}/slurm-<Slurm job id>.out"
+                )
+            self.say(f"allocation running, an agent on each node (srun); {len(reporting)} nodes report")
         result.running_at = utcnow()
         self.say(f"job {self.job['id']} {self.job['state']} on {', '.join(nodes_of(self.job))}")
         if self.job["state"] != "running":
