@@ -124,6 +124,8 @@ class Follower:
         if msg.subject in waiting:
             self.superseded += 1  # the metric is moved once per batch (_run): a backlog supersedes thousands a second
         else:
+            if not waiting:  # all received before it was handed over: the follower is behind by this one only
+                self._read_until = time.monotonic()
             self._joined += 1
         waiting[msg.subject] = msg.data
         self._arrived.set()

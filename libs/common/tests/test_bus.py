@@ -334,6 +334,30 @@ async def test_a_follower_says_how_long_what_waits_has_waited_since_all_before_w
     await bus.close()
 
 
+async def test_a_follower_idle_for_a_while_is_not_behind_when_a_report_arrives(nats_server: NatsServer) -> None:
+    """After a quiet spell, a report waiting to join its batch (the linger) makes the follower as far behind as that
+    report has waited, not as long as the spell lasted."""
+    bus = Bus(url=nats_server.url, service="test")
+    await bus.connect(attempts=5)
+    handled: list[str] = []
+
+    async def handle(reports: dict[str, bytes]) -> None:
+        handled.extend(reports)
+
+    follower = bus.follow(subjects.AGENT_REPORTS, handler=handle, linger_s=1.0)
+    await follower.open()
+    await bus.publish_snapshot(subjects.node_report("node-0"), _report("node-0"))
+    assert await _wait_for(lambda: follower.idle and follower.handled == 1)
+    await asyncio.sleep(0.6)  # nothing arrives
+    await bus.publish_snapshot(subjects.node_report("node-1"), _report("node-1"))
+    assert await _wait_for(lambda: follower.received == 2)
+    assert 0.0 < follower.lag_s() < 0.3  # it lingers for up to 1 s: node-1 has waited since it arrived, no longer
+    assert await _wait_for(lambda: follower.idle and follower.handled == 2)
+    assert handled == [subjects.node_report("node-0"), subjects.node_report("node-1")]
+    assert follower.lag_s() == 0.0
+    await bus.close()
+
+
 async def _held_follower(
     nats_server: NatsServer, on_batch: Callable[[Follower, dict[str, bytes]], object]
 ) -> tuple[Bus, Follower, asyncio.Event]:
