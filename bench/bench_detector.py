@@ -135,6 +135,13 @@ class Stack:
         seq = await self.bus.publish(subjects.placement(job_id), placement)
         assert await self.runtime.placements.wait_for_seq(seq, timeout=90)
 
+    def symptoms(self) -> dict[str, int]:
+        """The symptoms this detector recorded so far, by kind (a healthy ingest round records none)."""
+        assert self.runtime is not None
+        with Session(self.runtime.engine) as session:
+            rows = session.exec(select(Symptom.kind, func.count()).group_by(Symptom.kind)).all()
+        return {kind: count for kind, count in rows}
+
     async def events_settled(self, timeout: float = 120.0) -> None:
         assert self.bus is not None
         deadline = time.monotonic() + timeout
@@ -243,6 +250,7 @@ async def ingest(stack: Stack, load: Load, nodes: int, seconds: float) -> dict[s
     )
     lags = [(at - time).total_seconds() for at, times in decided for time in times]
     await asyncio.sleep(1.0)
+    symptoms = await asyncio.to_thread(stack.symptoms)  # a round whose detector fell behind: did it call anything?
     for group in range(0, nodes, 64):  # end the jobs so the next round starts clean
         done = JobPlacement(source="bench", job_id=f"job-g{group // 64}", restart_epoch=0, world_size=0, active=False)
         await stack.bus.publish(subjects.placement(f"job-g{group // 64}"), done)
@@ -253,6 +261,7 @@ async def ingest(stack: Stack, load: Load, nodes: int, seconds: float) -> dict[s
         "superseded_before_window": follower.superseded - superseded0 - counts["superseded"],
         "report_to_decision": summary_ms(lags),
         "full_gc_pauses_ms": pauses_ms,
+        "symptoms": symptoms,
     }
 
 
