@@ -344,17 +344,19 @@ async def test_a_follower_idle_for_a_while_is_not_behind_when_a_report_arrives(n
     async def handle(reports: dict[str, bytes]) -> None:
         handled.extend(reports)
 
-    follower = bus.follow(subjects.AGENT_REPORTS, handler=handle, linger_s=1.0)
+    follower = bus.follow(subjects.AGENT_REPORTS, handler=handle, batch=2, linger_s=30.0)  # a batch waits until full
     await follower.open()
-    await bus.publish_snapshot(subjects.node_report("node-0"), _report("node-0"))
-    assert await _wait_for(lambda: follower.idle and follower.handled == 1)
-    await asyncio.sleep(0.6)  # nothing arrives
-    await bus.publish_snapshot(subjects.node_report("node-1"), _report("node-1"))
-    assert await _wait_for(lambda: follower.received == 2)
-    assert 0.0 < follower.lag_s() < 0.3  # it lingers for up to 1 s: node-1 has waited since it arrived, no longer
+    names = [f"node-{n}" for n in range(4)]
+    for name in names[:2]:
+        await bus.publish_snapshot(subjects.node_report(name), _report(name))
     assert await _wait_for(lambda: follower.idle and follower.handled == 2)
-    assert handled == [subjects.node_report("node-0"), subjects.node_report("node-1")]
-    assert follower.lag_s() == 0.0
+    await asyncio.sleep(2.0)  # nothing arrives
+    await bus.publish_snapshot(subjects.node_report(names[2]), _report(names[2]))
+    assert await _wait_for(lambda: follower.received == 3)
+    assert 0.0 < follower.lag_s() < 1.5  # node-2 has waited since it arrived (2 s and more before the fix)
+    await bus.publish_snapshot(subjects.node_report(names[3]), _report(names[3]))  # fills the batch
+    assert await _wait_for(lambda: follower.idle and follower.handled == 4)
+    assert handled == [subjects.node_report(name) for name in names] and follower.lag_s() == 0.0
     await bus.close()
 
 
