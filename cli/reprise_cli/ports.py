@@ -53,17 +53,13 @@ def ephemeral_ports() -> range:
 
 def free_port(host: str = "127.0.0.1", *, run: int = 1) -> int:
     """The first of `run` consecutive ports that are all free right now, outside the kernel's ephemeral range (see
-    the module's docstring); the kernel's choice where that range leaves too few. Another process may still bind it
+    the module's docstring); the kernel's choice when 200 draws found none. Another process may still bind it
     before ours does: see with_port_retries."""
     ephemeral = ephemeral_ports()
-    firsts = [
-        p
-        for p in range(CHOSEN_PORTS.start, CHOSEN_PORTS.stop - run + 1)
-        if p + run <= ephemeral.start or p >= ephemeral.stop
-    ]
-    for _ in range(200 if len(firsts) >= 1000 else 0):
-        first = secrets.choice(firsts)
-        if all(port_is_free(port, host) for port in range(first, first + run)):
+    for _ in range(200):
+        first = secrets.choice(range(CHOSEN_PORTS.start, CHOSEN_PORTS.stop - run + 1))
+        clear = first + run <= ephemeral.start or first >= ephemeral.stop
+        if clear and all(port_is_free(port, host) for port in range(first, first + run)):
             return first
     while True:  # the kernel's choice (in its ephemeral range)
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
