@@ -10,6 +10,7 @@ from pathlib import Path
 
 import nats
 import pytest
+from nats.aio.msg import Msg
 from nats.js.api import StreamConfig
 from prometheus_client import REGISTRY
 
@@ -358,6 +359,43 @@ async def test_a_follower_idle_for_a_while_is_not_behind_when_a_report_arrives(n
     assert await _wait_for(lambda: follower.idle and follower.handled == 4)
     assert handled == [subjects.node_report(name) for name in names] and follower.lag_s() == 0.0
     await bus.close()
+
+
+async def _feed(follower: Follower, per_turn: int, turns: int | None) -> None:
+    """Deliver messages to the follower's callback as the connection would: `per_turn` new subjects at each turn of the
+    event loop, for `turns` turns (None: until cancelled)."""
+    sent = 0
+    while turns is None or sent < per_turn * turns:
+        for _ in range(per_turn):
+            await follower._on_msg(Msg(_client=None, subject=subjects.node_report(f"node-{sent}"), data=b"{}"))  # type: ignore[arg-type]
+            sent += 1
+        await asyncio.sleep(0)
+
+
+async def test_a_follower_under_a_steady_stream_hands_a_batch_over_after_a_round_of_reads() -> None:
+    """The catch-up before a batch waited for a round of reads that brings nothing; under a steady stream some report
+    arrives in every round, so it read for a thousand rounds (half a second at 50,000 reports/s) while the batch
+    waited."""
+    follower = Follower(bus=Bus(url="nats://unused", service="test"), subject=subjects.AGENT_REPORTS, handler=_ignore)
+    stream = asyncio.create_task(_feed(follower, per_turn=2, turns=None))
+    await asyncio.sleep(0)
+    await follower._catch_up()
+    stream.cancel()
+    assert follower.received < 40  # a round or two of three turns, two reports a turn (6,000 and more before the fix)
+
+
+async def test_a_follower_reads_a_whole_backlog_before_handing_a_batch_over() -> None:
+    """A backlog (a full read at every turn) is read to its end first: the handler gets each subject's latest."""
+    follower = Follower(bus=Bus(url="nats://unused", service="test"), subject=subjects.AGENT_REPORTS, handler=_ignore)
+    backlog = asyncio.create_task(_feed(follower, per_turn=100, turns=50))
+    await asyncio.sleep(0)
+    await follower._catch_up()
+    assert follower.received == 5000
+    await backlog
+
+
+async def _ignore(_reports: dict[str, bytes]) -> None:
+    return None
 
 
 async def _held_follower(
