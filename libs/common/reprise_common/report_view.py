@@ -62,6 +62,7 @@ class ReportSeen(msgspec.Struct, frozen=True, gc=False):
 
 
 _DECODER = msgspec.json.Decoder(ReportSeen)
+_GPUS_DECODER = msgspec.json.Decoder(tuple[GpuSeen, ...])
 
 
 def read_report(data: bytes) -> ReportSeen:
@@ -70,3 +71,12 @@ def read_report(data: bytes) -> ReportSeen:
         return _DECODER.decode(data)
     except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
         raise MalformedEventError(str(exc)) from exc
+
+
+def read_gpus(data: bytes | msgspec.Raw) -> tuple[GpuSeen, ...]:
+    """Decode a report's GPUs (its `gpus` array, undecoded: a reader that keeps a node's GPUs decodes them only when
+    they changed); MalformedEventError (naming the field) when they are not."""
+    try:
+        return _GPUS_DECODER.decode(data)
+    except msgspec.DecodeError as exc:
+        raise MalformedEventError(f"{exc} (in `gpus`)") from exc

@@ -82,14 +82,16 @@ MALFORMED_REPORTS = Counter(
 )
 
 
-_NO_RANKS = msgspec.Raw(b"[]")
+_NO_RANKS = _NO_GPUS = msgspec.Raw(b"[]")
 
 
 class WatchedReport(ReportSeen, frozen=True, gc=False):
-    """A node report as the watch reads it: the shared view with its ranks still undecoded (they are decoded when they
-    are folded, FOLD_EVERY_S, so most reports cost the decoding of the rest alone), and how often the node reports
-    (NodeReport.interval_s), which its peers' errors are weighed against (nodes/peers.py)."""
+    """A node report as the watch reads it: the shared view with its ranks and GPUs still undecoded (ranks are decoded
+    when they are folded, FOLD_EVERY_S, GPUs when they differ from the node's last: Liveness.saw; so most reports cost
+    the decoding of the rest alone), and how often the node reports (NodeReport.interval_s), which its peers' errors are
+    weighed against (nodes/peers.py)."""
 
+    gpus: msgspec.Raw = msgspec.field(default_factory=lambda: _NO_GPUS)  # type: ignore[assignment]  # undecoded here
     ranks: msgspec.Raw = msgspec.field(default_factory=lambda: _NO_RANKS)  # type: ignore[assignment]  # undecoded here
     interval_s: Annotated[float, msgspec.Meta(gt=0)] = 1.0
 
@@ -202,13 +204,13 @@ class Watcher:
                 continue
             try:
                 report = read_watched_report(data)
-            except MalformedEventError as exc:
+                self.liveness.saw(
+                    node_id, report_id, report.gpus, stopping=report.stopping, interval_s=report.interval_s, now=now
+                )
+            except MalformedEventError as exc:  # the report, or its GPUs (saw() records nothing then)
                 self._malformed(node_id, str(exc))
                 continue
             self.reports_parsed += 1
-            self.liveness.saw(
-                node_id, report_id, report.gpus, stopping=report.stopping, interval_s=report.interval_s, now=now
-            )
             if here:
                 found.extend(self._progress(node_id, report.ranks, here, now))
             elif report.ranks != _NO_RANKS:  # no job of this replica's runs there: its ranks are only checked

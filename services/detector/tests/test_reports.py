@@ -71,6 +71,32 @@ async def test_node_health_shows_the_gpus_of_the_last_report(detector: Harness) 
     ]
 
 
+async def test_node_health_follows_a_gpus_change_and_a_report_with_unreadable_gpus_is_malformed(
+    detector: Harness,
+) -> None:
+    """A node's GPUs are decoded only when its report sends other GPUs than its last (most reports repeat them): the
+    view still follows each change, and GPUs that cannot be read make the report malformed, whatever came before."""
+
+    async def gpus_shown() -> list[str]:
+        await detector.settled()
+        body = (await detector.client.get("/v1/node-health/node-7")).json()
+        return [gpu["health"] for gpu in body["gpus"]]
+
+    healthy = [GpuStatus(index=0), GpuStatus(index=1)]
+    failing = [GpuStatus(index=0), GpuStatus(index=1, health=GpuHealth.FAILED, last_xid=79)]
+    await detector.report("node-7", gpus=healthy)
+    await detector.report("node-7", gpus=healthy)
+    assert await gpus_shown() == ["ok", "ok"]
+    await detector.report("node-7", gpus=failing)
+    assert await gpus_shown() == ["ok", "failed"]
+    watcher = detector.runtime.watcher
+    malformed = watcher.reports_malformed
+    await detector.report_bytes("node-7", b'{"gpus": [{"index": -1}]}')
+    assert await gpus_shown() == ["ok", "failed"] and watcher.reports_malformed == malformed + 1
+    await detector.report("node-7", gpus=healthy)
+    assert await gpus_shown() == ["ok", "ok"]
+
+
 async def test_an_older_deployments_report_consumer_is_removed_and_its_stream_left_to_the_owner(
     start_detector: StartDetector, sqlite_url: str, nats_server: Any
 ) -> None:

@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
+import msgspec
 import pytest
 
 from reprise_common import subjects
@@ -80,7 +81,7 @@ def test_a_closed_connection_makes_a_node_lost_after_the_grace_unless_it_comes_b
     assert live.dropped("node-1", advisory_id="a1", reason="Client Closed")
     assert not live.dropped("node-1", advisory_id="a1b", reason="Client Closed")  # the first drop counts
     assert live.dropped("node-2", advisory_id="a2", reason="Stale Connection")
-    live.saw("node-4", "r-bye", (), stopping=True)  # its agent's last report says it is stopping: a graceful restart
+    live.saw("node-4", "r-bye", msgspec.Raw(b"[]"), stopping=True)  # its last report: stopping (a graceful restart)
     assert not live.dropped("node-4", advisory_id="a4", reason="Client Closed")
     assert live.next_due() == clock.monotonic() + 0.3
     clock.advance(0.2)

@@ -19,12 +19,13 @@ from enum import StrEnum
 import msgspec
 
 from reprise_common.clock import Clock
-from reprise_common.report_view import GpuSeen
+from reprise_common.report_view import GpuSeen, read_gpus
 from reprise_detector.derived import NodeLost
 
 REPORT_IN_FLIGHT_S = 0.1  # a report arriving this soon after a dropped connection may have been sent before it
 RELEASE_IN_FLIGHT_S = 2.0  # a report this soon after the scheduler ended the node's step was sent before that
 DEFAULT_INTERVAL_S = 1.0  # a node's report interval until a report read says its own (the agents' default)
+_NO_GPUS = msgspec.Raw(b"[]")
 
 
 ReportId = int | str
@@ -46,6 +47,7 @@ class NodeSeen(msgspec.Struct, gc=False):
     last_report_id: ReportId
     state: NodeState = NodeState.ALIVE
     gpus: tuple[GpuSeen, ...] = ()
+    gpus_json: msgspec.Raw = _NO_GPUS  # what `gpus` were decoded from (a copy): the same again is not decoded
     dropped_at: float | None = None  # when the server said its agent's connection closed (not reconnected since)
     dropped_id: str = ""  # that advisory's id
     dropped_reason: str = ""
@@ -78,21 +80,26 @@ class Liveness:
         self,
         node_id: str,
         report_id: ReportId,
-        gpus: tuple[GpuSeen, ...] | None = None,
+        gpus: msgspec.Raw | None = None,
         *,
         stopping: bool = False,
         interval_s: float | None = None,
         now: float | None = None,
     ) -> None:
-        """Record a report from a node (identity from the subject); `stopping`: its agent's last before a graceful
-        stop, so the connection that closes next is no evidence (gpus given: the report was read, it is not);
-        `interval_s`: how often it reports (a report read says so); `now`: the monotonic time it arrived (the clock's
-        by default; a batch of reports passes its own)."""
+        """Record a report from a node (identity from the subject); `gpus`: its GPUs as it sent them (JSON), decoded
+        only when they differ from the node's last (MalformedEventError, with nothing recorded, when they cannot be);
+        `stopping`: its agent's last before a graceful stop, so the connection that closes next is no evidence (gpus
+        given: the report was read, it is not); `interval_s`: how often it reports (a report read says so); `now`: the
+        monotonic time it arrived (the clock's by default; a batch of reports passes its own)."""
         seen = self.nodes.get(node_id)
+        fresh: tuple[tuple[GpuSeen, ...], msgspec.Raw] | None = None
+        if gpus is not None and (seen is None or gpus != seen.gpus_json):  # compared in C, no decoding
+            # A copy: the report's own buffer, which `gpus` points into, is freed with it.
+            fresh = read_gpus(gpus), msgspec.Raw(bytes(gpus))
         if now is None:
             now = self.clock.monotonic()
         if seen is None:
-            seen = self.nodes[node_id] = NodeSeen(now, report_id, gpus=gpus or ())
+            seen = self.nodes[node_id] = NodeSeen(now, report_id)
         seen.last_seen, seen.last_report_id = now, report_id
         if seen.state is not NodeState.ALIVE:  # what rarely changes is compared before it is written (every report)
             seen.state = NodeState.ALIVE
@@ -104,8 +111,8 @@ class Liveness:
             seen.leaving = False  # a running agent's report (a new one after a graceful restart)
         if seen.dropped_at is not None and now - seen.dropped_at > REPORT_IN_FLIGHT_S:
             seen.dropped_at = None  # reporting again: it reconnected (the advisory may have been missed)
-        if gpus is not None and gpus != seen.gpus:  # compared (in C) rather than the node's old tuple freed each report
-            seen.gpus = gpus
+        if fresh is not None:
+            seen.gpus, seen.gpus_json = fresh
         if interval_s is not None and interval_s != seen.interval_s:
             seen.interval_s = interval_s
 
