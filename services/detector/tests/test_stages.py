@@ -70,6 +70,26 @@ def test_a_silent_node_is_lost_once_and_a_flapping_node_gets_a_new_id_per_silenc
     assert [n.event_id for n in live.check()] == ["node-lost:node-1:s9"]
 
 
+def test_the_pass_over_silences_finds_every_silent_node_and_no_other() -> None:
+    """check() picks the nodes silent past the limit by their last report's time alone, then judges those: a node heard
+    again is not among them, a released or lost one is passed over, and the rest are each reported once."""
+    clock = ManualClock(T0)
+    live = Liveness(clock=clock, lost_after_s=5)
+    for node in ("node-1", "node-2", "node-3", "node-4", "node-5"):
+        live.saw(node, f"r-{node}")
+        clock.advance(0.1)
+    live.released("node-2")  # its step ended: silence is no loss
+    clock.advance(3)
+    live.saw("node-1", "r-again")  # heard again: now the most recent
+    clock.advance(2.5)  # node-2 to node-5 have been silent for 5.1-5.4 s, node-1 for 2.5 s
+    assert [lost.node_id for lost in live.check()] == ["node-3", "node-4", "node-5"]
+    clock.advance(3)  # node-1 silent for 5.5 s; node-3 to node-5 already lost, node-2 released, ahead of it
+    assert [lost.node_id for lost in live.check()] == ["node-1"]
+    live.saw("node-4", "r-back")
+    clock.advance(5.5)
+    assert [lost.node_id for lost in live.check()] == ["node-4"]
+
+
 def test_a_closed_connection_makes_a_node_lost_after_the_grace_unless_it_comes_back() -> None:
     clock = ManualClock(T0)
     live = Liveness(clock=clock, lost_after_s=60, reconnect_grace_s=0.3)
