@@ -186,37 +186,39 @@ class Watcher:
         record = self.decided  # a benchmark's: the reports' times are collected only for it
         sent: list[datetime] = []
         now = self.clock.monotonic()
+        node_of, placed_here, saw = self._node_of, self._here, self.liveness.saw  # looked up once a batch
+        seen = parsed = 0
         for subject, data in reports.items():
-            node_id = self._node_of.get(subject)
+            node_id = node_of.get(subject)
             if node_id is None:
                 try:
-                    node_id = self._node_of[subject] = subjects.node_from_agent_subject(subject)
+                    node_id = node_of[subject] = subjects.node_from_agent_subject(subject)
                 except ValueError as exc:
                     self._malformed(subject, str(exc))
                     continue
-            self.reports_seen += 1
-            here = self._here.get(node_id)
+            seen += 1
+            here = placed_here.get(node_id)
             if here is None:
-                here = self._here[node_id] = self._placed_here(node_id)
+                here = placed_here[node_id] = self._placed_here(node_id)
             report_id = zlib.crc32(data[:REPORT_ID_BYTES])  # the same in every replica
             if not here and not self.partition.owns_node(node_id):
-                self.liveness.saw(node_id, report_id, now=now)
+                saw(node_id, report_id, now=now)
                 continue
             try:
                 report = read_watched_report(data)
-                self.liveness.saw(
-                    node_id, report_id, report.gpus, stopping=report.stopping, interval_s=report.interval_s, now=now
-                )
+                saw(node_id, report_id, report.gpus, stopping=report.stopping, interval_s=report.interval_s, now=now)
             except MalformedEventError as exc:  # the report, or its GPUs (saw() records nothing then)
                 self._malformed(node_id, str(exc))
                 continue
-            self.reports_parsed += 1
+            parsed += 1
             if here:
                 found.extend(self._progress(node_id, report.ranks, here, now))
             elif report.ranks != _NO_RANKS:  # no job of this replica's runs there: its ranks are only checked
                 self._read_ranks(node_id, report.ranks)
             if record is not None:
                 sent.append(report.time)
+        self.reports_seen += seen
+        self.reports_parsed += parsed
         if record is not None:
             record.append((self.clock.now(), sent))
         if found:
