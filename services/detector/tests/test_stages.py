@@ -44,7 +44,7 @@ from reprise_detector.progress import (
     limit_for,
 )
 from reprise_detector.settings import DetectorSettings
-from reprise_detector.watch import FOLD_EVERY_S, HANG_MIN_GAP_S, REHEAR_S, Watcher
+from reprise_detector.watch import FOLD_EVERY_S, FOLD_SLOW_S, HANG_MIN_GAP_S, REHEAR_S, Watcher
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -758,14 +758,40 @@ def test_a_node_whose_reports_keep_coming_is_folded_at_most_fold_every_s_apart(
     clock = ManualClock(T0)
     watcher, book, _ = _fleet(clock, {"node-1": [0], "node-2": [1]})
     folded = []
-    for step in range(1, 14):
+    for step in range(1, 26):
         _report(watcher, "node-1", [_status(0, step)])
         if book.jobs["job-a"].ranks[0].step == step:
             folded.append(step - 1)  # seconds after the first report
         clock.advance(1.0)
     first = max(1, math.ceil(first_fold * FOLD_EVERY_S))  # the first report at or after it (one a second)
-    assert FOLD_EVERY_S == 4.0
-    assert folded == [0, *range(first, 13, 4)]
+    assert FOLD_EVERY_S == 8.0
+    assert folded == [0, *range(first, 25, 8)]
+
+
+def test_a_node_with_a_slow_rank_is_folded_again_sooner_so_its_straggler_is_not_reported_later(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Nodes are folded FOLD_EVERY_S (8 s) apart, but one whose rank is in a slow streak FOLD_SLOW_S (4 s) after: the
+    straggler is reported at the look after its first slow one, 4 s later, with every report between counted."""
+    monkeypatch.setattr(watch.random, "random", lambda: 0.0)  # the node's first fold at its second report
+    clock = ManualClock(T0)
+    watcher, _, _ = _fleet(clock, {"node-1": [0, 1, 2]})
+
+    async def keep(*_args: object) -> None:  # no pipeline here: what the watch finds stays pending
+        return None
+
+    monkeypatch.setattr(watcher, "flush", keep)
+    reported_at: list[int] = []
+    for second in range(30):
+        slow = 3.0 if second >= 10 else 1.0  # rank 2 three times the others' step time from the report at 10 s
+        _report(watcher, "node-1", [_status(r, second, step_time_last_s=slow if r == 2 else 1.0) for r in (0, 1, 2)])
+        reported_at += [second] * len(watcher.pending)
+        watcher.pending.clear()
+        clock.advance(1.0)
+    # Folded at 0 s (its first report), 1 s, 9 s and 17 s (8 s apart); slow at the look at 17 s, so looked at again at
+    # 21 s, when its streak reaches 5 reports: reported then, 11 s after its first slow report (at 25 s before).
+    assert (FOLD_EVERY_S, FOLD_SLOW_S) == (8.0, 4.0)
+    assert reported_at == [21]
 
 
 def test_a_stopped_rank_is_timed_from_when_its_agent_first_saw_it_stopped() -> None:
