@@ -158,9 +158,10 @@ class Liveness:
         lost: list[NodeLost] = []
         for node_id in list(self._suspects):  # next_due() forgets those no longer suspect
             seen = self.nodes[node_id]
-            if not self._judged(seen) or seen.dropped_at is None or now - seen.dropped_at < self.reconnect_grace_s:
+            dropped_at = seen.dropped_at
+            if not self._judged(seen) or dropped_at is None or now - dropped_at < self.reconnect_grace_s:
                 continue
-            seen.state, seen.dropped_at, gone = NodeState.LOST, None, now - seen.dropped_at
+            seen.state, seen.dropped_at, gone = NodeState.LOST, None, now - dropped_at
             lost.append(
                 NodeLost(
                     event_id=f"node-lost:{node_id}:{seen.dropped_id}"[:128],
