@@ -18,6 +18,8 @@ from reprise_common.clock import utcnow
 from reprise_common.errors import MalformedEventError
 from reprise_common.events import GpuHealth
 
+EMPTY_ARRAY = msgspec.Raw(b"[]")  # an empty `gpus` or `ranks` kept undecoded
+
 
 class GpuSeen(msgspec.Struct, frozen=True, gc=False):
     """What readers take of one GPU: its index, health and last XID (GpuStatus)."""

@@ -28,7 +28,7 @@ from reprise_common.bus import Bus, Outcome
 from reprise_common.clock import Clock
 from reprise_common.errors import MalformedEventError
 from reprise_common.logging import get_logger
-from reprise_common.report_view import RankSeen, ReportSeen
+from reprise_common.report_view import EMPTY_ARRAY, RankSeen, ReportSeen
 from reprise_detector.derived import DerivedSymptom
 from reprise_detector.nodes.liveness import Liveness
 from reprise_detector.nodes.models import HangPolicy
@@ -86,17 +86,14 @@ MALFORMED_REPORTS = Counter(
 )
 
 
-_NO_RANKS = _NO_GPUS = msgspec.Raw(b"[]")
-
-
 class WatchedReport(ReportSeen, frozen=True, gc=False):
     """A node report as the watch reads it: the shared view with its ranks and GPUs still undecoded (ranks are decoded
     when they are folded, FOLD_EVERY_S, GPUs when they differ from the node's last: Liveness.saw; so most reports cost
     the decoding of the rest alone), and how often the node reports (NodeReport.interval_s), which its peers' errors are
     weighed against (nodes/peers.py)."""
 
-    gpus: msgspec.Raw = msgspec.field(default_factory=lambda: _NO_GPUS)  # type: ignore[assignment]  # undecoded here
-    ranks: msgspec.Raw = msgspec.field(default_factory=lambda: _NO_RANKS)  # type: ignore[assignment]  # undecoded here
+    gpus: msgspec.Raw = msgspec.field(default_factory=lambda: EMPTY_ARRAY)  # type: ignore[assignment]  # undecoded here
+    ranks: msgspec.Raw = msgspec.field(default_factory=lambda: EMPTY_ARRAY)  # type: ignore[assignment]  # undecoded here
     interval_s: Annotated[float, msgspec.Meta(gt=0)] = 1.0
 
 
@@ -217,7 +214,7 @@ class Watcher:
             parsed += 1
             if here:
                 found.extend(self._progress(node_id, report.ranks, here, now))
-            elif report.ranks != _NO_RANKS:  # no job of this replica's runs there: its ranks are only checked
+            elif report.ranks != EMPTY_ARRAY:  # no job of this replica's runs there: its ranks are only checked
                 self._read_ranks(node_id, report.ranks)
             if record is not None:
                 sent.append(report.time)

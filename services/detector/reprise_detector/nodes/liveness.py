@@ -19,13 +19,12 @@ from enum import StrEnum
 import msgspec
 
 from reprise_common.clock import Clock
-from reprise_common.report_view import GpuSeen, read_gpus
+from reprise_common.report_view import EMPTY_ARRAY, GpuSeen, read_gpus
 from reprise_detector.derived import NodeLost
 
 REPORT_IN_FLIGHT_S = 0.1  # a report arriving this soon after a dropped connection may have been sent before it
 RELEASE_IN_FLIGHT_S = 2.0  # a report this soon after the scheduler ended the node's step was sent before that
 DEFAULT_INTERVAL_S = 1.0  # a node's report interval until a report read says its own (the agents' default)
-_NO_GPUS = msgspec.Raw(b"[]")
 
 
 ReportId = int | str
@@ -50,7 +49,7 @@ class NodeSeen(msgspec.Struct, gc=False):
     last_report_id: ReportId
     state: NodeState = NodeState.ALIVE
     gpus: tuple[GpuSeen, ...] = ()
-    gpus_json: msgspec.Raw = _NO_GPUS  # what `gpus` were decoded from (a copy): the same again is not decoded
+    gpus_json: msgspec.Raw = EMPTY_ARRAY  # what `gpus` were decoded from (a copy): the same again is not decoded
     dropped_at: float | None = None  # when the server said its agent's connection closed (not reconnected since)
     dropped_id: str = ""  # that advisory's id
     dropped_reason: str = ""
