@@ -174,9 +174,9 @@ class Liveness:
         heard_after = now - self.lost_after_s
         for node_id in [node_id for node_id, seen in self.nodes.items() if seen.last_seen < heard_after]:
             seen = self.nodes[node_id]
-            silent = now - seen.last_seen
-            if silent <= self.lost_after_s or not self._judged(seen):
+            if not self._judged(seen):
                 continue
+            silent = now - seen.last_seen
             seen.state, seen.dropped_at = NodeState.LOST, None
             lost.append(
                 NodeLost(
