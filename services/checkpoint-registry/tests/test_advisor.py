@@ -60,3 +60,17 @@ def test_advisor_refuses_inputs_that_would_make_the_advice_infinite(
     answer = sqlite_client.get("/v1/jobs/job-x/advisor", params={"node_count": 512, field: value})
     assert answer.status_code == 422, answer.text
     assert [error["loc"] for error in answer.json()["detail"]] == [["query", field]]
+
+
+@pytest.mark.parametrize(
+    ("failures", "hours"),
+    [(1, 1e-320), (1_000_000_000, 1e-300), (1_000_000_000, 0.001)],
+)
+def test_an_observed_rate_out_of_bounds_is_a_422_naming_the_hours(
+    sqlite_client: TestClient, failures: int, hours: float
+) -> None:
+    # Found from outside: 1e-320 hours underflowed the node-days to 0, and the answer was a 500 (ZeroDivisionError).
+    params = {"node_count": 4, "observed_failures": failures, "observed_hours": hours}
+    answer = sqlite_client.get("/v1/jobs/job-x/advisor", params=params)
+    assert answer.status_code == 422, answer.text
+    assert [error["loc"] for error in answer.json()["detail"]] == [["query", "observed_hours"]]

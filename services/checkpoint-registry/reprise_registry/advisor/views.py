@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import statistics
 from typing import Annotated, Literal
 
@@ -11,6 +12,7 @@ from sqlmodel import Field, Session, SQLModel, col, select
 
 from reprise_registry.advisor import formulas
 from reprise_registry.checkpoints.models import Checkpoint, CheckpointState
+from reprise_registry.checkpoints.views import unprocessable
 from reprise_registry.deps import DepsDep, ReadSession
 
 router = APIRouter(prefix="/v1", tags=["advisor"])
@@ -20,6 +22,7 @@ DEFAULT_SAVE_COST_S = 60.0  # until the job has committed a checkpoint and none 
 # rate of 1e-310 made √(2δM) infinite, which JSON can only show as null.
 MAX_SECONDS = 30 * 86_400.0  # a save, an interval or a restart longer than 30 days is a typo
 MIN_FAILURES_PER_NODE_DAY = 1e-6  # one failure per node every ~2,700 years
+MAX_FAILURES_PER_NODE_DAY = 1_000.0  # a node failing every 86 s is no node
 MAX_OBSERVED_HOURS = 1_000_000.0  # ~114 years
 
 
@@ -68,7 +71,9 @@ def advise(
     node_count: Annotated[int, Query(ge=1, le=1_000_000)],
     save_cost_s: Annotated[float | None, Query(gt=0, le=MAX_SECONDS)] = None,
     current_interval_s: Annotated[float | None, Query(gt=0, le=MAX_SECONDS)] = None,
-    failures_per_node_day: Annotated[float | None, Query(ge=MIN_FAILURES_PER_NODE_DAY, le=1_000)] = None,
+    failures_per_node_day: Annotated[
+        float | None, Query(ge=MIN_FAILURES_PER_NODE_DAY, le=MAX_FAILURES_PER_NODE_DAY)
+    ] = None,
     observed_failures: Annotated[int | None, Query(ge=0, le=1_000_000_000)] = None,
     observed_hours: Annotated[float | None, Query(gt=0, le=MAX_OBSERVED_HOURS)] = None,
     restart_overhead_s: Annotated[float | None, Query(ge=0, le=MAX_SECONDS)] = None,
@@ -113,9 +118,22 @@ def advise(
 def _failure_rate(
     deps: DepsDep, node_count: int, given: float | None, failures: int | None, hours: float | None
 ) -> tuple[float, Literal["observed", "configured", "given"]]:
-    """Per-node failures per day: given, else observed (failures over node-days, if any), else configured."""
+    """Per-node failures per day: given, else observed (failures over node-days, if any), else configured.
+
+    An observed rate must lie within the bounds a given one has: a tiny `observed_hours` (1e-320 underflows the
+    node-days to 0) or one too short for the failures counted is a 422 naming it, not a division by zero.
+    """
     if given is not None:
         return given, "given"
     if failures and hours:
-        return failures / (node_count * hours / 24), "observed"
+        node_days = node_count * hours / 24
+        rate = failures / node_days if node_days > 0 else math.inf
+        if not MIN_FAILURES_PER_NODE_DAY <= rate <= MAX_FAILURES_PER_NODE_DAY:
+            raise unprocessable(
+                ("query", "observed_hours"),
+                f"{failures} failures over {hours:g} h on {node_count} nodes is {rate:g} failures per node-day, "
+                f"outside [{MIN_FAILURES_PER_NODE_DAY:g}, {MAX_FAILURES_PER_NODE_DAY:g}]",
+                hours,
+            )
+        return rate, "observed"
     return deps.settings.failures_per_node_day, "configured"
