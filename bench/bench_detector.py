@@ -38,8 +38,9 @@ figures and saves bench/results/detector.json:
                            with every run's time in `all_symptoms_decided_s_each`
   node_loss                real agent processes on a nats-server with the stack's credentials: agent SIGKILLed →
                            the job's incident opened (median, p99 over ``--kills``, default 30; target median ≤ 1 s),
-                           and the incidents opened over ``--restarts`` graceful agent restarts and as many
-                           nats-server restarts (0 expected); bench/detector_node_loss.py says how
+                           and the incidents opened over ``--restarts`` graceful agent restarts, as many
+                           nats-server restarts and as many second-connection closes (0 expected);
+                           bench/detector_node_loss.py says how
 
 ``--only latency ingest storm node-loss`` runs some parts; their figures replace those of the same name in the saved
 results.
@@ -564,6 +565,11 @@ if __name__ == "__main__":
     parser.add_argument("--storm-runs", type=int, default=5, help="storms on fresh detectors; the median is kept")
     parser.add_argument("--node-loss-nodes", type=int, default=4, help="agents of the node-loss part")
     parser.add_argument("--kills", type=int, default=30, help="agents killed in the node-loss part")
-    parser.add_argument("--restarts", type=int, default=30, help="graceful agent and nats-server restarts, each")
+    parser.add_argument(
+        "--restarts",
+        type=int,
+        default=30,
+        help="graceful agent restarts, nats-server restarts and second-connection closes, each",
+    )
     parser.add_argument("--only", nargs="+", choices=PARTS, help="run only these parts (default: all)")
     asyncio.run(main(parser.parse_args()))

@@ -10,6 +10,8 @@ identity and the node keys, the agents real ``reprise-agent`` processes (simulat
                              opened for their jobs (0 expected, so 0 recoveries)
   nats_restarts              nats-server stopped and started (every connection drops and comes back): incidents
                              opened for the jobs placed on every node (0 expected)
+  second_connection_closes   a second client with a node's identity connects, publishes and disconnects while the
+                             node's own agent stays connected and reporting: incidents opened (0 expected)
 
 Every part waits SETTLE_S after its last round before it counts, longer than the reconnect grace. The report limit
 (REPRISE_NODE_LOST_AFTER_S) stays at its default (5 s): a restart that took longer would count as a loss.
@@ -192,6 +194,27 @@ async def _nats_restarts(stack: NodeLossStack, restarts: int) -> dict[str, Any]:
     }
 
 
+async def _second_connections(stack: NodeLossStack, closes: int) -> dict[str, Any]:
+    jobs = []
+    for index in range(closes):
+        node = stack.nodes[index % len(stack.nodes)]
+        await stack.until_known([node], since=time.monotonic())
+        jobs.append(await stack.place(node))
+        other = Bus(
+            url=stack.nats.url,
+            service=f"not-the-agent-{index}",
+            nkey_seed_file=stack.creds.agents[node].seed_file,
+            inbox_prefix=subjects.inbox_prefix(node),
+            provision=False,
+        )
+        await other.connect(attempts=20)
+        await other.nc.publish(subjects.node_event(node, "agent.lifecycle"), b"{}")
+        await other.nc.flush()
+        await other.close()
+    await asyncio.sleep(SETTLE_S)
+    return {"closes": closes, "incidents_opened": sum(job in stack.opened for job in jobs)}
+
+
 async def node_loss(root: Path, *, nodes: int, kills: int, restarts: int) -> dict[str, Any]:
     """The node-loss part's figures."""
     stack = NodeLossStack(root, nodes)
@@ -203,6 +226,8 @@ async def node_loss(root: Path, *, nodes: int, kills: int, restarts: int) -> dic
         print("graceful agent restarts", graceful, flush=True)
         nats = await _nats_restarts(stack, restarts)
         print("nats-server restarts", nats, flush=True)
+        second = await _second_connections(stack, restarts)
+        print("second connections closed", second, flush=True)
     finally:
         await stack.stop()
     return {
@@ -210,5 +235,6 @@ async def node_loss(root: Path, *, nodes: int, kills: int, restarts: int) -> dic
         "agent_killed_to_incident": killed,
         "graceful_restarts": graceful,
         "nats_restarts": nats,
+        "second_connection_closes": second,
         "reconnect_grace_s": DetectorSettings.model_fields["reconnect_grace_s"].default,
     }

@@ -12,6 +12,10 @@ CONNECT = "io.nats.server.advisory.v1.client_connect"
 DISCONNECT = "io.nats.server.advisory.v1.client_disconnect"
 MAX_ADVISORY_BYTES = 64 * 1024
 SERVER_SHUTDOWN = "Server Shutdown"  # the server going away: its clients reconnect to another, nothing was lost
+# The reasons that say the client's end went away (its process closed the socket, or the socket broke under it): a
+# killed agent reads so. Every other reason is the server's own decision about a client that may be alive (a slow
+# consumer, a stale connection on a cut network, a limit): no evidence that the node is gone, its silence tells.
+CLIENT_GONE = frozenset({"Client Closed", "Read Error"})
 
 
 class AdvisoryClient(BaseModel):
@@ -24,6 +28,15 @@ class AdvisoryClient(BaseModel):
     name: str = Field(default="", max_length=256)  # what the client calls itself (not an identity)
 
 
+class AdvisoryServer(BaseModel):
+    """The server that wrote an advisory (a client's id is unique on its server alone)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    id: str = Field(default="", max_length=128)
+    name: str = Field(default="", max_length=256)
+
+
 class ClientAdvisory(BaseModel):
     """A client connected or disconnected."""
 
@@ -31,6 +44,7 @@ class ClientAdvisory(BaseModel):
 
     type: str = Field(max_length=128)
     id: str = Field(min_length=1, max_length=64)
+    server: AdvisoryServer = Field(default_factory=AdvisoryServer)
     client: AdvisoryClient
     reason: str = Field(default="", max_length=256)
 
@@ -38,6 +52,21 @@ class ClientAdvisory(BaseModel):
     def disconnected(self) -> bool:
         """True for a closed connection, False for a new one."""
         return self.type == DISCONNECT
+
+    @property
+    def connection(self) -> str:
+        """The connection's name as a client reads it of itself (connection_name): server id / client id."""
+        return connection_name(self.server.id, self.client.id)
+
+    @property
+    def client_gone(self) -> bool:
+        """True when the reason says the client's end went away, not that the server dropped a live client."""
+        return self.reason in CLIENT_GONE
+
+
+def connection_name(server_id: str, client_id: int) -> str:
+    """One connection's name, the same from the server's advisories and from the client's own view."""
+    return f"{server_id}/{client_id}"
 
 
 def read_advisory(data: bytes) -> ClientAdvisory:

@@ -19,6 +19,7 @@ from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy, DiscardPolicy, RetentionPolicy, StreamConfig
 from pydantic import ValidationError
 
+from reprise_common.advisories import connection_name
 from reprise_common.consumer import (  # Delivery, Handler and Outcome are part of this module's interface
     BatchHandler,
     Consumer,
@@ -133,6 +134,14 @@ class Bus:
         if self._nc is None:
             raise NotConnectedError("not connected to NATS: call connect() first")
         return self._nc
+
+    @property
+    def connection(self) -> str:
+        """This connection as the server names it in its advisories (connection_name); "" when not connected."""
+        nc = self._nc
+        if nc is None or not nc.is_connected or nc.client_id is None:
+            return ""
+        return connection_name(str(nc._server_info.get("server_id", "")), nc.client_id)
 
     @property
     def max_payload(self) -> int:

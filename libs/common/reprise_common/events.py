@@ -171,6 +171,12 @@ class NodeReport(Event):
         default=False, description="the agent is stopping (a graceful restart): its connection closes next, expected"
     )
     standbys: list[StandbyStatus] = Field(default_factory=list, description="warm standby interpreters waiting here")
+    connection: str = Field(
+        default="",
+        max_length=192,
+        description="the agent's NATS connection the report was sent on (server id/client id, as the server's "
+        "advisories name it): a closed connection with the node's identity that is not this one is no evidence",
+    )
 
 
 class GpuXid(Event):

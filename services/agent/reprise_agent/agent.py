@@ -195,6 +195,7 @@ class Agent:
             standbys=self.standbys.statuses(),
             spare=self.settings.spare,
             stopping=self.stopping,
+            connection=self.bus.connection,
         )
 
     def _rank_status(self, rank: RankProcess) -> RankStatus:

@@ -27,6 +27,7 @@ from reprise_detector.nodes import views as node_views
 from reprise_detector.nodes.liveness import Liveness
 from reprise_detector.nodes.peers import PeerErrors
 from reprise_detector.nodes.reputation import ReputationRules
+from reprise_detector.nodes.witnesses import Witnesses
 from reprise_detector.partition import Partition
 from reprise_detector.pipeline import Detector
 from reprise_detector.placements import PlacementMap
@@ -46,7 +47,11 @@ def build_runtime(settings: DetectorSettings, clock: Clock) -> Runtime:
     partition = Partition(settings.partition_index, settings.partition_count)
     rules = load_rules(settings.rules_path)
     liveness = Liveness(
-        clock=clock, lost_after_s=settings.node_lost_after_s, reconnect_grace_s=settings.reconnect_grace_s
+        clock=clock,
+        lost_after_s=settings.node_lost_after_s,
+        reconnect_grace_s=settings.reconnect_grace_s,
+        unreachable_after_s=settings.node_unreachable_after_s,
+        hold_max_s=settings.node_hold_max_s,
     )
     peers = PeerErrors(
         clock=clock,
@@ -100,6 +105,9 @@ def build_runtime(settings: DetectorSettings, clock: Clock) -> Runtime:
         hang_check_interval_s=settings.hang_check_interval_s,
         bus=bus,
         peers=peers,
+    )
+    liveness.witness = Witnesses(
+        placements=placements, book=book, window_s=settings.node_witness_window_s, settle=watcher.settle
     )
     return Runtime(settings, engine, bus, clock, placements, detector, Background(bus), partition, watcher)
 

@@ -30,7 +30,14 @@ from reprise_common.events import (
     Severity,
 )
 from reprise_detector import stacks
-from reprise_detector.derived import JobHung, NodeLost, RankExitedEarly, RankStraggling
+from reprise_detector.derived import (
+    DerivedSymptom,
+    JobHung,
+    NodeLost,
+    NodeUnreachable,
+    RankExitedEarly,
+    RankStraggling,
+)
 from reprise_detector.observe import SymptomEvent, numeric_summary
 
 BUILTIN_RULES = "rules.yaml"
@@ -141,6 +148,7 @@ class RulesFile(BaseModel):
     rendezvous_unreachable: TemplateRule | None = None
     rank_exited: list[ExitRule] = Field(default_factory=list)
     node_lost: TemplateRule | None = None
+    node_unreachable: TemplateRule | None = None
     job_hung: TemplateRule | None = None
     rank_straggling: TemplateRule | None = None
     rank_exited_early: TemplateRule | None = None
@@ -160,6 +168,7 @@ class RuleBook:
     rendezvous_unreachable: TemplateRule
     rank_exited: tuple[ExitRule, ...]
     node_lost: TemplateRule
+    node_unreachable: TemplateRule
     job_hung: TemplateRule
     rank_straggling: TemplateRule
     rank_exited_early: TemplateRule
@@ -198,7 +207,7 @@ class RuleBook:
                 return self._rank_exited(event)
             case RankStacks() | RankNumeric() | ComputeSignal() | RankParked():
                 return self._reported(event)
-            case NodeLost() | JobHung() | RankStraggling() | RankExitedEarly():
+            case NodeLost() | NodeUnreachable() | JobHung() | RankStraggling() | RankExitedEarly():
                 return self._derived(event)
 
     def _reported(self, event: RankStacks | RankNumeric | ComputeSignal | RankParked) -> Classification:
@@ -213,10 +222,12 @@ class RuleBook:
                 facts = _Facts.of(event, node_id=event.node_id or "(not named)", job_id=event.job_id or "(not named)")
                 return self.compute_signals[event.kind].apply(facts)
 
-    def _derived(self, event: NodeLost | JobHung | RankStraggling | RankExitedEarly) -> Classification:
+    def _derived(self, event: DerivedSymptom) -> Classification:
         match event:
             case NodeLost():
                 return self.node_lost.apply(_Facts.of(event, silent_s=f"{event.silent_s:.1f}"))
+            case NodeUnreachable():
+                return self.node_unreachable.apply(_Facts.of(event, silent_s=f"{event.silent_s:.1f}"))
             case JobHung():
                 facts = _Facts.of(event, stalled_s=f"{event.stalled_s:.1f}", limit_s=f"{event.limit_s:.1f}")
                 return self.job_hung.apply(facts)
@@ -318,18 +329,31 @@ def load_rules(path: Path | None = None) -> RuleBook:
     dependency = operator.dependency_failed or builtin.dependency_failed
     rendezvous = operator.rendezvous_unreachable or builtin.rendezvous_unreachable
     node_lost = operator.node_lost or builtin.node_lost
+    unreachable = operator.node_unreachable or builtin.node_unreachable
     hung = operator.job_hung or builtin.job_hung
     straggling = operator.rank_straggling or builtin.rank_straggling
     early = operator.rank_exited_early or builtin.rank_exited_early
     stacked = operator.rank_stacks or builtin.rank_stacks
     numeric = operator.rank_numeric or builtin.rank_numeric
     signals = {**builtin.compute_signal, **operator.compute_signal}
-    if None in (unknown, lost, dependency, rendezvous, node_lost, hung, straggling, early, stacked, numeric):
+    if None in (
+        unknown,
+        lost,
+        dependency,
+        rendezvous,
+        node_lost,
+        unreachable,
+        hung,
+        straggling,
+        early,
+        stacked,
+        numeric,
+    ):
         raise ConfigError(f"built-in {BUILTIN_RULES} lacks a required section")
     if missing := sorted(set(ComputeSignalKind) - set(signals)):
         raise ConfigError(f"built-in {BUILTIN_RULES} lacks compute_signal rules for {', '.join(missing)}")
     assert unknown and lost and dependency and rendezvous and node_lost and hung and straggling and early  # for mypy
-    assert stacked and numeric
+    assert stacked and numeric and unreachable
     exits = (*operator.rank_exited, *builtin.rank_exited)
     return RuleBook(
         xids,
@@ -339,6 +363,7 @@ def load_rules(path: Path | None = None) -> RuleBook:
         rendezvous,
         exits,
         node_lost,
+        unreachable,
         hung,
         straggling,
         early,

@@ -32,6 +32,16 @@ class NodeLost(Derived):
     how: str = Field(max_length=512)  # what showed it, for the incident's reason
 
 
+class NodeUnreachable(Derived):
+    """A node silent past `limit_s` while its jobs' ranks on other nodes go on advancing with it: alive, its control
+    plane cut off (said once a silence; never a recovery)."""
+
+    type: Literal["node.unreachable"] = "node.unreachable"
+    silent_s: float
+    limit_s: float
+    how: str = Field(max_length=512)
+
+
 class JobHung(Derived):
     """A job's step progress stopped for longer than its limit; node_id and rank name the rank to blame."""
 
@@ -71,4 +81,4 @@ class RankExitedEarly(Derived):
     grace_s: float
 
 
-DerivedSymptom = NodeLost | JobHung | RankStraggling | RankExitedEarly
+DerivedSymptom = NodeLost | NodeUnreachable | JobHung | RankStraggling | RankExitedEarly

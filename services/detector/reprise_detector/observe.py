@@ -22,7 +22,14 @@ from reprise_common.events import (
 )
 from reprise_common.logging import get_logger
 from reprise_detector import stacks
-from reprise_detector.derived import DerivedSymptom, JobHung, NodeLost, RankExitedEarly, RankStraggling
+from reprise_detector.derived import (
+    DerivedSymptom,
+    JobHung,
+    NodeLost,
+    NodeUnreachable,
+    RankExitedEarly,
+    RankStraggling,
+)
 
 log = get_logger("reprise.detector.observe")
 
@@ -155,7 +162,7 @@ def numeric_summary(event: RankNumeric) -> str:
 
 def derived(symptom: DerivedSymptom) -> Observation:
     """The observation for a symptom the detector derived itself (the node id is already trusted)."""
-    if isinstance(symptom, NodeLost):
+    if isinstance(symptom, NodeLost | NodeUnreachable):
         return Observation(
             event=symptom,
             node_id=symptom.node_id,

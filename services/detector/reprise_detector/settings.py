@@ -61,6 +61,27 @@ class DetectorSettings(ServiceSettings, DatabaseSettings, AuthSettings):
         description="a node whose agent's connection closed is lost unless the agent connects or reports again "
         "within this many seconds",
     )
+    node_witness_window_s: float = Field(
+        default=1.5,
+        gt=0,
+        le=600,
+        description="a suspect node's jobs' ranks on other nodes that have not advanced for this long (plus 2 of the "
+        "job's median steps) after advancing until it fell silent show it gone; advancing since, alive",
+    )
+    node_unreachable_after_s: float = Field(
+        default=30.0,
+        gt=0,
+        le=86400,
+        description="a node silent this long while its jobs' ranks on other nodes advance is said unreachable, once "
+        "(a warning incident, never a recovery)",
+    )
+    node_hold_max_s: float = Field(
+        default=300.0,
+        gt=0,
+        le=86400,
+        description="a silent node is vouched for by its jobs' advancing ranks at most this long; then its silence "
+        "makes it lost as any node's (jobs whose ranks do not need each other must not hide a dead node for ever)",
+    )
     watch_interval_s: float = Field(default=0.5, gt=0, description="how often node loss is checked")
     hang_check_interval_s: float = Field(
         default=0.5,

@@ -95,6 +95,7 @@ class WatchedReport(ReportSeen, frozen=True, gc=False):
     gpus: msgspec.Raw = msgspec.field(default_factory=lambda: EMPTY_ARRAY)  # type: ignore[assignment]  # undecoded here
     ranks: msgspec.Raw = msgspec.field(default_factory=lambda: EMPTY_ARRAY)  # type: ignore[assignment]  # undecoded here
     interval_s: Annotated[float, msgspec.Meta(gt=0)] = 1.0
+    connection: Annotated[str, msgspec.Meta(max_length=192)] = ""
 
 
 _REPORT_DECODER = msgspec.json.Decoder(WatchedReport)
@@ -172,7 +173,7 @@ class Watcher:
         if peers is not None:
             peers.wake = self.wake  # a job's peers failed: look when its quietest node becomes overdue
         if hangs is not None:
-            hangs.settle = self._settle  # a job is judged on its nodes' latest reports
+            hangs.settle = self.settle  # a job is judged on its nodes' latest reports
 
     # --- reports ----------------------------------------------------------------------------------------------
     async def handle_reports(self, reports: dict[str, bytes]) -> None:
@@ -207,7 +208,15 @@ class Watcher:
                 continue
             try:
                 report = read_watched_report(data)
-                saw(node_id, report_id, report.gpus, stopping=report.stopping, interval_s=report.interval_s, now=now)
+                saw(
+                    node_id,
+                    report_id,
+                    report.gpus,
+                    stopping=report.stopping,
+                    interval_s=report.interval_s,
+                    connection=report.connection,
+                    now=now,
+                )
             except MalformedEventError as exc:  # the report, or its GPUs (saw() records nothing then)
                 self._malformed(node_id, str(exc))
                 continue
@@ -253,7 +262,7 @@ class Watcher:
         known = self._tracks.get(node_id)
         if known is not None and known.version == self._here_version:
             if not known.unread_reports:
-                known.job.waiting.add(node_id)  # a close look at the job folds it first (_settle)
+                known.job.waiting.add(node_id)  # a close look at the job folds it first (settle)
             known.unread, known.unread_at = ranks, now
             known.unread_reports += 1
             if now < known.fold_at:
@@ -312,8 +321,9 @@ class Watcher:
             self._malformed(node_id, str(exc))
             return None
 
-    def _settle(self, job: JobTrack) -> None:
-        """Fold the reports the job's nodes sent since their last fold, before the job is judged (HangWatch.settle).
+    def settle(self, job: JobTrack) -> None:
+        """Fold the reports the job's nodes sent since their last fold, before the job is judged (HangWatch.settle,
+        and a suspect node's witnesses).
 
         Nothing is looked up here (the hang check passes over the book's jobs, which a lookup may add to): a node that
         lists other ranks now has them looked up at its next report, a second later.
@@ -483,7 +493,7 @@ class Watcher:
         next one tries again."""
         next_tick = self.clock.monotonic() + interval_s
         while not stopping.is_set():
-            grace = self.liveness.next_due()  # the suspect nodes alone (those whose connection closed)
+            grace = self.liveness.next_due()  # the suspect nodes alone (a closed connection, undecided witnesses)
             dues = (next_tick, grace, self._peers_due(), self._hangs_due())
             until = min(d for d in dues if d is not None)
             woken = asyncio.ensure_future(self._woken.wait())

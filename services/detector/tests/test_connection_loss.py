@@ -20,6 +20,7 @@ import pytest
 
 from reprise_cli.creds import Credentials, init_credentials
 from reprise_cli.servers import NatsServer, deploy_dir
+from reprise_common import subjects
 from reprise_common.bus import Bus
 from reprise_common.clock import SystemClock
 from reprise_common.errors import BusError
@@ -39,10 +40,12 @@ AGENT = """
 import asyncio, signal, sys
 from pathlib import Path
 from reprise_common import subjects
+from reprise_common import subjects
 from reprise_common.bus import Bus
 from reprise_common.events import NodeReport
 
-async def main(url: str, seed: str, node: str) -> None:
+async def main(url: str, seed: str, node: str, every: str = "0.2") -> None:
+    interval = float(every)
     inbox = subjects.inbox_prefix(node)
     bus = Bus(url=url, service=f"agent-{node}", nkey_seed_file=Path(seed), inbox_prefix=inbox, provision=False)
     await bus.connect(attempts=40)
@@ -50,16 +53,18 @@ async def main(url: str, seed: str, node: str) -> None:
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     print("connected", flush=True)
     while not stop.is_set():
-        report = NodeReport(source=node, node_id=node, interval_s=0.2, gpu_backend="sim")
+        report = NodeReport(
+            source=node, node_id=node, interval_s=interval, gpu_backend="sim", connection=bus.connection
+        )
         try:
             await bus.publish_snapshot(subjects.node_report(node), report)
         except Exception:
             pass  # not connected: the next one
         try:
-            await asyncio.wait_for(stop.wait(), 0.2)
+            await asyncio.wait_for(stop.wait(), interval)
         except TimeoutError:
             pass
-    bye = NodeReport(source=node, node_id=node, interval_s=0.2, gpu_backend="sim", stopping=True)
+    bye = NodeReport(source=node, node_id=node, interval_s=interval, gpu_backend="sim", stopping=True)
     await bus.publish_snapshot(subjects.node_report(node), bye)
     await bus.close()
 
@@ -84,9 +89,10 @@ class Agents:
         self.server, self.creds = server, creds
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
 
-    def start(self, node: str) -> None:
+    def start(self, node: str, *, interval_s: float = 0.2) -> None:
         seed = str(self.creds.agents[node].seed_file)
-        process = subprocess.Popen([sys.executable, "-c", AGENT, self.server.url, seed, node], stdout=subprocess.PIPE)
+        command = [sys.executable, "-c", AGENT, self.server.url, seed, node, str(interval_s)]
+        process = subprocess.Popen(command, stdout=subprocess.PIPE)
         assert process.stdout is not None and process.stdout.readline().strip() == b"connected"
         self.processes[node] = process
 
@@ -144,7 +150,8 @@ async def _known(h: Harness, *nodes: str) -> bool:
 
 
 async def test_a_killed_agents_node_is_lost_from_its_closed_connection(harness: Harness, agents: Agents) -> None:
-    await harness.place("job-a", [(0, "node-1", 0), (1, "node-2", 0)])
+    # The job is node-2's alone: no rank elsewhere can say whether it goes on, so the closed connection decides.
+    await harness.place("job-a", [(0, "node-2", 0)])
     for node in NODES:
         agents.start(node)
     assert await wait_until(lambda: _known(harness, *NODES))
@@ -232,3 +239,107 @@ async def test_a_nats_outage_longer_than_every_limit_calls_no_node_lost_and_no_j
 
 async def _reconnected(h: Harness) -> bool:
     return h.runtime.bus.connected and h.runtime.bus.generation > 1
+
+
+async def test_a_second_connection_with_a_nodes_identity_closing_is_no_evidence(
+    harness: Harness, agents: Agents, secured: NatsServer, creds: Credentials
+) -> None:
+    """Found from outside: a client that connected with node-2's identity, published and disconnected made node-2 lost
+    (and its healthy job restarted) while node-2's own agent was connected and reporting."""
+    await harness.place("job-a", [(0, "node-2", 0)])
+    agents.start("node-2", interval_s=1.0)  # the agents' default interval: longer than the reconnect grace
+    assert await wait_until(lambda: _known(harness, "node-2"))
+    assert await wait_until(lambda: _reporting_connection_known(harness, "node-2"))
+    for _ in range(3):
+        seed = creds.agents["node-2"].seed_file
+        other = Bus(
+            url=secured.url,
+            service="not-the-agent",
+            nkey_seed_file=seed,
+            inbox_prefix=subjects.inbox_prefix("node-2"),
+            provision=False,
+        )
+        await other.connect(attempts=20)
+        await other.nc.publish(subjects.node_event("node-2", "agent.lifecycle"), b"{}")
+        await other.nc.flush()
+        await other.close()
+    await asyncio.sleep(SETTLE_S)
+    assert await harness.open_incidents("job-a") == []
+    assert harness.runtime.watcher.liveness.nodes["node-2"].dropped_at is None
+
+
+async def _reporting_connection_known(h: Harness, node: str) -> bool:
+    return bool(h.runtime.watcher.liveness.reporting_connection(node))
+
+
+async def _train(h: Harness, ranks: dict[int, str], steps: Callable[[], int]) -> None:
+    """Report the job's ranks on their nodes every 0.2 s at the step `steps` says, as their agents would."""
+    while True:
+        step = steps()
+        for rank, node in ranks.items():
+            status = RankStatus(job_id="job-a", rank=rank, step=step, phase="training", heartbeat_age_s=0.0)
+            with contextlib.suppress(BusError, nats.errors.Error):
+                await h.report(node, [status])
+        await asyncio.sleep(0.2)
+
+
+async def test_a_silent_node_whose_jobs_other_ranks_advance_is_unreachable_not_lost(
+    harness: Harness, agents: Agents
+) -> None:
+    """A node's management link cut while its ranks train over the data link: its agent falls silent (stopped here,
+    its connection left open as a cut link leaves it), the job's ranks on node-1 go on advancing. Past the report limit
+    the node is said unreachable once (a warning); it is never lost, nothing is recovered."""
+    liveness = harness.runtime.watcher.liveness
+    liveness.lost_after_s, liveness.unreachable_after_s = 2.0, 3.0
+    await harness.place("job-a", [(0, "node-1", 0), (1, "node-2", 0)])
+    agents.start("node-2")
+    clock = time.monotonic()
+    training = asyncio.create_task(_train(harness, {0: "node-1"}, lambda: int((time.monotonic() - clock) * 10)))
+    try:
+        assert await wait_until(lambda: _known(harness, *NODES))
+        await asyncio.sleep(1.0)
+        agents.signal("node-2", signal.SIGSTOP)
+        await asyncio.sleep(6.0)  # three times the report limit
+        incidents = await harness.open_incidents("job-a")
+        assert [i["severity"] for i in incidents] == ["warning"], incidents
+        assert "node-2 unreachable: no report for" in incidents[0]["root_cause"], incidents
+        assert incidents[0]["recommended_action"] == "none", incidents
+        assert liveness.nodes["node-2"].state == "alive"
+    finally:
+        training.cancel()
+        agents.signal("node-2", signal.SIGCONT)
+
+
+async def test_a_silent_node_whose_jobs_other_ranks_stop_with_it_is_lost_before_the_limit(
+    harness: Harness, agents: Agents
+) -> None:
+    """A host gone without a word (power lost: its agent silent, its connection left open): the job's ranks on node-1
+    stop advancing with it. It is lost seconds before the report limit, on that evidence."""
+    liveness = harness.runtime.watcher.liveness
+    liveness.lost_after_s = 30.0
+    await harness.place("job-a", [(0, "node-1", 0), (1, "node-2", 0)])
+    agents.start("node-2")
+    stopped_at: list[float] = []
+    clock = time.monotonic()
+
+    def steps() -> int:  # the step node-1's rank reaches: none after node-2 went away
+        return int(((stopped_at[0] if stopped_at else time.monotonic()) - clock) * 10)
+
+    training = asyncio.create_task(_train(harness, {0: "node-1"}, steps))
+    try:
+        assert await wait_until(lambda: _known(harness, *NODES))
+        await asyncio.sleep(1.0)
+        agents.signal("node-2", signal.SIGSTOP)
+        stopped_at.append(time.monotonic())
+
+        async def lost() -> bool:
+            return any(i["category"] == "node" for i in await harness.open_incidents("job-a"))
+
+        assert await wait_until(lost, timeout=10)
+        print(f"node loss decided {time.monotonic() - stopped_at[0]:.2f} s after the host went silent")
+        [incident] = await harness.open_incidents("job-a")
+        assert incident["culprit_node_id"] == "node-2", incident
+        assert "stopped advancing with it" in incident["root_cause"], incident
+    finally:
+        training.cancel()
+        agents.signal("node-2", signal.SIGCONT)

@@ -1,13 +1,17 @@
 """Node liveness: when each node last reported (the detector's clock), and which nodes went silent or dropped their
 connection.
 
-Three kinds of evidence make a node lost. Its reports stop for longer than the limit (a frozen host, a cut network:
-the fallback, seconds). Or the NATS server says the agent's connection closed (a killed agent or host: the server knows
-at once) and, within a short grace, the agent neither connected again nor reported: a reconnect (after a NATS restart,
-a network blip) is no loss. Or a peer's collective failed naming a lost peer while the node has missed its reports for
-1.5 of its intervals (nodes/peers.py). An agent whose last report said it is stopping (a graceful restart) is judged by
-its reports alone. A node whose agent's step the compute scheduler ended (its ranks' exits say so: a preemption, a time
-limit) is not lost at all until it reports again: it was released, and the scheduler's signal tells the job's story.
+A node is judged by all it shows, not by one connection (docs/detector.md, "Node loss"). It becomes *suspect* when the
+connection its agent reports on closes from the client's side (a killed agent or host: the server knows at once), or
+when it misses 1.5 of its report intervals. A suspect is then asked of its jobs' other ranks (nodes/witnesses.py): a
+node none of whose jobs spans other nodes is lost after a short grace (a reconnect within it is no loss); a node whose
+jobs' other ranks stopped advancing with it is lost at once; a node whose jobs' other ranks go on advancing is alive
+(its management link is cut, its data link is not: in a data-parallel job no step completes without it) and, past the
+report limit, *unreachable*, said once, never recovered while they advance (up to a bound). Otherwise its reports
+stopping for longer than the limit make it lost, as does a peer's collective failing naming a lost peer
+(nodes/peers.py). An agent whose last report said it is stopping (a graceful restart) is judged by its reports alone.
+A node whose agent's step the compute scheduler ended (its ranks' exits say so: a preemption, a time limit) is not lost
+at all until it reports again: it was released, and the scheduler's signal tells the job's story.
 """
 
 from __future__ import annotations
@@ -20,11 +24,13 @@ import msgspec
 
 from reprise_common.clock import Clock
 from reprise_common.report_view import EMPTY_ARRAY, GpuSeen, read_gpus
-from reprise_detector.derived import NodeLost
+from reprise_detector.derived import NodeLost, NodeUnreachable
 
 REPORT_IN_FLIGHT_S = 0.1  # a report arriving this soon after a dropped connection may have been sent before it
 RELEASE_IN_FLIGHT_S = 2.0  # a report this soon after the scheduler ended the node's step was sent before that
 DEFAULT_INTERVAL_S = 1.0  # a node's report interval until a report read says its own (the agents' default)
+SUSPECT_FACTOR = 1.5  # report intervals a node may miss before its silence makes it suspect
+RECHECK_S = 0.1  # how soon a silent node its witnesses have not decided is looked at again (within the report limit)
 
 
 ReportId = int | str
@@ -37,6 +43,22 @@ class NodeState(StrEnum):
 
     ALIVE = "alive"
     LOST = "lost"
+
+
+class Witness(StrEnum):
+    """What a suspect node's jobs' ranks on other nodes say of it (nodes/witnesses.py)."""
+
+    NONE = "none"  # no job of the node has ranks elsewhere: there is no one to ask
+    BLIND = (
+        "blind"  # they cannot tell: no steps reported (no SDK), not training, or stalled before the node fell silent
+    )
+    WAITING = "waiting"  # too soon to tell: they advanced lately, but not since the node fell silent
+    ADVANCING = "advancing"  # they advanced since the node fell silent: it is alive, only its reports do not arrive
+    STALLED = "stalled"  # they advanced until the node fell silent and stopped with it: it is gone
+
+
+WitnessCall = Callable[[str, float, float], Witness]
+"""(node, since, now) -> what the node's jobs' other ranks say of its suspicion since `since` (monotonic times)."""
 
 
 _ALIVE = NodeState.ALIVE  # bound once: saw() compares with it at every report, and a lookup on the enum costs 70 ns
@@ -56,6 +78,9 @@ class NodeSeen(msgspec.Struct, gc=False):
     leaving: bool = False  # its agent's last report said it is stopping: a closed connection is expected
     released_at: float | None = None  # when the scheduler ended its agent's step (released()): silence is no loss
     interval_s: float = DEFAULT_INTERVAL_S  # how often it reports, as its last report read said
+    connection: str = ""  # the NATS connection its last report said it was sent on ("" unknown)
+    held_since: float | None = None  # since when its jobs' other ranks vouch for it while it is suspect
+    unreachable_said: bool = False  # its unreachability was said for this silence (once)
 
 
 class Liveness:
@@ -66,11 +91,25 @@ class Liveness:
     report differs) and joins the job's incident within the window instead of opening another one.
     """
 
-    def __init__(self, *, clock: Clock, lost_after_s: float, reconnect_grace_s: float = 0.3) -> None:
+    def __init__(
+        self,
+        *,
+        clock: Clock,
+        lost_after_s: float,
+        reconnect_grace_s: float = 0.3,
+        unreachable_after_s: float = 30.0,
+        hold_max_s: float = 300.0,
+    ) -> None:
         self.clock = clock
         self.lost_after_s = lost_after_s
         self.reconnect_grace_s = reconnect_grace_s
+        self.unreachable_after_s = unreachable_after_s  # silent this long while vouched for: said unreachable, once
+        self.hold_max_s = hold_max_s  # vouched for no longer than this: past it, its silence decides as any node's
         self.nodes: dict[str, NodeSeen] = {}
+        self._least_interval_s = DEFAULT_INTERVAL_S  # the shortest report interval of any node (the silence pass)
+        self._recheck_at: float | None = None  # a silent node's witnesses are to be asked again then (monotonic)
+        # What a suspect's jobs' other ranks say of it (the watch sets nodes/witnesses.py's): until then, no one.
+        self.witness: WitnessCall = lambda _node, _since, _now: Witness.NONE
         # Nodes whose agent's connection closed (dropped()): next_due() looks at these alone, not at every node, once
         # per wait of the watch loop. Kept until next_due() finds one no longer suspect.
         self._suspects: set[str] = set()
@@ -86,13 +125,15 @@ class Liveness:
         *,
         stopping: bool = False,
         interval_s: float | None = None,
+        connection: str | None = None,
         now: float | None = None,
     ) -> None:
         """Record a report from a node (identity from the subject); `gpus`: its GPUs as it sent them (JSON), decoded
         only when they differ from the node's last (MalformedEventError, with nothing recorded, when they cannot be);
         `stopping`: its agent's last before a graceful stop, so the connection that closes next is no evidence (gpus
-        given: the report was read, it is not); `interval_s`: how often it reports (a report read says so); `now`: the
-        monotonic time it arrived (the clock's by default; a batch of reports passes its own)."""
+        given: the report was read, it is not); `interval_s`: how often it reports (a report read says so);
+        `connection`: the NATS connection it says it was sent on; `now`: the monotonic time it arrived (the clock's by
+        default; a batch of reports passes its own)."""
         seen = self.nodes.get(node_id)
         fresh: tuple[tuple[GpuSeen, ...], msgspec.Raw] | None = None
         if gpus is not None and (seen is None or gpus != seen.gpus_json):  # compared in C, no decoding
@@ -105,6 +146,8 @@ class Liveness:
         seen.last_seen, seen.last_report_id = now, report_id
         if seen.state is not _ALIVE:  # what rarely changes is compared before it is written (every report)
             seen.state = _ALIVE
+        if seen.held_since is not None or seen.unreachable_said:
+            seen.held_since, seen.unreachable_said = None, False
         if seen.released_at is not None and not stopping and now - seen.released_at > RELEASE_IN_FLIGHT_S:
             seen.released_at = None  # a running agent reports again (the step's next allocation): judged as any
         if stopping:
@@ -117,6 +160,9 @@ class Liveness:
             seen.gpus, seen.gpus_json = fresh
         if interval_s is not None and interval_s != seen.interval_s:
             seen.interval_s = interval_s
+            self._least_interval_s = min(self._least_interval_s, interval_s)
+        if connection and connection != seen.connection:
+            seen.connection = connection
 
     def dropped(self, node_id: str, *, advisory_id: str, reason: str) -> bool:
         """The server closed the connection of the node's agent; True when that makes the node suspect.
@@ -132,6 +178,11 @@ class Liveness:
         self._suspects.add(node_id)
         return True
 
+    def reporting_connection(self, node_id: str) -> str:
+        """The NATS connection the node's last report said it was sent on ("" unknown, or never reported)."""
+        seen = self.nodes.get(node_id)
+        return "" if seen is None else seen.connection
+
     def connected(self, node_id: str) -> None:
         """The node's agent connected (again): no suspicion stands, and a stopping agent is back."""
         seen = self.nodes.get(node_id)
@@ -146,49 +197,124 @@ class Liveness:
         if seen is not None and seen.state is NodeState.ALIVE:
             seen.released_at, seen.dropped_at = self.clock.monotonic(), None
 
-    def check(self) -> list[NodeLost]:
-        """Nodes that just crossed the limit (each silence is reported once), and suspects whose grace ended.
+    def check(self) -> list[NodeLost | NodeUnreachable]:
+        """Nodes that just became lost (each silence once), and those just found unreachable (each silence once).
 
-        The pass over every node only compares its last report's time with the limit; what a loss takes is done for the
-        few found. At 50,000 nodes a pass that judged each node in full held the event loop for 13 ms, twice a second,
-        while reports waited.
+        The pass over every node only compares its last report's time with the shortest suspicion; what a judgement
+        takes is done for the few found. At 50,000 nodes a pass that judged each node in full held the event loop for
+        13 ms, twice a second, while reports waited.
         """
         now, wall = self._judged_at()
-        lost: list[NodeLost] = []
+        found: list[NodeLost | NodeUnreachable] = []
+        self._recheck_at = None
         for node_id in list(self._suspects):  # next_due() forgets those no longer suspect
             seen = self.nodes[node_id]
             dropped_at = seen.dropped_at
             if not self._judged(seen) or dropped_at is None or now - dropped_at < self.reconnect_grace_s:
                 continue
-            seen.state, seen.dropped_at, gone = NodeState.LOST, None, now - dropped_at
-            lost.append(
-                NodeLost(
-                    event_id=f"node-lost:{node_id}:{seen.dropped_id}"[:128],
-                    time=wall - timedelta(seconds=gone),
-                    node_id=node_id,
-                    silent_s=now - seen.last_seen,
-                    limit_s=self.reconnect_grace_s,
-                    how=f"its connection closed ({seen.dropped_reason}) and did not come back within {gone:.1f} s",
+            verdict = self.witness(node_id, dropped_at, now)
+            if verdict is Witness.NONE or verdict is Witness.STALLED:
+                gone = now - dropped_at
+                why = "" if verdict is Witness.NONE else ", and its jobs' ranks on other nodes stopped with it"
+                how = f"its connection closed ({seen.dropped_reason}) and did not come back within {gone:.1f} s{why}"
+                found.append(
+                    self._lose(
+                        node_id,
+                        seen,
+                        evidence_id=seen.dropped_id,
+                        judged=(now, wall),
+                        ago=gone,
+                        limit=self.reconnect_grace_s,
+                        how=how,
+                    )
                 )
-            )
-        heard_after = now - self.lost_after_s
+            else:  # its jobs' other ranks are asked again with its silence, below, at every pass
+                self._suspects.discard(node_id)
+        heard_after = now - SUSPECT_FACTOR * self._least_interval_s
         for node_id in [node_id for node_id, seen in self.nodes.items() if seen.last_seen < heard_after]:
             seen = self.nodes[node_id]
-            if not self._judged(seen):
-                continue
-            silent = now - seen.last_seen
-            seen.state, seen.dropped_at = NodeState.LOST, None
-            lost.append(
-                NodeLost(
-                    event_id=f"node-lost:{node_id}:{seen.last_report_id}"[:128],
-                    time=wall - timedelta(seconds=silent - self.lost_after_s),
-                    node_id=node_id,
-                    silent_s=silent,
-                    limit_s=self.lost_after_s,
-                    how=f"no report for {silent:.1f} s",
-                )
+            if self._judged(seen):
+                symptom = self._judge_silence(node_id, seen, now, wall)
+                if symptom is not None:
+                    found.append(symptom)
+        return found
+
+    def _judge_silence(
+        self, node_id: str, seen: NodeSeen, now: float, wall: datetime
+    ) -> NodeLost | NodeUnreachable | None:
+        """One silent node: lost when its jobs' other ranks stopped with it or the limit passed, unreachable (said once)
+        while they advance without it; None while nothing is decided."""
+        silent = now - seen.last_seen
+        since = seen.last_seen + SUSPECT_FACTOR * seen.interval_s
+        if seen.dropped_at is not None:
+            since = min(since, seen.dropped_at)
+        if now < since:
+            return None
+        report_id = str(seen.last_report_id)
+        verdict = self.witness(node_id, since, now)
+        if verdict is Witness.STALLED:
+            how = f"no report for {silent:.1f} s, and its jobs' ranks on other nodes stopped advancing with it"
+            return self._lose(
+                node_id,
+                seen,
+                evidence_id=report_id,
+                judged=(now, wall),
+                ago=now - since,
+                limit=since - seen.last_seen,
+                how=how,
             )
-        return lost
+        if verdict in (Witness.WAITING, Witness.ADVANCING) and now - since < self.lost_after_s:
+            self._recheck_at = self.clock.monotonic() + RECHECK_S  # they may stop any moment: asked again soon
+        if verdict is Witness.ADVANCING and (seen.held_since is None or now - seen.held_since < self.hold_max_s):
+            if seen.held_since is None:
+                seen.held_since = now
+            if silent < self.unreachable_after_s or seen.unreachable_said:
+                return None
+            seen.unreachable_said = True
+            return NodeUnreachable(
+                event_id=f"node-unreachable:{node_id}:{report_id}"[:128],
+                time=wall - timedelta(seconds=silent - self.unreachable_after_s),
+                node_id=node_id,
+                silent_s=silent,
+                limit_s=self.unreachable_after_s,
+                how=f"no report for {silent:.1f} s while its jobs' ranks on other nodes go on advancing with it",
+            )
+        if silent < self.lost_after_s:
+            return None
+        how = f"no report for {silent:.1f} s"
+        return self._lose(
+            node_id,
+            seen,
+            evidence_id=report_id,
+            judged=(now, wall),
+            ago=silent - self.lost_after_s,
+            limit=self.lost_after_s,
+            how=how,
+        )
+
+    @staticmethod
+    def _lose(
+        node_id: str,
+        seen: NodeSeen,
+        *,
+        evidence_id: str,
+        judged: tuple[float, datetime],
+        ago: float,
+        limit: float,
+        how: str,
+    ) -> NodeLost:
+        """The node lost as of `ago` seconds before the `judged` moment (monotonic, wall), on the evidence
+        `evidence_id` names."""
+        seen.state, seen.dropped_at, seen.held_since = NodeState.LOST, None, None
+        now, wall = judged
+        return NodeLost(
+            event_id=f"node-lost:{node_id}:{evidence_id}"[:128],
+            time=wall - timedelta(seconds=ago),
+            node_id=node_id,
+            silent_s=now - seen.last_seen,
+            limit_s=limit,
+            how=how[:512],
+        )
 
     @staticmethod
     def _judged(seen: NodeSeen) -> bool:
@@ -201,7 +327,8 @@ class Liveness:
         seen = self.nodes.get(node_id)
         if seen is None or seen.state is not NodeState.ALIVE or seen.leaving or seen.released_at is not None:
             return None
-        return seen.last_seen + factor * seen.interval_s
+        due = seen.last_seen + factor * seen.interval_s
+        return due if seen.dropped_at is None else min(due, seen.dropped_at)  # its connection closed: overdue now
 
     def lost_on_evidence(self, node_id: str, *, factor: float, evidence: str) -> NodeLost | None:
         """The node lost at once, on other evidence than its silence (its peers' errors), when it has also been
@@ -212,18 +339,21 @@ class Liveness:
         """
         due = self.overdue_at(node_id, factor)
         now, wall = self._judged_at()
-        if due is None or now <= due:
+        if due is None or now < due:
             return None
         seen = self.nodes[node_id]
-        seen.state, seen.dropped_at = NodeState.LOST, None
-        silent, limit = now - seen.last_seen, factor * seen.interval_s
-        return NodeLost(
-            event_id=f"node-lost:{node_id}:{seen.last_report_id}"[:128],
-            time=wall - timedelta(seconds=now - due),
-            node_id=node_id,
-            silent_s=silent,
-            limit_s=limit,
-            how=f"{evidence} and it has not reported for {silent:.1f} s"[:512],
+        silent = now - seen.last_seen
+        how = f"{evidence} and it has not reported for {silent:.1f} s"
+        if seen.dropped_at is not None:
+            how = f"{evidence} and its connection closed ({seen.dropped_reason})"
+        return self._lose(
+            node_id,
+            seen,
+            evidence_id=str(seen.last_report_id),
+            judged=(now, wall),
+            ago=now - due,
+            limit=factor * seen.interval_s,
+            how=how,
         )
 
     def _judged_at(self) -> tuple[float, datetime]:
@@ -237,15 +367,16 @@ class Liveness:
             seen.last_seen = max(seen.last_seen, now)
 
     def next_due(self) -> float | None:
-        """The monotonic time the earliest suspicion's grace ends; None when no node is suspect."""
-        due: float | None = None
+        """The monotonic time the earliest suspicion's grace ends, or a silent node's witnesses are to be asked again;
+        None when neither is pending."""
+        due = self._recheck_at
         for node_id in list(self._suspects):
             seen = self.nodes[node_id]
             if seen.dropped_at is None or seen.state is not NodeState.ALIVE:
                 self._suspects.discard(node_id)  # reconnected, reporting again, released or lost meanwhile
-            elif due is None or seen.dropped_at < due:
-                due = seen.dropped_at
-        return None if due is None else due + self.reconnect_grace_s
+            elif due is None or seen.dropped_at + self.reconnect_grace_s < due:
+                due = seen.dropped_at + self.reconnect_grace_s
+        return due
 
     def age(self, node_id: str) -> float | None:
         """Seconds since the node's last report; None if it never reported."""
