@@ -335,8 +335,9 @@ class NatsCluster:
     servers: list[NatsServer]
 
     @classmethod
-    def on_free_ports(cls, directory: Path, *, size: int = 3) -> NatsCluster:
-        """A cluster of `size` servers, each with its own ports, store and log under `directory`."""
+    def on_free_ports(cls, directory: Path, *, size: int = 3, config: Path | None = None) -> NatsCluster:
+        """A cluster of `size` servers, each with its own ports, store and log under `directory` (`config`: each
+        member's, e.g. `reprise creds`')."""
         cluster_ports = [free_port() for _ in range(size)]
         return cls(
             [
@@ -345,6 +346,7 @@ class NatsCluster:
                     monitor_port=free_port(),
                     store_dir=directory / f"nats-{index}" / "store",
                     log_path=directory / f"nats-{index}.log",
+                    config=config,
                     cluster_port=cluster_port,
                     peer_cluster_ports=tuple(p for p in cluster_ports if p != cluster_port),
                 )
@@ -353,13 +355,13 @@ class NatsCluster:
         )
 
     @classmethod
-    def start_on_free_ports(cls, directory: Path, *, size: int = 3) -> NatsCluster:
+    def start_on_free_ports(cls, directory: Path, *, size: int = 3, config: Path | None = None) -> NatsCluster:
         """A cluster as on_free_ports gives it, started; when a port was taken before its member bound it, every
         member is stopped and the cluster started again on other ports, with fresh stores (the old ones name peers
         that never were)."""
 
         def launch() -> NatsCluster:
-            cluster = cls.on_free_ports(directory, size=size)
+            cluster = cls.on_free_ports(directory, size=size, config=config)
             try:
                 cluster.start()
             except PortTaken:
