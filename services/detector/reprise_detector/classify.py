@@ -157,6 +157,22 @@ class RulesFile(BaseModel):
     compute_signal: dict[ComputeSignalKind, TemplateRule] = Field(default_factory=dict)
 
 
+# The sections that hold one template rule each: RulesFile and RuleBook have a field of each name.
+TEMPLATE_SECTIONS = (
+    "unknown_xid",
+    "gpu_lost",
+    "dependency_failed",
+    "rendezvous_unreachable",
+    "node_lost",
+    "node_unreachable",
+    "job_hung",
+    "rank_straggling",
+    "rank_exited_early",
+    "rank_stacks",
+    "rank_numeric",
+)
+
+
 @dataclass(frozen=True)
 class RuleBook:
     """The merged rules, ready to classify symptoms."""
@@ -324,53 +340,17 @@ def load_rules(path: Path | None = None) -> RuleBook:
     builtin = _read(resources.files("reprise_detector").joinpath(BUILTIN_RULES).read_text(), BUILTIN_RULES)
     operator = _read(path.read_text(), str(path)) if path is not None else RulesFile()
     xids = {code: rule for rule in (*builtin.xid, *operator.xid) for code in rule.xids}
-    unknown = operator.unknown_xid or builtin.unknown_xid
-    lost = operator.gpu_lost or builtin.gpu_lost
-    dependency = operator.dependency_failed or builtin.dependency_failed
-    rendezvous = operator.rendezvous_unreachable or builtin.rendezvous_unreachable
-    node_lost = operator.node_lost or builtin.node_lost
-    unreachable = operator.node_unreachable or builtin.node_unreachable
-    hung = operator.job_hung or builtin.job_hung
-    straggling = operator.rank_straggling or builtin.rank_straggling
-    early = operator.rank_exited_early or builtin.rank_exited_early
-    stacked = operator.rank_stacks or builtin.rank_stacks
-    numeric = operator.rank_numeric or builtin.rank_numeric
+    templates: dict[str, TemplateRule] = {}
+    for section in TEMPLATE_SECTIONS:  # an operator's rule replaces the built-in one of its section
+        rule = getattr(operator, section) or getattr(builtin, section)
+        if not isinstance(rule, TemplateRule):
+            raise ConfigError(f"built-in {BUILTIN_RULES} lacks the section {section}")
+        templates[section] = rule
     signals = {**builtin.compute_signal, **operator.compute_signal}
-    if None in (
-        unknown,
-        lost,
-        dependency,
-        rendezvous,
-        node_lost,
-        unreachable,
-        hung,
-        straggling,
-        early,
-        stacked,
-        numeric,
-    ):
-        raise ConfigError(f"built-in {BUILTIN_RULES} lacks a required section")
     if missing := sorted(set(ComputeSignalKind) - set(signals)):
         raise ConfigError(f"built-in {BUILTIN_RULES} lacks compute_signal rules for {', '.join(missing)}")
-    assert unknown and lost and dependency and rendezvous and node_lost and hung and straggling and early  # for mypy
-    assert stacked and numeric and unreachable
     exits = (*operator.rank_exited, *builtin.rank_exited)
-    return RuleBook(
-        xids,
-        unknown,
-        lost,
-        dependency,
-        rendezvous,
-        exits,
-        node_lost,
-        unreachable,
-        hung,
-        straggling,
-        early,
-        stacked,
-        numeric,
-        signals,
-    )
+    return RuleBook(xids=xids, rank_exited=exits, compute_signals=signals, **templates)
 
 
 def _read(text: str, where: str) -> RulesFile:

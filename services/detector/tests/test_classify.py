@@ -235,3 +235,13 @@ def test_only_errors_that_name_a_failed_peer_are_evidence_against_a_silent_node(
         assert line is None
     else:
         assert line is not None and names in line and "\n" not in line
+
+
+def test_every_template_section_of_the_rules_file_is_loaded_into_the_rule_book() -> None:
+    from dataclasses import fields
+
+    from reprise_detector.classify import TEMPLATE_SECTIONS, RuleBook, RulesFile, TemplateRule
+
+    in_book = {f.name for f in fields(RuleBook) if f.type in ("TemplateRule", TemplateRule)}
+    in_file = {name for name, f in RulesFile.model_fields.items() if f.annotation == TemplateRule | None}
+    assert set(TEMPLATE_SECTIONS) == in_book == in_file

@@ -13,6 +13,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AsyncExitStack
 from pathlib import Path
+from typing import Any
 
 import httpx
 import nats.errors
@@ -114,35 +115,43 @@ def agents(secured: NatsServer, creds: Credentials) -> Iterator[Agents]:
     started.stop_all()
 
 
-@pytest.fixture
-async def harness(secured: NatsServer, creds: Credentials, sqlite_url: str) -> AsyncIterator[Harness]:
-    """A detector with its own identity and the node keys; reports never time out here (only connections count)."""
-    async with AsyncExitStack() as stack:
-        admin = Bus(url=secured.url, service="test-orchestrator", nkey_seed_file=creds.admin.seed_file)
-        await admin.connect(attempts=20)
-        stack.push_async_callback(admin.close)
-        settings = DetectorSettings(
-            nats_url=secured.url,
+async def detector_on(url: str, creds: Credentials, sqlite_url: str, stack: AsyncExitStack, **settings: Any) -> Harness:
+    """A detector on `url` with its own identity and the node keys (`settings`: what the test changes), an admin bus
+    to place jobs with; both stop with `stack`."""
+    admin = Bus(url=url, service="test-orchestrator", nkey_seed_file=creds.admin.seed_file)
+    await admin.connect(attempts=40)
+    stack.push_async_callback(admin.close)
+    app = create_app(
+        DetectorSettings(
+            nats_url=url,
             nats_nkey_seed_file=creds.services["detector"].seed_file,
             node_keys_file=creds.node_keys,
             database_url=sqlite_url,
             admin_api_key=ADMIN_KEY,
-            node_lost_after_s=3600,
-            reconnect_grace_s=GRACE_S,
-            watch_interval_s=0.5,
+            **({"watch_interval_s": 0.5} | settings),
+        ),
+        clock=SystemClock(),
+    )
+    await stack.enter_async_context(app.router.lifespan_context(app))
+    client = await stack.enter_async_context(
+        httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app),
+            base_url="http://detector",
+            headers={"Authorization": f"Bearer {ADMIN_KEY}"},
         )
-        app = create_app(settings, clock=SystemClock())
-        await stack.enter_async_context(app.router.lifespan_context(app))
-        client = await stack.enter_async_context(
-            httpx.AsyncClient(
-                transport=httpx.ASGITransport(app=app),
-                base_url="http://detector",
-                headers={"Authorization": f"Bearer {ADMIN_KEY}"},
-            )
+    )
+    h = Harness(app=app, client=client, agents=admin, stack=stack, published=Published(), reports_before=0)
+    await h.runtime.wait_started(timeout=30)
+    return h
+
+
+@pytest.fixture
+async def harness(secured: NatsServer, creds: Credentials, sqlite_url: str) -> AsyncIterator[Harness]:
+    """A detector with its own identity and the node keys; reports never time out here (only connections count)."""
+    async with AsyncExitStack() as stack:
+        yield await detector_on(
+            secured.url, creds, sqlite_url, stack, node_lost_after_s=3600, reconnect_grace_s=GRACE_S
         )
-        h = Harness(app=app, client=client, agents=admin, stack=stack, published=Published(), reports_before=0)
-        await h.runtime.wait_started(timeout=15)
-        yield h
 
 
 async def _known(h: Harness, *nodes: str) -> bool:

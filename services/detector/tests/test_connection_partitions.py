@@ -11,47 +11,15 @@ from collections.abc import Iterator
 from contextlib import AsyncExitStack
 from pathlib import Path
 
-import httpx
 import pytest
 
 from reprise_cli.creds import Credentials, init_credentials
 from reprise_cli.servers import NatsCluster, NatsServer, deploy_dir
-from reprise_common.bus import Bus
-from reprise_common.clock import SystemClock
-from reprise_detector.app import create_app
-from reprise_detector.settings import DetectorSettings
 
-from .conftest import ADMIN_KEY, Harness, Published, wait_until
-from .test_connection_loss import NODES, Agents
+from .conftest import Harness, wait_until
+from .test_connection_loss import NODES, Agents, detector_on
 
 PINGS = 'ping_interval: "1s"\nping_max: 1\n'  # the server closes a client's connection after ~2 s without an answer
-
-
-async def _detector(url: str, creds: Credentials, sqlite_url: str, stack: AsyncExitStack) -> Harness:
-    """A detector on `url` with its own identity and the node keys, its report limit the default 5 s."""
-    admin = Bus(url=url, service="test-orchestrator", nkey_seed_file=creds.admin.seed_file)
-    await admin.connect(attempts=40)
-    stack.push_async_callback(admin.close)
-    settings = DetectorSettings(
-        nats_url=url,
-        nats_nkey_seed_file=creds.services["detector"].seed_file,
-        node_keys_file=creds.node_keys,
-        database_url=sqlite_url,
-        admin_api_key=ADMIN_KEY,
-        watch_interval_s=0.5,
-    )
-    app = create_app(settings, clock=SystemClock())
-    await stack.enter_async_context(app.router.lifespan_context(app))
-    client = await stack.enter_async_context(
-        httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=app),
-            base_url="http://detector",
-            headers={"Authorization": f"Bearer {ADMIN_KEY}"},
-        )
-    )
-    h = Harness(app=app, client=client, agents=admin, stack=stack, published=Published(), reports_before=0)
-    await h.runtime.wait_started(timeout=30)
-    return h
 
 
 async def _known(h: Harness) -> bool:
@@ -84,7 +52,7 @@ async def test_a_connection_the_server_closed_as_stale_is_no_loss_when_the_agent
     agents = Agents(pinging, pinging_creds)
     async with AsyncExitStack() as stack:
         stack.callback(agents.stop_all)
-        h = await _detector(pinging.url, pinging_creds, sqlite_url, stack)
+        h = await detector_on(pinging.url, pinging_creds, sqlite_url, stack)
         await h.place("job-a", [(0, "node-2", 0)])
         for node in NODES:
             agents.start(node)
@@ -119,7 +87,7 @@ async def test_the_agents_cluster_member_killed_loses_no_node(
     agents = Agents(first, cluster_creds)  # each agent is given the first member alone: it learns the others
     async with AsyncExitStack() as stack:
         stack.callback(agents.stop_all)
-        h = await _detector(",".join(s.url for s in others), cluster_creds, sqlite_url, stack)
+        h = await detector_on(",".join(s.url for s in others), cluster_creds, sqlite_url, stack)
         await h.place("job-a", [(0, "node-1", 0), (1, "node-2", 0)])
         await h.place("job-b", [(0, "node-2", 0)])
         for node in NODES:
