@@ -281,12 +281,14 @@ async def _reporting_connection_known(h: Harness, node: str) -> bool:
     return bool(h.runtime.watcher.liveness.reporting_connection(node))
 
 
-async def _train(h: Harness, ranks: dict[int, str], steps: Callable[[], int]) -> None:
+async def _train(
+    h: Harness, ranks: dict[int, str], steps: Callable[[], int], phase: Callable[[], str] = lambda: "training"
+) -> None:
     """Report the job's ranks on their nodes every 0.2 s at the step `steps` says, as their agents would."""
     while True:
         step = steps()
         for rank, node in ranks.items():
-            status = RankStatus(job_id="job-a", rank=rank, step=step, phase="training", heartbeat_age_s=0.0)
+            status = RankStatus(job_id="job-a", rank=rank, step=step, phase=phase(), heartbeat_age_s=0.0)
             with contextlib.suppress(BusError, nats.errors.Error):
                 await h.report(node, [status])
         await asyncio.sleep(0.2)
@@ -296,19 +298,34 @@ async def test_a_silent_node_whose_jobs_other_ranks_advance_is_unreachable_not_l
     harness: Harness, agents: Agents
 ) -> None:
     """A node's management link cut while its ranks train over the data link: its agent falls silent (stopped here,
-    its connection left open as a cut link leaves it), the job's ranks on node-1 go on advancing. Past the report limit
-    the node is said unreachable once (a warning); it is never lost, nothing is recovered."""
+    its connection left open as a cut link leaves it), the job's ranks on node-1 go on advancing, but for a save of
+    2 s in the middle. Past the report limit the node is said unreachable once (a warning); it is never lost, nothing
+    is recovered."""
     liveness = harness.runtime.watcher.liveness
     liveness.lost_after_s, liveness.unreachable_after_s = 2.0, 3.0
     await harness.place("job-a", [(0, "node-1", 0), (1, "node-2", 0)])
     agents.start("node-2")
     clock = time.monotonic()
-    training = asyncio.create_task(_train(harness, {0: "node-1"}, lambda: int((time.monotonic() - clock) * 10)))
+
+    def saving() -> bool:  # the job saves a checkpoint 4 to 6 s after it starts: no step, another phase
+        return 4.0 <= time.monotonic() - clock < 6.0
+
+    frozen: list[int] = []
+
+    def steps() -> int:
+        if not saving():
+            frozen.clear()
+            return int((time.monotonic() - clock) * 10)
+        frozen[:] = frozen or [int((time.monotonic() - clock) * 10)]
+        return frozen[0]
+
+    phase = lambda: "checkpointing" if saving() else "training"  # noqa: E731
+    training = asyncio.create_task(_train(harness, {0: "node-1"}, steps, phase))
     try:
         assert await wait_until(lambda: _known(harness, *NODES))
         await asyncio.sleep(1.0)
         agents.signal("node-2", signal.SIGSTOP)
-        await asyncio.sleep(6.0)  # three times the report limit
+        await asyncio.sleep(7.0)  # over three times the report limit, the save in the middle
         incidents = await harness.open_incidents("job-a")
         assert [i["severity"] for i in incidents] == ["warning"], incidents
         assert "node-2 unreachable: no report for" in incidents[0]["root_cause"], incidents

@@ -265,9 +265,7 @@ class Liveness:
             )
         if verdict in (Witness.WAITING, Witness.ADVANCING) and now - since < self.lost_after_s:
             self._recheck_at = self.clock.monotonic() + RECHECK_S  # they may stop any moment: asked again soon
-        if verdict is Witness.ADVANCING and (seen.held_since is None or now - seen.held_since < self.hold_max_s):
-            if seen.held_since is None:
-                seen.held_since = now
+        if self._held(seen, verdict, now):
             if silent < self.unreachable_after_s or seen.unreachable_said:
                 return None
             seen.unreachable_said = True
@@ -291,6 +289,17 @@ class Liveness:
             limit=self.lost_after_s,
             how=how,
         )
+
+    def _held(self, seen: NodeSeen, verdict: Witness, now: float) -> bool:
+        """Whether the node's witnesses vouch for it: once they saw it advance without reports, it stays vouched for
+        (through a pause of its job's: evaluating, saving) until they stop with it, its job ends, or the bound."""
+        if seen.held_since is not None and now - seen.held_since >= self.hold_max_s:
+            return False
+        if verdict is Witness.ADVANCING:
+            if seen.held_since is None:
+                seen.held_since = now
+            return True
+        return seen.held_since is not None and verdict in (Witness.WAITING, Witness.BLIND)
 
     @staticmethod
     def _lose(

@@ -19,7 +19,7 @@ from reprise_detector.nodes.liveness import Witness
 from reprise_detector.placements import PlacementMap
 from reprise_detector.progress import JobTrack, ProgressBook
 
-TRAINING = "training"  # the phase in which a job's ranks are expected to advance
+TRAINING = "training"  # the phase in which a job's ranks are expected to advance (in others they may pause)
 # What a job says, strongest first: one job advancing proves the node alive; one stopping with it, gone.
 _ORDER = (Witness.ADVANCING, Witness.STALLED, Witness.WAITING, Witness.BLIND)
 
@@ -53,12 +53,11 @@ class Witnesses:
         return next((verdict for verdict in _ORDER if verdict in said), Witness.NONE)
 
     def _job(self, job: JobTrack, node_id: str, since: float, now: float) -> Witness:
-        """One job's word: its training ranks elsewhere that report steps, by when they last advanced."""
+        """One job's word: its ranks elsewhere that report steps, by when they last advanced. A stop says nothing
+        while one of them is in another phase than training (evaluating, saving: a pause of the job's own)."""
         self.settle(job)
         witnesses = [
-            track
-            for track in job.ranks.values()
-            if track.node_id != node_id and track.alive and track.step is not None and track.phase == TRAINING
+            track for track in job.ranks.values() if track.node_id != node_id and track.alive and track.step is not None
         ]
         if not witnesses:
             return Witness.BLIND
@@ -66,6 +65,8 @@ class Witnesses:
         last = max(track.advanced_at for track in witnesses)
         if last >= now - window:
             return Witness.ADVANCING if last >= since else Witness.WAITING
+        if any(track.phase != TRAINING for track in witnesses):
+            return Witness.BLIND
         if last >= since - window:
             return Witness.STALLED  # advancing until about when the node fell silent, and no more since
         return Witness.BLIND  # stopped well before: the node's silence does not explain it (its own limit decides)
