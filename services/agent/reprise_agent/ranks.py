@@ -102,7 +102,7 @@ class RankProcess:
             pid=self.proc.pid,
             gpu=self.gpu,
             alive=self.alive,
-            exit_code=self.exit_code,
+            exit_code=None if self.alive else self.proc.returncode,  # negative for a signal, as the schema says
             proc_state=state,
             proc_state_age_s=round(now - self.state_since, 3) if state else None,
             cpu_s=sample.cpu_s if sample else None,

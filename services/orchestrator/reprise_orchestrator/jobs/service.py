@@ -87,6 +87,12 @@ def get_all_epochs(session: Session, *, state: JobState) -> list[tuple[str, int]
     return [(job_id, epoch) for job_id, epoch in session.exec(query).all()]
 
 
+def get_launches(session: Session, *, job_ids: Iterable[str]) -> dict[str, tuple[JobState, int, int]]:
+    """(state, restart epoch, highest fence) of each of these jobs that exists, without their specs."""
+    query = select(Job.id, Job.state, Job.restart_epoch, Job.max_fence).where(col(Job.id).in_(list(job_ids)))
+    return {job_id: (JobState(state), epoch, fence) for job_id, state, epoch, fence in session.exec(query).all()}
+
+
 def claim_fence(session: Session, *, job_id: str, fence: int, commit: bool = True, **values: Any) -> bool:
     """Compare-and-set: record `fence` as the job's highest only if it is higher than any before it (with `values`
     written in the same statement); commit=False leaves the transaction open for what the claim writes next."""

@@ -208,6 +208,22 @@ class Inventory:
             for rank in ranks
         }
 
+    def live_launches(self) -> dict[RankKey, set[str]]:
+        """Each launch (job, restart epoch) that fresh reports show alive ranks of, and the nodes they run on."""
+        self._absorb()
+        now = self.clock.monotonic()
+        return {
+            key: alive
+            for key, by_node in self._ranks.items()
+            if (
+                alive := {
+                    node_id
+                    for node_id, ranks in by_node.items()
+                    if self._fresh(self._nodes[node_id], now) and any(rank.alive for rank in ranks)
+                }
+            )
+        }
+
     def address(self, node_id: str) -> str:
         """Where other nodes reach this one, as it reports it (its id when it reported none)."""
         self._absorb()

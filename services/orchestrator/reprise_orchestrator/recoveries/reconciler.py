@@ -1,7 +1,8 @@
 """The reconciler: level-triggered, it resumes every unfinished recovery whose owner's lease has expired.
 
 It also completes running jobs whose ranks of the current launch all exited 0 (stopping what is left of them and
-telling the detector the job runs nowhere now).
+telling the detector the job runs nowhere now), and stops the ranks of superseded launches on nodes that came back
+(jobs/strays.py).
 
 Each replica runs one. A recovery's owner holds the job's lock for as long as it runs and renews it; a lock that can
 be taken while the recovery is unfinished means its owner died, paused past its lease, or shut down and let it go.
@@ -23,6 +24,7 @@ from reprise_common.aio import raise_if_cancelled
 from reprise_common.logging import get_logger
 from reprise_orchestrator.deps import Deps
 from reprise_orchestrator.jobs import flows as job_flows
+from reprise_orchestrator.jobs.strays import Strays
 from reprise_orchestrator.locks import LockStoreUnavailableError
 from reprise_orchestrator.recoveries import service
 from reprise_orchestrator.recoveries.fences import FenceFloor
@@ -40,6 +42,7 @@ class Reconciler:
         self.interval_s = interval_s
         self.resumed = 0
         self.floor = FenceFloor(deps)
+        self.strays = Strays(deps)
         self._store_away = False
 
     async def run(self) -> None:
@@ -65,6 +68,7 @@ class Reconciler:
             log.info("lock store reachable again")
             self._store_away = False
         await job_flows.complete_finished(self.deps)
+        self.strays.tick()
         with Session(self.deps.engine) as session:
             active = service.get_all_active_ids(session)
         running = self.runner.running
