@@ -9,7 +9,8 @@ PACKAGES := libs/common sdk services/agent services/detector services/orchestrat
 STAMP := $(VENV)/.installed-stamp
 MYPY_TARGETS := libs/common/reprise_common services/agent/reprise_agent services/detector/reprise_detector \
 	services/orchestrator/reprise_orchestrator services/checkpoint-registry/reprise_registry cli/reprise_cli \
-	sdk/reprise_sdk services/notifier/reprise_notifier examples/ddp_train.py services/dashboard/reprise_dashboard bench
+	sdk/reprise_sdk services/notifier/reprise_notifier examples/ddp_train.py examples/plain_ddp.py \
+	examples/lightning_train.py examples/hf_train.py services/dashboard/reprise_dashboard bench
 NODES ?= 4
 SPARES ?= 1
 # agents (the default): the platform's own agent on each simulated node; slurm: a local Slurm cluster runs the jobs
@@ -18,7 +19,7 @@ SCHEDULER ?= agents
 # every rank as a new process, with no standbys (make demo RESTART=cold)
 RESTART ?= auto
 
-.PHONY: venv slurm-deps test lint typecheck pytest chaos soak up demo clean bench-agent bench-sdk bench-registry bench-detector bench-orchestrator \
+.PHONY: venv slurm-deps netns-deps test lint typecheck pytest chaos soak up demo clean bench-agent bench-sdk bench-registry bench-detector bench-orchestrator \
 	bench-orchestrator-concurrent bench-vs-torchrun bench-hang-limits bench-standby bench-recovery bench-ettr bench-slurm
 
 venv: $(STAMP)
@@ -54,14 +55,28 @@ slurm-deps:
 			|| echo "slurm-deps: apt-get could not install slurm-wlm and munge: the Slurm tests will be skipped"; \
 	fi
 
-pytest: $(STAMP) slurm-deps
+# Namespaced test hosts (tests/partitions, docs/reliability.md): iproute2 and iptables, installed with apt-get when
+# missing and we are root. Like slurm-deps it never fails: where it cannot install, those tests are skipped.
+netns-deps:
+	@if command -v iptables >/dev/null 2>&1 && command -v ip >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" != 0 ]; then \
+		echo "netns-deps: iptables or iproute2 missing and this is not root: the partition tests will be skipped"; \
+	elif ! command -v apt-get >/dev/null 2>&1; then \
+		echo "netns-deps: iptables or iproute2 missing and no apt-get: the partition tests will be skipped"; \
+	else \
+		echo "netns-deps: installing iptables and iproute2 with apt-get"; \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iptables iproute2 >/dev/null; } \
+			|| echo "netns-deps: apt-get could not install iptables and iproute2: the partition tests will be skipped"; \
+	fi
+
+pytest: $(STAMP) slurm-deps netns-deps
 	$(BIN)/pytest
 
 test: lint typecheck pytest
 
 # The chaos suite at full size (its cases also run in `make test`, smaller): the platform's own servers and services
 # killed under load; what held is tabled in docs/reliability.md.
-chaos: $(STAMP) slurm-deps
+chaos: $(STAMP) slurm-deps netns-deps
 	REPRISE_CHAOS_EVENTS=10000 REPRISE_CHAOS_REDIS_AWAY_S=60 $(BIN)/pytest -m chaos -p no:cacheprovider -rA
 
 # The soak (not in CI): 30 minutes, 10 jobs, a random fault every 30 s → bench/results/soak.json (SOAK_ARGS to change)

@@ -150,6 +150,7 @@ class Stack:
             port=self.config.ports["redis"],
             data_dir=state / "redis",
             log_path=self.log_dir / "redis.log",
+            host=self.config.host,  # where the orchestrator looks for it (config.redis_url)
             password=ensure_redis_password(self.config.state_dir),
         )
         self.nats.start()
