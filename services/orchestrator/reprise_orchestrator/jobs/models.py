@@ -17,6 +17,7 @@ from reprise_common.events import NumericWatch, RankAssignment
 from reprise_common.labels import MAX_LABELS, MAX_NAME, MAX_PREFIX, MAX_VALUE, Labels
 from reprise_common.settings import IdStr
 from reprise_orchestrator.compute.slurm_cli import sbatch_option, slurm_name
+from reprise_orchestrator.jobs.checkpoints import CheckpointSpec
 
 
 class JobState(StrEnum):
@@ -64,6 +65,14 @@ class NumericPolicy(NumericWatch):
         return NumericWatch.model_validate(self.model_dump(exclude={"skip_steps"}))
 
 
+class VerifyBy(StrEnum):
+    """What a recovery's verifying step takes as proof that the new epoch trains."""
+
+    AUTO = "auto"  # steps once any rank of the job reported one through the SDK, else settle
+    STEPS = "steps"  # every rank reports a step at or past the restored checkpoint's (the SDK)
+    SETTLE = "settle"  # every rank stays alive and working for verify_settle_s (no SDK needed)
+
+
 class RecoveryPolicy(SQLModel):
     """How a job may be recovered; every field has a default a user can override per job."""
 
@@ -105,6 +114,22 @@ class RecoveryPolicy(SQLModel):
     verify_timeout_s: float = Field(
         default=300.0, gt=0, le=86_400, description="every rank must pass the checkpoint's step in this time"
     )
+    verify_by: VerifyBy = Field(
+        default=VerifyBy.AUTO,
+        description="auto: steps for a job seen using the SDK, else settle (docs/orchestrator.md)",
+    )
+    verify_settle_s: float = Field(
+        default=10.0,
+        ge=1,
+        le=3600,
+        description="settle: every rank must stay alive and working this long (at most verify_timeout_s / 2)",
+    )
+    verify_cpu_share: float = Field(
+        default=0.02,
+        ge=0,
+        le=1,
+        description="settle: least share of a CPU each rank uses in the settle time's 2nd half",
+    )
     max_attempts: int = Field(default=3, ge=1, le=20, description="attempts of one recovery (launch or verify failing)")
     recovery_time_objective_s: float = Field(default=120.0, gt=0, description="what drills measure recoveries against")
     restart_mode: Literal["auto", "cold"] = Field(
@@ -122,6 +147,11 @@ class RecoveryPolicy(SQLModel):
         ):
             raise ValueError("elastic_min_nodes is larger than elastic_max_nodes")
         return self
+
+    def settle_s(self) -> float:
+        """The settle time verifying waits: verify_settle_s, at most half of verify_timeout_s (a longer one could never
+        pass; stored specs from before the field existed keep validating)."""
+        return min(self.verify_settle_s, self.verify_timeout_s / 2)
 
     def backoff_s(self, streak: int) -> float:
         """The wait before the `streak`-th retry in a row (0: none)."""
@@ -175,6 +205,9 @@ class JobCreate(JobBase):
     )
     policy: RecoveryPolicy = Field(default_factory=RecoveryPolicy)
     slurm: SlurmSpec | None = Field(default=None, description="the job's Slurm allocation (the slurm backend only)")
+    checkpoints: CheckpointSpec | None = Field(
+        default=None, description="where the script saves checkpoints of its own, without the SDK (docs/registry.md)"
+    )
 
     @model_validator(mode="after")
     def _nodes_or_count(self) -> JobCreate:

@@ -9,6 +9,7 @@ reason (`Skip`, on /metrics); one whose fence SQL refuses draws a higher fence (
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from enum import StrEnum
 
 from prometheus_client import Counter
@@ -18,6 +19,7 @@ from reprise_common.bus import Delivery
 from reprise_common.bus import Outcome as Ack
 from reprise_common.events import Event, IncidentChange, RecommendedAction, Severity, new_id
 from reprise_common.logging import get_logger
+from reprise_common.report_view import RankSeen
 from reprise_orchestrator.deps import Deps
 from reprise_orchestrator.jobs import service as jobs
 from reprise_orchestrator.jobs.models import ACTIVE_STATES, Job, JobState
@@ -177,6 +179,7 @@ class Claims:
                 last_restore_step=job.last_restore_step,
                 no_progress_streak=job.no_progress_streak,
                 same_error_streak=streak,
+                sdk_seen=_sdk_seen_in(self.deps.inventory.ranks_of(job.id, restart_epoch=job.restart_epoch).values()),
             )
             recovery = Recovery(
                 id=f"rec-{new_id()[:12]}",
@@ -196,6 +199,11 @@ class Claims:
             session.commit()  # with the fence claimed and the job recovering, in one transaction
             run = RecoveryRun(handle, recovery.id, job, incident, baseline, step=RecoveryStep.LOCKED)
             return run, locked
+
+
+def _sdk_seen_in(ranks: Iterable[RankSeen]) -> bool:
+    """True when a rank reported progress through the SDK (a heartbeat)."""
+    return any(r.heartbeat_age_s is not None or r.step is not None for r in ranks)
 
 
 def job_of(event: Event) -> str:

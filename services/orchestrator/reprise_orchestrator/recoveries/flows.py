@@ -42,6 +42,7 @@ from reprise_orchestrator.recoveries.records import (
     StepRecord,
     Then,
     Verified,
+    VerifyPath,
     baseline_of,
     incident_of,
 )
@@ -56,6 +57,13 @@ Started = tuple[RecoveryRun, StepRecord]  # a run to drive, and the newest recor
 # Steps after which news of the incident means isolating and placing again within the attempt; after the launch,
 # news means a new attempt (the new epoch runs on a plan that did not know it).
 REPLANNABLE = frozenset({RecoveryStep.ISOLATING, RecoveryStep.PLACING, RecoveryStep.RESTORING})
+# What a recovery that verified its new epoch says, by how it verified it. Every rank exited 0: the job is over, and
+# the reconciler's next pass marks it completed (jobs/flows.py `complete_finished`, the one place that decides it).
+RECOVERED_DETAIL = {
+    VerifyPath.STEPS: "training progressing again",
+    VerifyPath.SETTLED: "every rank alive and working past the settle time (the job reports no steps)",
+    VerifyPath.COMPLETED: "every rank exited 0: training finished while the recovery verified it",
+}
 
 
 class LockLostError(RepriseError):
@@ -184,13 +192,15 @@ class RecoveryFlow:
         if result.then is Then.RETRY:
             news = isinstance(result.data, Verified) and bool(result.data.learned)  # not a failure: no backoff
             return self._new_attempt(run, result.detail, ended=None if news else current.ended_at)
-        learned = run.take_news(current.learned) if run.step in ATTEMPT_STEPS else ""
+        verified = _verify_path(result) if run.step is RecoveryStep.VERIFYING else None
+        over = verified is VerifyPath.COMPLETED  # the job is over: no news makes a relaunch worth it
+        learned = run.take_news(current.learned) if run.step in ATTEMPT_STEPS and not over else ""
         if learned and run.step in REPLANNABLE:
             return run.proposal(RecoveryStep.ISOLATING, now=now, learned=learned)
         if learned and run.step in (RecoveryStep.LAUNCHING, RecoveryStep.VERIFYING):
             return self._new_attempt(run, learned, ended=None)  # the new epoch runs on a plan that did not know it
-        if run.step is RecoveryStep.VERIFYING:
-            return self._end(run, Outcome.RECOVERED, "training progressing again")
+        if verified is not None:
+            return self._end(run, Outcome.RECOVERED, RECOVERED_DETAIL[verified])
         order = (RecoveryStep.LOCKED, *ATTEMPT_STEPS)
         return run.proposal(order[order.index(run.step) + 1], now=now)
 
@@ -291,6 +301,12 @@ class RecoveryFlow:
             )
         except BusError as exc:  # the recovery itself matters more than its announcement
             log.warning("could not publish a recovery change", extra={"error": str(exc)})
+
+
+def _verify_path(result: StepResult) -> VerifyPath:
+    """How a passed verifying step verified (a record from before paths were recorded: by steps)."""
+    data = result.data
+    return data.path if isinstance(data, Verified) and data.path is not None else VerifyPath.STEPS
 
 
 async def cancel(deps: Deps, job_id: str) -> Job:

@@ -27,6 +27,14 @@ class Then(StrEnum):
     STOP = "stop"  # the recovery ends with the result's outcome (the job fails, or is held for a human)
 
 
+class VerifyPath(StrEnum):
+    """How a verifying step found the new epoch healthy."""
+
+    STEPS = "steps"  # every rank reported a step at or past the restored checkpoint's (the SDK)
+    SETTLED = "alive_past_settle"  # no SDK: every rank alive and working for the policy's settle time
+    COMPLETED = "completed"  # every rank exited 0: training ended while it was verified
+
+
 class StepData(BaseModel):
     """Base of every step's result; unknown fields of older records are ignored."""
 
@@ -39,6 +47,7 @@ class Baseline(StepData):
     last_restore_step: int | None = None
     no_progress_streak: int = 0
     same_error_streak: int = Field(default=1, description="recoveries in a row answering this error, this one too")
+    sdk_seen: bool = Field(default=False, description="a rank of the epoch the incident hit reported SDK progress")
 
 
 class Locked(StepData):
@@ -52,6 +61,10 @@ class Stopped(StepData):
 
     answers: CommandRecord = Field(default_factory=CommandRecord)
     agents_gone: list[str] = Field(default_factory=list)
+    not_asked: list[str] = Field(
+        default_factory=list,
+        description="nodes the incident says are gone: not waited for (their ranks are stopped if they come back)",
+    )
     stacks_for: str | None = Field(default=None, description="the incident the ranks' stacks were captured for")
     restart_mode: Literal["in_place", "cold"] = Field(
         default="cold", description="in_place: some ranks parked and keep their processes; cold: every rank stopped"
@@ -113,7 +126,7 @@ class Launched(StepData):
 
 
 class Verified(StepData):
-    """Whether every rank of the new epoch passed the restored step."""
+    """Whether the new epoch trains: every rank past the restored step, alive past the settle time, or finished."""
 
     target_step: int = 0
     steps: dict[str, int | None] = Field(default_factory=dict)
@@ -121,6 +134,12 @@ class Verified(StepData):
     dead_ranks: list[int] = Field(default_factory=list)
     load_failed: bool | None = None
     learned: str = Field(default="", description="what the incident learned while the new epoch was verified")
+    path: VerifyPath | None = Field(default=None, description="how it passed (none: it did not)")
+    finished: list[int] = Field(default_factory=list, description="ranks that exited 0 (training ended)")
+    settle_s: float | None = Field(default=None, description="the settle time, when verified without steps")
+    cpu_s: dict[str, float | None] = Field(
+        default_factory=dict, description="CPU seconds each rank used in the settle time's second half (none: unknown)"
+    )
 
 
 class Ended(StepData):

@@ -349,6 +349,14 @@ def should_exclude(incident: IncidentChange) -> bool:
     )
 
 
+def node_gone(incident: IncidentChange) -> str | None:
+    """The node a node fault says is gone (lost, down, failed): no stop is waited for there, where nothing answers
+    until a cut link heals or the server gives up the connection (20 s); its ranks, if it comes back, are stopped
+    then (jobs/strays.py). None for any other fault."""
+    gone = incident.category is Category.NODE and incident.recommended_action is RecommendedAction.RESTART_EXCLUDE_NODE
+    return incident.culprit.node_id if gone else None
+
+
 def scheduler_took_the_nodes(incident: IncidentChange) -> bool:
     """The compute scheduler ended the whole job's step (a preemption, a time limit: a dependency incident that names
     no node): its agents went with it and the job's next allocation brings new ones, so a node whose agent is gone is

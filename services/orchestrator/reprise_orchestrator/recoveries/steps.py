@@ -21,6 +21,7 @@ from reprise_common.errors import BusError
 from reprise_common.events import IncidentChange, RankAssignment
 from reprise_common.logging import get_logger
 from reprise_orchestrator.deps import Deps
+from reprise_orchestrator.jobs import checkpoints
 from reprise_orchestrator.jobs import service as jobs
 from reprise_orchestrator.jobs.launch import launch, rendezvous_for
 from reprise_orchestrator.jobs.models import Job, RecoveryPolicy
@@ -29,6 +30,7 @@ from reprise_orchestrator.locks import LockHandle
 from reprise_orchestrator.nodes import flows as node_flows
 from reprise_orchestrator.nodes import service as nodes
 from reprise_orchestrator.recoveries import restart, rules, service
+from reprise_orchestrator.recoveries import verify as verifying
 from reprise_orchestrator.recoveries.records import (
     Baseline,
     CheckpointRef,
@@ -51,7 +53,6 @@ T = TypeVar("T")
 log = get_logger("reprise.orchestrator.recovery")
 PIN_TTL_S = 3600.0  # a pin outlives any sane recovery, and expires if its owner dies holding it
 POLL_S = 0.25
-NEWS_EVERY_S = 1.0  # how often a long wait looks for what the incident learned meanwhile
 RESTART_TIMES_KEPT = 1000  # the restart budget never counts more (RecoveryPolicy.max_restarts <= 1000)
 
 
@@ -155,7 +156,8 @@ class RecoverySteps:
     async def stop_ranks(self, run: RecoveryRun) -> StepResult:
         """A fenced stop to every node the job ran on (or was just launched on); silence counts as stopped. Ranks
         that can restart in place are parked instead, when the policy and the attempt allow (recoveries/restart.py)."""
-        node_ids = list(dict.fromkeys([*run.job.nodes(), *(r.node_id for r in run.ranks)]))
+        gone = rules.node_gone(run.incident)
+        node_ids = [n for n in dict.fromkeys([*run.job.nodes(), *(r.node_id for r in run.ranks)]) if n != gone]
         stacks_for = rules.stacks_wanted(run.incident, attempt=run.attempt)
         chosen = restart.plan(run.incident, run.policy, attempt=run.attempt)
         answers = await self.deps.compute.stop(
@@ -168,13 +170,14 @@ class RecoverySteps:
         )
         if answers.stale:
             raise FencedOutError("a node refused our fence as stale")
-        gone = answers.gone()
+        silent = answers.gone()
         if not rules.scheduler_took_the_nodes(run.incident):
-            run.exclude |= set(gone)  # no agent listens there: do not wait for the detector to call the node lost
+            run.exclude |= set(silent)  # no agent listens there: do not wait for the detector to call the node lost
         mode, parked, why = restart.outcome(chosen, answers)
         stopped = Stopped(
             answers=answers.record(),
-            agents_gone=gone,
+            agents_gone=silent,
+            not_asked=[] if gone is None else [gone],
             stacks_for=stacks_for,
             restart_mode=mode,
             parked=len(parked),
@@ -329,6 +332,11 @@ class RecoverySteps:
             return StepResult(Launched(restart_epoch=epoch, error=str(exc)), Then.RETRY, detail=str(exc))
         if answers.stale:
             raise FencedOutError("a node refused our fence as stale")
+        refused = checkpoints.refused_restore(answers)
+        if refused is not None and run.restore is not None:  # its files differ: never loaded, the next attempt skips it
+            detail = f"the restored checkpoint was refused before launch by {refused}"
+            await self.deps.registry.load_failed(run.restore.checkpoint_id, reason=detail)
+            return StepResult(Launched(restart_epoch=epoch, error=refused), Then.RETRY, detail=detail)
         in_place = sum(len(a.reply.data.get("in_place", ())) for a in answers.items if a.reply is not None and a.ok)
         data = Launched(
             restart_epoch=epoch, master_port=rendezvous.master_port, answers=answers.record(), in_place=in_place
@@ -352,43 +360,34 @@ class RecoverySteps:
         return StepResult(data)
 
     async def verify(self, run: RecoveryRun) -> StepResult:
-        """Wait until every rank of the new epoch reports a step at or past the restored checkpoint's.
+        """Wait until the new epoch proves it trains (recoveries/verify.py): every rank past the restored step (a job
+        with the SDK), alive and working past the settle time (one without), or every rank exited 0 (finished).
 
         While it waits it looks for what the incident learned: a culprit found now (a second fault of the same storm)
         means a new attempt without that node.
         """
-        target = run.restore.step if run.restore else 0
-        epoch = run.job.restart_epoch
-        timeout = run.job.job_spec().policy.verify_timeout_s
-        deadline = self.deps.clock.monotonic() + timeout
-        next_news = self.deps.clock.monotonic() + NEWS_EVERY_S
-        wanted = {r.rank for r in run.ranks}
-        while True:
-            seen = self.deps.inventory.ranks_of(run.job.id, restart_epoch=epoch)
-            dead = sorted(r for r in wanted if r in seen and not seen[r].alive)
-            if dead:
-                return await self._verify_failed(run, dead, seen, target)
-            ready = [r for r in wanted if r in seen and seen[r].step is not None and (seen[r].step or 0) >= target]
-            if len(ready) == len(wanted):
-                steps = {str(r): seen[r].step for r in sorted(wanted)}
-                return StepResult(Verified(target_step=target, steps=steps))
-            now = self.deps.clock.monotonic()
-            if run.news.is_set() or now >= next_news:
-                run.news.clear()
-                next_news = now + NEWS_EVERY_S
-                news = self.news(run)
-                if news:
-                    return StepResult(Verified(target_step=target, learned=news), Then.RETRY, detail=news)
-            if now > deadline:
-                missing = sorted(wanted - set(ready))
-                detail = f"ranks {missing} did not pass step {target} within {timeout:g} s"
-                return StepResult(Verified(target_step=target, missing=missing), Then.RETRY, detail=detail)
-            await self.deps.inventory.next_reports(POLL_S)  # at once when a report lands, at the latest after POLL_S
+        what = verifying.Watch(
+            job_id=run.job.id,
+            epoch=run.job.restart_epoch,
+            wanted=frozenset(r.rank for r in run.ranks),
+            target=run.restore.step if run.restore else 0,
+            policy=run.policy,
+            sdk_seen=run.baseline.sdk_seen,
+        )
+        found = await verifying.watch(
+            self.deps.inventory, self.deps.clock, what, news_event=run.news, news=lambda: self.news(run)
+        )
+        if found.verdict is verifying.Verdict.DEAD:
+            return await self._verify_failed(run, what, found.data)
+        return StepResult(found.data, found.then, detail=found.detail)
 
-    async def _verify_failed(self, run: RecoveryRun, dead: list[int], seen: dict[int, Any], target: int) -> StepResult:
-        data = Verified(target_step=target, dead_ranks=dead)
-        never_stepped = all(seen[r].step is None for r in dead)
-        if run.restore is not None and never_stepped:  # died before training one step: loading failed
+    async def _verify_failed(self, run: RecoveryRun, what: verifying.Watch, data: Verified) -> StepResult:
+        """A rank of the new epoch exited other than 0: a new attempt; when the job reports steps and none of the dead
+        ranks reported one, restoring the checkpoint failed (without steps, no one can tell)."""
+        dead = data.dead_ranks
+        seen = self.deps.inventory.ranks_of(what.job_id, restart_epoch=what.epoch)
+        never_stepped = all(r not in seen or seen[r].step is None for r in dead)
+        if run.restore is not None and never_stepped and verifying.by_steps(what, seen):
             reason = f"ranks {dead} exited before their first step after restoring it (recovery {run.recovery_id})"
             failed = await self.deps.registry.load_failed(run.restore.checkpoint_id, reason=reason)
             data = data.model_copy(update={"load_failed": failed})
