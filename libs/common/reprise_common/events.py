@@ -25,6 +25,7 @@ from pydantic import (
     field_validator,
 )
 
+from reprise_common.checkpoint_names import PATTERN_MAX, CheckpointLayout
 from reprise_common.clock import utcnow
 from reprise_common.errors import MalformedEventError
 
@@ -119,6 +120,9 @@ class GpuStatus(Wire):
     error: str = Field(default="", description="why a reading is missing (e.g. NVML unavailable)")
 
 
+WHERE_MAX = 160  # RankStatus.where: "function (file:line)", cut to this
+
+
 class RankStatus(Wire):
     """One rank's progress in a node report."""
 
@@ -143,6 +147,14 @@ class RankStatus(Wire):
         default=None, ge=0, description="seconds since the agent first saw the live rank in this state (in a row)"
     )
     cpu_s: float | None = Field(default=None, ge=0, description="CPU seconds the live rank used so far")
+    # A rank without the SDK reports no steps: its agent samples its main thread's stack now and then (stack_sampler).
+    where: str = Field(
+        default="", max_length=WHERE_MAX, description="its main thread's innermost frame at the last stack sample"
+    )
+    waits_in: str = Field(default="", max_length=64, description="the torch.distributed call `where` is in; '' none")
+    still_s: float | None = Field(
+        default=None, ge=0, description="seconds its main thread has stood idle at the same stack, in every sample"
+    )
 
 
 class StandbyStatus(Wire):
@@ -329,7 +341,8 @@ class FileDigest(Wire):
 
 
 class CheckpointSaved(Event):
-    """A rank reported (through the SDK) that it finished writing its part of a checkpoint."""
+    """A rank finished writing its part of a checkpoint: reported through the SDK, or found by its agent (a checkpoint
+    the script saves itself, CheckpointWatch)."""
 
     type: Literal["checkpoint.saved"] = "checkpoint.saved"
     node_id: str
@@ -342,6 +355,12 @@ class CheckpointSaved(Event):
     world_size: int | None = Field(default=None, ge=1, description="ranks that write this checkpoint, if known")
     file_digests: list[FileDigest] = Field(
         default_factory=list, description="size and digest of each file, computed where the bytes are"
+    )
+    marker: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=255,
+        description="the file whose presence commits it, relative to `path`; None: by layout (COMMITTED, .metadata)",
     )
 
 
@@ -665,6 +684,33 @@ class StepSpan(Wire):
         return last
 
 
+class CheckpointWatch(Wire):
+    """Where a script saves checkpoints of its own (without the SDK): agents find, hash and report the new complete
+    ones, and a restore hands the one chosen to the script through its arguments or environment."""
+
+    directory: str = Field(min_length=1, max_length=4096, description="absolute; the checkpoints are its entries")
+    layout: CheckpointLayout
+    pattern: str = Field(
+        min_length=1, max_length=PATTERN_MAX, description="the entries' names: {step}, * and (per_rank) {rank}"
+    )
+    poll_s: float = Field(default=10.0, ge=0.2, le=600, description="how often an agent looks for new checkpoints")
+    restore_args: list[Annotated[str, Field(min_length=1, max_length=1024)]] = Field(
+        default_factory=list,
+        max_length=16,
+        description="appended to the command when a checkpoint is restored, {restore_path} and {restore_step} filled",
+    )
+    restore_env: str | None = Field(
+        default=None,
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        max_length=256,
+        description="an environment variable set to the restored checkpoint's path",
+    )
+    verify_before_launch: bool = Field(
+        default=True,
+        description="the agent re-hashes the restored files before it starts a rank (false: the script checks them)",
+    )
+
+
 class LaunchArgs(Wire):
     """What an agent needs to start its node's ranks of one restart epoch (one schema for both ends)."""
 
@@ -687,6 +733,9 @@ class LaunchArgs(Wire):
     numeric: NumericWatch | None = Field(default=None, description="the job's metrics to watch; None: none")
     skip_steps: StepSpan | None = Field(
         default=None, description="steps whose data the ranks skip (the ones that led to a numeric fault)"
+    )
+    checkpoints: CheckpointWatch | None = Field(
+        default=None, description="where the script saves checkpoints of its own; None: it reports them (the SDK)"
     )
 
 
@@ -762,6 +811,10 @@ class CommandResult(StrEnum):
     DONE = "done"
     REJECTED_STALE_FENCE = "rejected_stale_fence"
     FAILED = "failed"
+
+
+# In a failed launch's reply data: why the agent refused the restored checkpoint (a file differs from the manifest).
+RESTORE_REFUSED = "restore_refused"
 
 
 class CommandReply(Wire):

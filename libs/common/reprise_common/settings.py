@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -54,6 +56,38 @@ class DatabaseSettings(BaseSettings):
         if not value.startswith(("sqlite:///", "postgresql://", "postgresql+psycopg://")):
             raise ValueError("REPRISE_DATABASE_URL must be sqlite:///PATH or postgresql+psycopg://...")
         return value
+
+
+def default_checkpoint_roots() -> list[Path]:
+    """The working directory and the system's temporary directory: where the local stack, the demo and tests write."""
+    found = [Path(os.path.realpath(place)) for place in (os.getcwd(), tempfile.gettempdir())]
+    return [root for root in dict.fromkeys(found) if root != Path(root.anchor)]
+
+
+class CheckpointRootsSettings(BaseSettings):
+    """Mixin: the directories checkpoints may live in; the registry reads and deletes nothing outside them, and the
+    orchestrator refuses a job whose own checkpoints would lie elsewhere."""
+
+    model_config = SettingsConfigDict(env_prefix="REPRISE_", extra="ignore")
+
+    checkpoint_roots: list[Path] = Field(
+        default_factory=default_checkpoint_roots,
+        min_length=1,
+        description="JSON list of absolute directories; each checkpoint's directory must resolve inside one of them",
+    )
+
+    @field_validator("checkpoint_roots")
+    @classmethod
+    def _absolute_and_resolved(cls, roots: list[Path]) -> list[Path]:
+        resolved = []
+        for root in roots:
+            if not root.is_absolute():
+                raise ValueError(f"REPRISE_CHECKPOINT_ROOTS: {root} is not an absolute directory")
+            real = Path(os.path.realpath(root))  # resolved once at start: a symlinked root counts where it points
+            if real == Path(real.anchor):
+                raise ValueError("REPRISE_CHECKPOINT_ROOTS: / would confine nothing; name the checkpoint directories")
+            resolved.append(real)
+        return list(dict.fromkeys(resolved))
 
 
 # Ids that travel in NATS subjects (nodes, jobs) must be one safe subject token.

@@ -11,8 +11,10 @@ from typing import Any
 import nats.errors
 from pydantic import ValidationError
 
+from reprise_agent import foreign_restore
 from reprise_agent.commands import CommandBook
 from reprise_agent.depchecks import CheckResult, DependencyChecker, rendezvous_job
+from reprise_agent.foreign_checkpoints import ForeignCheckpoints
 from reprise_agent.gpu.base import GpuBackend, SignalKind
 from reprise_agent.gpu.factory import open_backend
 from reprise_agent.gpu.sim import SimulatedGpus
@@ -21,6 +23,7 @@ from reprise_agent.outbox import Outbox
 from reprise_agent.progress import ProgressBook, SdkMessage, SdkServer, default_inbox_dir, default_socket_path
 from reprise_agent.ranks import LostRank, RankProcess, RankSupervisor
 from reprise_agent.settings import AgentSettings
+from reprise_agent.stack_sampler import ProcessActivity, StackSampler
 from reprise_agent.stacks import capture, find_py_spy
 from reprise_agent.standby import StandbyPool
 from reprise_common import subjects
@@ -30,6 +33,7 @@ from reprise_common.errors import BusError, MalformedEventError
 from reprise_common.events import (
     PARKED_WHY_MAX,
     PROCESS_FAULTS,
+    RESTORE_REFUSED,
     AgentLifecycle,
     CheckpointSaved,
     CommandReply,
@@ -95,7 +99,10 @@ class Agent:
             tail_lines=settings.log_tail_lines,
         )
         self.progress.on_restart_message(self.supervisor.on_sdk_message)
+        self.foreign = ForeignCheckpoints(self.node_id, emit=self._emit_checkpoint, alive=self._job_alive)
         self.py_spy = find_py_spy(settings.py_spy)
+        activity = self.gpus if isinstance(self.gpus, ProcessActivity) else None
+        self.stack_sampler = StackSampler(py_spy=self.py_spy, interval_s=settings.stack_sample_s, activity=activity)
         self._captured: dict[str, None] = {}  # incident ids, oldest first
         self.book = CommandBook(node_id=self.node_id, state_file=settings.state_dir / "fences.json")
         self.node_lost = False  # set by an injected node loss: from then on the agent publishes nothing
@@ -129,6 +136,7 @@ class Agent:
             asyncio.create_task(self._report_loop(), name="reports"),
             asyncio.create_task(self._gpu_loop(), name="gpu-signals"),
             asyncio.create_task(self._dependency_loop(), name="dependency-checks"),
+            asyncio.create_task(self.stack_sampler.run(self.supervisor.ranks, self._stepless), name="stack-samples"),
         ]
         self.standbys.start()
         self._emit_lifecycle("starting")
@@ -141,6 +149,7 @@ class Agent:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
         await self.supervisor.stop_all(grace_s=self.settings.stop_grace_s)
+        await self.foreign.close()
         await self.standbys.close()
         self.sdk.close()
         await self._say_stopping()
@@ -200,7 +209,13 @@ class Agent:
 
     def _rank_status(self, rank: RankProcess) -> RankStatus:
         """A rank as the report shows it: the process as supervised, its progress as its SDK reported it."""
-        return rank.status().model_copy(update=self.progress.status_fields(rank.job_id, rank.rank))
+        fields = self.progress.status_fields(rank.job_id, rank.rank) | self.stack_sampler.fields(rank)
+        return rank.status().model_copy(update=fields)
+
+    def _stepless(self, rank: RankProcess) -> bool:
+        """A rank that has reported no step and no phase of its own (no SDK, or not yet): its stack is sampled."""
+        fields = self.progress.status_fields(rank.job_id, rank.rank)
+        return fields["step"] is None and fields["phase"] == "startup"
 
     def _on_checkpoint_saved(self, message: SdkMessage) -> None:
         spec = self.supervisor.launches.get(message.job_id)
@@ -224,7 +239,15 @@ class Agent:
             world_size=spec.world_size if spec else None,
             file_digests=digests,
         )
+        self._emit_checkpoint(event)
+
+    def _emit_checkpoint(self, event: CheckpointSaved) -> None:
+        """Queue a checkpoint report, from the SDK or from the watcher of a script's own checkpoints."""
         self.outbox.put(subjects.node_event(self.node_id, "checkpoint.saved"), event)
+
+    def _job_alive(self, job_id: str) -> bool:
+        """A rank of the job runs on this node."""
+        return any(r.alive for r in self.supervisor.ranks() if r.job_id == job_id)
 
     def _on_metrics(self, message: SdkMessage) -> None:
         """Watch the job's metrics in a heartbeat of its current launch; a NaN, infinity or spike is published."""
@@ -382,14 +405,31 @@ class Agent:
         if isinstance(command, PingCommand):
             data = {"ranks": len(self.supervisor.ranks()), "spare": self.settings.spare}
         elif isinstance(command, LaunchCommand):
-            spec = command.args
-            pids, in_place = await self.supervisor.launch(command.job_id, spec)
-            data = {"pids": pids, "in_place": in_place}
-            for assignment in spec.ranks:  # startup begins now; a no-op for a rank that already reported
-                self.progress.begin(command.job_id, assignment.rank, restart_epoch=spec.restart_epoch)
+            try:
+                data = await self._launch(command)
+            except foreign_restore.RestoreRefusedError as exc:  # no rank starts on it: the recovery falls back
+                return CommandReply(
+                    command_id=command.command_id,
+                    node_id=self.node_id,
+                    result=CommandResult.FAILED,
+                    detail=str(exc),
+                    data={RESTORE_REFUSED: exc.problem},
+                )
         else:
             data = await self._stop(command)
         return CommandReply(command_id=command.command_id, node_id=self.node_id, result=CommandResult.DONE, data=data)
+
+    async def _launch(self, command: LaunchCommand) -> dict[str, Any]:
+        """Start the job's ranks here; a script's own restored checkpoint is re-hashed first and handed to it
+        (RestoreRefusedError when it differs)."""
+        spec = ready = command.args
+        if foreign_restore.restores_own_checkpoint(spec):
+            ready = await asyncio.to_thread(foreign_restore.prepared, spec)
+        pids, in_place = await self.supervisor.launch(command.job_id, ready)
+        self.foreign.launched(command.job_id, spec)
+        for assignment in spec.ranks:  # startup begins now; a no-op for a rank that already reported
+            self.progress.begin(command.job_id, assignment.rank, restart_epoch=spec.restart_epoch)
+        return {"pids": pids, "in_place": in_place}
 
     async def _stop(self, command: StopCommand) -> dict[str, Any]:
         """Stop the job's ranks here (a hang's stacks first); for a restart in place, the culprits first, then park

@@ -2,46 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
-from pathlib import Path
-
-from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
 
 from reprise_common.auth import AuthSettings
-from reprise_common.settings import DatabaseSettings, ServiceSettings
-
-
-def default_checkpoint_roots() -> list[Path]:
-    """The working directory and the system's temporary directory: where the local stack, the demo and tests write."""
-    found = [Path(os.path.realpath(place)) for place in (os.getcwd(), tempfile.gettempdir())]
-    return [root for root in dict.fromkeys(found) if root != Path(root.anchor)]
-
-
-class CheckpointRootsSettings(BaseSettings):
-    """Mixin: the directories checkpoints may live in; the registry reads and deletes nothing outside them."""
-
-    model_config = SettingsConfigDict(env_prefix="REPRISE_", extra="ignore")
-
-    checkpoint_roots: list[Path] = Field(
-        default_factory=default_checkpoint_roots,
-        min_length=1,
-        description="JSON list of absolute directories; each checkpoint's directory must resolve inside one of them",
-    )
-
-    @field_validator("checkpoint_roots")
-    @classmethod
-    def _absolute_and_resolved(cls, roots: list[Path]) -> list[Path]:
-        resolved = []
-        for root in roots:
-            if not root.is_absolute():
-                raise ValueError(f"REPRISE_CHECKPOINT_ROOTS: {root} is not an absolute directory")
-            real = Path(os.path.realpath(root))  # resolved once at start: a symlinked root counts where it points
-            if real == Path(real.anchor):
-                raise ValueError("REPRISE_CHECKPOINT_ROOTS: / would confine nothing; name the checkpoint directories")
-            resolved.append(real)
-        return list(dict.fromkeys(resolved))
+from reprise_common.settings import CheckpointRootsSettings, DatabaseSettings, ServiceSettings
 
 
 class RegistrySettings(ServiceSettings, DatabaseSettings, AuthSettings, CheckpointRootsSettings):

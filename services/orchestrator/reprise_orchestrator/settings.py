@@ -10,10 +10,10 @@ from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from reprise_common.auth import AuthSettings, strong_key
-from reprise_common.settings import DatabaseSettings, ServiceSettings
+from reprise_common.settings import CheckpointRootsSettings, DatabaseSettings, ServiceSettings
 
 
-class OrchestratorSettings(ServiceSettings, DatabaseSettings, AuthSettings):
+class OrchestratorSettings(ServiceSettings, DatabaseSettings, AuthSettings, CheckpointRootsSettings):
     """Everything an orchestrator replica reads from its environment."""
 
     # hide_input_in_errors: a refused REPRISE_ADMIN_API_KEY must not be echoed into logs by the validation error.

@@ -88,7 +88,7 @@ def register_saved(engines: Engines, event: CheckpointSaved, *, roots: Sequence[
                 path=event.path,
                 world_size=event.world_size,
                 layout=layout,
-                marker=DEFAULT_MARKER[layout],
+                marker=event.marker or DEFAULT_MARKER[layout],  # a script's own checkpoint names its own
                 restart_epoch=event.restart_epoch,
             ),
             roots=roots,

@@ -112,6 +112,7 @@ async def launch(
         ranks=ranks,
         numeric=spec.policy.numeric.watch() if spec.policy.numeric else None,
         skip_steps=skip_steps,
+        checkpoints=spec.checkpoints.watch() if spec.checkpoints else None,
     )
     return await backend.launch(LaunchRequest(job_id=job_id, args=args), operation_id=operation_id, fence=fence)
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
+from fastapi.exceptions import RequestValidationError
 from pydantic import AfterValidator
 
 from reprise_common.auth import REDACTED, may_see_secrets
 from reprise_common.labels import check_selector, parse_selector
 from reprise_orchestrator.deps import DepsDep, SessionDep
-from reprise_orchestrator.jobs import flows, service
+from reprise_orchestrator.jobs import checkpoints, flows, service
 from reprise_orchestrator.jobs.models import JobCreate, JobPublic, JobsPublic, JobState
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
@@ -28,7 +29,15 @@ def _public(job: object, request: Request) -> JobPublic:
 
 @router.post("", status_code=201, response_model=JobPublic)
 async def submit_job(body: JobCreate, deps: DepsDep, request: Request) -> JobPublic:
-    """Register a job, place its ranks and launch them."""
+    """Register a job, place its ranks and launch them; a `checkpoints` directory outside the checkpoint roots is a
+    422 naming it, and nothing is stored."""
+    if body.checkpoints is not None:
+        try:
+            checkpoints.confine(body.checkpoints, deps.settings.checkpoint_roots)
+        except checkpoints.OutsideRootsError as exc:
+            loc = ("body", "checkpoints", exc.field)
+            error = {"type": "value_error", "loc": loc, "msg": str(exc), "input": body.checkpoints.directory}
+            raise RequestValidationError([error]) from exc
     return _public(await flows.submit(deps, body), request)
 
 
