@@ -110,9 +110,11 @@ bench-orchestrator: $(STAMP)
 bench-orchestrator-concurrent: $(STAMP)
 	$(BIN)/python -m bench.bench_orchestrator --scenario concurrent
 
-# Hang limits without a job's own: no false alarm over 32 min of training, and how soon a frozen rank is called hung
+# Hang limits without a job's own: no false alarm over 32 min of training, and how soon a frozen rank is called hung;
+# then the same for scripts without the SDK (timed by their stack samples) → bench/results/hang-limits-no-sdk.json
 bench-hang-limits: $(STAMP)
 	$(BIN)/python -m bench.hang_limits
+	$(BIN)/python -m bench.hang_limits --no-sdk --minutes 30
 
 bench-vs-torchrun: $(STAMP)
 	$(BIN)/python -m bench.bench_vs_torchrun

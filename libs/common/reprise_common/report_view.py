@@ -16,7 +16,7 @@ import msgspec
 
 from reprise_common.clock import utcnow
 from reprise_common.errors import MalformedEventError
-from reprise_common.events import GpuHealth
+from reprise_common.events import WHERE_MAX, GpuHealth
 
 EMPTY_ARRAY = msgspec.Raw(b"[]")  # an empty `gpus` or `ranks` kept undecoded
 
@@ -27,6 +27,10 @@ class GpuSeen(msgspec.Struct, frozen=True, gc=False):
     index: Annotated[int, msgspec.Meta(ge=0)]
     health: GpuHealth = GpuHealth.OK
     last_xid: int | None = None
+
+
+# A process's scheduler state (RankSeen.proc_state) when a signal or a tracer stopped it: it makes no progress then.
+STOPPED_STATES = frozenset({"T", "t"})
 
 
 class RankSeen(msgspec.Struct, frozen=True, gc=False):
@@ -49,6 +53,9 @@ class RankSeen(msgspec.Struct, frozen=True, gc=False):
     proc_state: Annotated[str, msgspec.Meta(max_length=1)] = ""
     proc_state_age_s: Annotated[float, msgspec.Meta(ge=0)] | None = None
     cpu_s: Annotated[float, msgspec.Meta(ge=0)] | None = None
+    where: Annotated[str, msgspec.Meta(max_length=WHERE_MAX)] = ""
+    waits_in: Annotated[str, msgspec.Meta(max_length=64)] = ""
+    still_s: Annotated[float, msgspec.Meta(ge=0)] | None = None
 
 
 class ReportSeen(msgspec.Struct, frozen=True, gc=False):

@@ -46,6 +46,13 @@ class AgentSettings(ServiceSettings):
     py_spy: Path | None = Field(
         default=None, description="py-spy for the stacks of hung ranks (default: beside the interpreter, or on PATH)"
     )
+    stack_sample_s: float = Field(
+        default=10.0,
+        ge=0,
+        le=600,
+        description="how often the main-thread stack of a rank that reports no steps (no SDK) is sampled with py-spy, "
+        "for hangs without heartbeats (0: never)",
+    )
     rendezvous_grace_s: float = Field(
         default=30.0, ge=0, description="how long a new rendezvous master may take to listen"
     )

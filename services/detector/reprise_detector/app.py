@@ -34,6 +34,7 @@ from reprise_detector.placements import PlacementMap
 from reprise_detector.progress import HangLimits, HangWatch, ProgressBook, StragglerWatch
 from reprise_detector.runtime import Runtime
 from reprise_detector.settings import DetectorSettings
+from reprise_detector.stack_hangs import SteplessJudge
 from reprise_detector.watch import Watcher
 
 SERVICE = "detector"
@@ -96,7 +97,12 @@ def build_runtime(settings: DetectorSettings, clock: Clock) -> Runtime:
         partition=partition,
         liveness=liveness,
         book=book,
-        hangs=HangWatch(clock=clock, book=book, defaults=limits),
+        hangs=HangWatch(
+            clock=clock,
+            book=book,
+            defaults=limits,
+            stepless=SteplessJudge(limit_s=settings.hang_stepless_s, grace_s=settings.hang_stepless_grace_s),
+        ),
         stragglers=StragglerWatch(
             clock=clock, book=book, factor=settings.straggler_factor, reports=settings.straggler_reports
         ),
@@ -106,6 +112,7 @@ def build_runtime(settings: DetectorSettings, clock: Clock) -> Runtime:
         bus=bus,
         peers=peers,
     )
+    watcher.hangs.unheard = liveness.unheard
     liveness.witness = Witnesses(
         placements=placements, book=book, window_s=settings.node_witness_window_s, settle=watcher.settle
     )

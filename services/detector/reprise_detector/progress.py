@@ -15,16 +15,19 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from reprise_common.clock import Clock
 from reprise_common.events import RankStatus
-from reprise_common.report_view import RankSeen
+from reprise_common.report_view import STOPPED_STATES, RankSeen
 from reprise_detector.derived import JobHung, RankStraggling
 
+if TYPE_CHECKING:  # stack_hangs reads these tracks: it imports this module, not the other way round
+    from reprise_detector.stack_hangs import StackHang, SteplessJudge
+
 STARTUP, CHECKPOINTING = "startup", "checkpointing"
-STOPPED_STATES = frozenset({"T", "t"})  # stopped by a signal or a tracer: no phase of its own applies then
 # The SDK's phase names (reprise_sdk.phase) that have limits of their own; any other phase is timed as training.
 EVALUATING = frozenset({"eval", "evaluation", "evaluating", "validation"})
 LOADING_DATA = frozenset({"data_loading", "loading_data", "dataloading"})
@@ -58,6 +61,9 @@ class RankTrack(msgspec.Struct, gc=False):
     slow_streak: int = 0
     straggling: bool = False
     stopped_since: float | None = None  # monotonic time its process was first seen stopped (state T/t), in a row
+    where: str = ""  # a rank without steps: its main thread's frame at its agent's last stack sample (stack_hangs)
+    waits_in: str = ""  # ... the torch.distributed call it is in there
+    still_since: float | None = None  # ... monotonic time its samples first showed it idle at that stack, in a row
 
 
 @dataclass(slots=True)
@@ -163,6 +169,7 @@ def fold(
         if step != was_step or epoch != track.restart_epoch:
             if epoch != track.restart_epoch:  # a new process (maybe elsewhere): the old one's slowness is not its own
                 track.slow_streak, track.straggling, track.restart_epoch = 0, False, epoch
+                track.where, track.waits_in, track.still_since = "", "", None
             track.step = step
             track.advanced_at, track.phase_since = _dated(status, now)
             track.cpu_at_advance = status.cpu_s
@@ -201,6 +208,19 @@ def _fold_state(job: JobTrack, track: RankTrack, status: RankProgress, now: floa
     if status.proc_state or track.proc_state:
         _fold_proc_state(job, track, status, track.proc_state, now)
         track.proc_state = status.proc_state
+    if status.still_s is not None or track.still_since is not None:  # sampled with its process state (stack_sampler)
+        _fold_where(job, track, status, now)
+
+
+def _fold_where(job: JobTrack, track: RankTrack, status: RankProgress, now: float) -> None:
+    """Note where a rank without steps stands and since when it stands still there (stack_hangs); a status without a
+    sample keeps the place known, not the stillness."""
+    if status.where:
+        track.where, track.waits_in = status.where, status.waits_in
+    since = now - status.still_s if status.still_s else None
+    if since is not None and track.still_since is None:
+        job.next_check = 0.0  # it may pass its limit sooner than the job's last look said
+    track.still_since = since
 
 
 def _first_track(node_id: str, status: RankProgress, now: float) -> RankTrack:
@@ -222,6 +242,9 @@ def _first_track(node_id: str, status: RankProgress, now: float) -> RankTrack:
         p99_s=status.step_time_p99_s,
         step_time_s=status.step_time_last_s or status.step_time_p50_s,
         stopped_since=_state_since(status, now) if status.proc_state in STOPPED_STATES else None,
+        where=status.where,
+        waits_in=status.waits_in,
+        still_since=now - status.still_s if status.still_s else None,
     )
 
 
@@ -261,6 +284,7 @@ class LimitReason(StrEnum):
     LEARNED = "learned"  # k x the job's rolling p99 step time
     FLOOR = "floor"  # the learned limit would be shorter than the floor (or nothing is learned yet)
     OVERRIDE = "override"  # the job's own fixed timeout
+    STEPLESS = "stepless"  # no steps (no SDK): its ranks' stacks stood still in a collective (stack_hangs)
 
 
 @dataclass(frozen=True)
@@ -385,10 +409,13 @@ def _stopped_at(stall: StallSeen) -> float:
 class HangWatch:
     """Stage: check() returns a JobHung for each job with a rank stalled beyond its limit (once per stall)."""
 
-    def __init__(self, *, clock: Clock, book: ProgressBook, defaults: HangLimits) -> None:
+    def __init__(
+        self, *, clock: Clock, book: ProgressBook, defaults: HangLimits, stepless: SteplessJudge | None = None
+    ) -> None:
         self.clock = clock
         self.book = book
         self.defaults = defaults
+        self.stepless = stepless  # times ranks without steps by their stack samples (None: by their phase only)
         self.unfinished = False  # the last check() spent its budget before every due job had its look
         self.next_due: float | None = None  # the soonest deadline of a watched job after the last check()
         # Folds the reports a job's nodes sent since their last fold (JobTrack.waiting) into its tracks, before a
@@ -397,6 +424,10 @@ class HangWatch:
         # How far behind the reading of reports is, in seconds (set by the runtime: its report follower's lag_s).
         # Stalls are judged as of that long ago: a rank whose node's report waits unread is not hung for the delay.
         self.lag: Callable[[], float] = lambda: 0.0
+        # Whether a node's reports are overdue as of a moment (set by the app: liveness's word). A rank on such a node
+        # is not judged: its progress is unknown, not stalled, and its node's silence is liveness's to judge (a cut
+        # management link must not make its job hung while the job's other ranks advance).
+        self.unheard: Callable[[str, float], bool] = lambda _node, _now: False
 
     def check(
         self, overrides: Mapping[str, HangLimits] | None = None, *, budget_s: float | None = None
@@ -452,18 +483,23 @@ class HangWatch:
         # looks from bunching up in one pass (at 20,000 nodes a pass over every rank holds the loop for ~0.5 s).
         due = now + MAX_SKIP_S * (0.5 + 0.5 * random.random())  # noqa: S311 - spreading work, not a secret
         deadline = math.inf
+        stepless, sampled = self.stepless, False
         for rank, track in job.ranks.items():
-            if not track.alive:  # an ended process is not hung: its exit is a symptom of its own (or a clean end)
-                continue
+            if not track.alive or self.unheard(track.node_id, now):  # an ended process is not hung (its exit is a
+                continue  # symptom of its own), nor one whose node's reports do not arrive (liveness judges that)
             limit, why, since = limit_for(track, job_p99, limits)
+            if why is LimitReason.STARTUP and stepless is not None and stepless.times(track, now):
+                sampled = True  # no steps, past its grace: timed by its stack samples below, not by its phase
+                continue
             stalls.append((since, rank, track, limit, why))
             deadline = min(deadline, since + limit)
-        job.deadline = deadline
-        job.next_check = min(due, deadline)
+        stack = stepless.judge(job, limits, now) if stepless is not None and sampled else None
+        job.deadline = deadline if stack is None else min(deadline, stack.deadline)
+        job.next_check = min(due, job.deadline)
         job.joined_since = math.inf
         over = [o for o in stalls if now - o[0] > o[3]]
         if not over:
-            return None
+            return self._stack_hung(job_id, job, stack, now, lag) if stack is not None else None
         first = min(over, key=_stall_order)
         since, _, _, limit, why = first
         # Ranks that stopped within one step time of the first stopped together, whether or not their own limit has
@@ -475,7 +511,37 @@ class HangWatch:
             Stall(o[0], o[1], o[2]) for o in sorted(stalls, key=_stall_order) if _stopped_at(o) - stopped <= grace
         ]
         culprit, blame = hang_culprit(together, now)
-        rank, track = culprit.rank, culprit.track
+        stalled = [s.rank for s in together]
+        return self._hung(
+            job_id, job, rank=culprit.rank, blame=blame, stalled_ranks=stalled, timing=(since, limit, why), now=now,
+            lag=lag,
+        )  # fmt: skip
+
+    def _stack_hung(self, job_id: str, job: JobTrack, stack: StackHang, now: float, lag: float) -> JobHung | None:
+        """The hang of a job without steps that its stack samples show, once its limit has passed (stack_hangs)."""
+        if stack.rank is None:
+            return None
+        timing = (stack.since, stack.limit, LimitReason.STEPLESS)
+        return self._hung(
+            job_id, job, rank=stack.rank, blame=stack.reason, stalled_ranks=list(stack.stalled), timing=timing,
+            now=now, lag=lag,
+        )  # fmt: skip
+
+    def _hung(
+        self,
+        job_id: str,
+        job: JobTrack,
+        *,
+        rank: int,
+        blame: str,
+        stalled_ranks: list[int],
+        timing: tuple[float, float, LimitReason],
+        now: float,
+        lag: float,
+    ) -> JobHung:
+        """The symptom of a hang: `rank` to blame, its stall timed from `since` against `limit` (`timing`)."""
+        since, limit, why = timing
+        track = job.ranks[rank]
         steps = [t.step for t in job.ranks.values() if t.step is not None]
         top = max(steps, default=None)
         lagging = sorted(r for r, t in job.ranks.items() if top is not None and t.step is not None and t.step < top)
@@ -489,7 +555,7 @@ class HangWatch:
             node_id=track.node_id,
             job_id=job_id,
             rank=rank,
-            stalled_ranks=sorted(s.rank for s in together),
+            stalled_ranks=sorted(stalled_ranks),
             lagging_ranks=lagging,
             culprit_reason=blame,
             step=track.step,

@@ -107,6 +107,19 @@ class DetectorSettings(ServiceSettings, DatabaseSettings, AuthSettings):
     hang_loading_data_s: float = Field(
         default=900.0, gt=0, le=86400, description="the limit while a rank loads data (phase data_loading, ...)"
     )
+    hang_stepless_s: float = Field(
+        default=120.0,
+        gt=0,
+        le=86400,
+        description="a job whose ranks report no steps (no SDK): hung when every rank has stood idle at the same stack "
+        "this long, one in a torch.distributed call (the agents' stack samples; the job's timeout_s if set)",
+    )
+    hang_stepless_grace_s: float = Field(
+        default=300.0,
+        ge=0,
+        le=3600,
+        description="how long a rank that reports no steps is timed by the startup limit before its stack samples",
+    )
     straggler_factor: float = Field(default=1.5, gt=1, description="a rank this many times the job median is slow")
     straggler_reports: int = Field(
         default=5, ge=1, description="slow reports in a row before a straggler warning (counted between folds)"

@@ -369,3 +369,24 @@ async def test_a_silent_node_whose_jobs_other_ranks_stop_with_it_is_lost_before_
     finally:
         training.cancel()
         agents.signal("node-2", signal.SIGCONT)
+
+
+async def test_a_rank_on_a_silent_node_is_not_hung_while_its_peers_advance(harness: Harness) -> None:
+    """Found on namespaced hosts: a 60 s cut of node-2's management link made its job hung 15 s in ("rank 1 stopped
+    first"): its rank's progress was unknown, not stalled. Its node's silence is liveness's to judge."""
+    await harness.place("job-a", [(0, "node-1", 0), (1, "node-2", 0)], hang_timeout_s=2.0)
+    clock = time.monotonic()
+    both = asyncio.create_task(
+        _train(harness, {0: "node-1", 1: "node-2"}, lambda: int((time.monotonic() - clock) * 10))
+    )
+    try:
+        assert await wait_until(lambda: _known(harness, *NODES))
+        await asyncio.sleep(1.0)
+    finally:
+        both.cancel()
+    one = asyncio.create_task(_train(harness, {0: "node-1"}, lambda: int((time.monotonic() - clock) * 10)))
+    try:
+        await asyncio.sleep(6.0)  # three times the job's hang limit: node-2 silent, node-1's rank advancing
+        assert await harness.open_incidents("job-a") == []
+    finally:
+        one.cancel()

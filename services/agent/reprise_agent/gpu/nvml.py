@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -289,6 +290,23 @@ class NvmlGpus:
         with self._lock:
             signals, self._signals = self._signals, []
         return signals
+
+    def gpu_busy_pids(self, since_s: float) -> set[int]:
+        """The pids with SM or memory-copy time on any GPU in the last `since_s` seconds (NVML's per-process
+        utilization samples; the stack sampler's evidence that a rank outside a collective works on its GPU). A GPU
+        that cannot say adds nothing. Pids are the host's: an agent in another pid namespace than its ranks sees none.
+        """
+        since_us = max(int((time.time() - since_s) * 1_000_000), 0)
+        busy: set[int] = set()
+        for gpu in self._gpus:
+            if gpu.handle is None or gpu.lost:
+                continue
+            try:
+                samples = self._nvml.nvmlDeviceGetProcessUtilization(gpu.handle, since_us)
+            except pynvml.NVMLError:  # NOT_FOUND: no sample in the window; others: this GPU cannot say
+                continue
+            busy.update(int(s.pid) for s in samples if s.smUtil or s.memUtil)
+        return busy
 
     # --- XID events -------------------------------------------------------------------------------------------
     def _start_xid_listener(self) -> None:

@@ -339,6 +339,11 @@ class Liveness:
         due = seen.last_seen + factor * seen.interval_s
         return due if seen.dropped_at is None else min(due, seen.dropped_at)  # its connection closed: overdue now
 
+    def unheard(self, node_id: str, now: float) -> bool:
+        """Whether the node's reports are overdue at `now` (monotonic): SUSPECT_FACTOR of its intervals missed."""
+        due = self.overdue_at(node_id, SUSPECT_FACTOR)
+        return due is not None and now > due
+
     def lost_on_evidence(self, node_id: str, *, factor: float, evidence: str) -> NodeLost | None:
         """The node lost at once, on other evidence than its silence (its peers' errors), when it has also been
         silent longer than `factor` times its report interval; None when it has not (or cannot be: overdue_at).
