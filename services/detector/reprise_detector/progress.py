@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from enum import StrEnum
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import msgspec
 
@@ -23,9 +23,6 @@ from reprise_common.clock import Clock
 from reprise_common.events import RankStatus
 from reprise_common.report_view import STOPPED_STATES, RankSeen
 from reprise_detector.derived import JobHung, RankStraggling
-
-if TYPE_CHECKING:  # stack_hangs reads these tracks: it imports this module, not the other way round
-    from reprise_detector.stack_hangs import StackHang, SteplessJudge
 
 STARTUP, CHECKPOINTING = "startup", "checkpointing"
 # The SDK's phase names (reprise_sdk.phase) that have limits of their own; any other phase is timed as training.
@@ -406,11 +403,35 @@ def _stopped_at(stall: StallSeen) -> float:
     return min(since, track.advanced_at)
 
 
+@dataclass(frozen=True)
+class StackHang:
+    """What the samples of a step-less job say: when it passes its limit, and whether and whom to blame then."""
+
+    deadline: float  # monotonic time every rank will have stood still for the limit, if none moves
+    since: float  # monotonic time the last of them was first seen still
+    limit: float
+    rank: int | None = None  # the culprit, once the limit has passed
+    reason: str = ""
+    stalled: tuple[int, ...] = ()
+
+
+class StackTimer(Protocol):
+    """What times the ranks of a job without steps by their stack samples (stack_hangs.SteplessJudge)."""
+
+    def times(self, track: RankTrack, now: float) -> bool:
+        """Whether a rank is timed by its stack samples rather than by its phase."""
+        ...
+
+    def judge(self, job: JobTrack, limits: HangLimits, now: float) -> StackHang | None:
+        """The job's stack hang, if its samples show one coming or passed."""
+        ...
+
+
 class HangWatch:
     """Stage: check() returns a JobHung for each job with a rank stalled beyond its limit (once per stall)."""
 
     def __init__(
-        self, *, clock: Clock, book: ProgressBook, defaults: HangLimits, stepless: SteplessJudge | None = None
+        self, *, clock: Clock, book: ProgressBook, defaults: HangLimits, stepless: StackTimer | None = None
     ) -> None:
         self.clock = clock
         self.book = book

@@ -12,26 +12,13 @@ Called only at a close look at a job with such ranks (HangWatch), never per repo
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 
-from reprise_detector.progress import STARTUP, HangLimits, JobTrack, RankTrack
+from reprise_detector.progress import STARTUP, HangLimits, JobTrack, RankTrack, StackHang
 from reprise_detector.stacks import StackView, culprit
 
 
-@dataclass(frozen=True)
-class StackHang:
-    """What the samples of a step-less job say: when it passes its limit, and whether and whom to blame then."""
-
-    deadline: float  # monotonic time every rank will have stood still for the limit, if none moves
-    since: float  # monotonic time the last of them was first seen still
-    limit: float
-    rank: int | None = None  # the culprit, once the limit has passed
-    reason: str = ""
-    stalled: tuple[int, ...] = ()
-
-
 class SteplessJudge:
-    """Times the ranks that report no steps by their stack samples, after the startup grace."""
+    """Times the ranks that report no steps by their stack samples, after the startup grace (progress.StackTimer)."""
 
     def __init__(self, *, limit_s: float, grace_s: float) -> None:
         self.limit_s = limit_s
