@@ -505,9 +505,11 @@ class HangWatch:
         due = now + MAX_SKIP_S * (0.5 + 0.5 * random.random())  # noqa: S311 - spreading work, not a secret
         deadline = math.inf
         stepless, sampled = self.stepless, False
+        unknown_before = self._unheard_nodes(job, now)
         for rank, track in job.ranks.items():
-            if not track.alive or self.unheard(track.node_id, now):  # an ended process is not hung (its exit is a
-                continue  # symptom of its own), nor one whose node's reports do not arrive (liveness judges that)
+            if not track.alive or track.advanced_at < unknown_before.get(track.node_id, -math.inf):
+                continue  # an ended process is not hung (its exit is a symptom of its own), nor one whose progress is
+                # unknown: its node's reports do not arrive while ranks on heard nodes advance (liveness judges that)
             limit, why, since = limit_for(track, job_p99, limits)
             if why is LimitReason.STARTUP and stepless is not None and stepless.times(track, now):
                 sampled = True  # no steps, past its grace: timed by its stack samples below, not by its phase
@@ -537,6 +539,17 @@ class HangWatch:
             job_id, job, rank=culprit.rank, blame=blame, stalled_ranks=stalled, timing=(since, limit, why), now=now,
             lag=lag,
         )  # fmt: skip
+
+    def _unheard_nodes(self, job: JobTrack, now: float) -> dict[str, float]:
+        """The job's nodes whose reports are overdue, each with the last step of a rank on a heard node: a rank there
+        that stopped before it is of unknown progress (a cut management link), not stalled. Empty when all are heard."""
+        nodes = {track.node_id for track in job.ranks.values()}
+        silent = {node_id for node_id in nodes if self.unheard(node_id, now)}
+        if not silent:
+            return {}
+        heard = [t.advanced_at for t in job.ranks.values() if t.alive and t.node_id not in silent]
+        moving = max(heard, default=-math.inf)
+        return dict.fromkeys(silent, moving)
 
     def _stack_hung(self, job_id: str, job: JobTrack, stack: StackHang, now: float, lag: float) -> JobHung | None:
         """The hang of a job without steps that its stack samples show, once its limit has passed (stack_hangs)."""
