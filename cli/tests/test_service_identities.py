@@ -183,12 +183,15 @@ async def test_the_detector_hears_of_an_agents_connection_by_its_key_as_the_serv
         await detector.subscribe(subject, cb=record)
     await detector.flush()
     keys = json.loads(node_keys_file(deployment.seeds["node-2"].parent).read_text())
+
+    def of_node_2(closing: bool) -> list[ClientAdvisory]:  # other clients of the deployment may come and go meanwhile
+        return [a for a in advisories if a.disconnected is closing and keys.get(a.client.user) == "node-2"]
+
     agent = await deployment.client("node-2", errors)
-    assert await poll_until(lambda: any(not a.disconnected for a in advisories), timeout_s=5)
+    assert await poll_until(lambda: bool(of_node_2(False)), timeout_s=5)
     await agent.close()
-    assert await poll_until(lambda: any(a.disconnected for a in advisories), timeout_s=5)
-    connected, closed = advisories[0], advisories[-1]
-    assert keys[connected.client.user] == keys[closed.client.user] == "node-2"
+    assert await poll_until(lambda: bool(of_node_2(True)), timeout_s=5)
+    [connected], [closed] = of_node_2(False), of_node_2(True)
     assert connected.client.id == closed.client.id and closed.reason == "Client Closed"
     assert not errors
     await detector.close()
