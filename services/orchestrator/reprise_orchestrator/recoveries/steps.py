@@ -257,7 +257,8 @@ class RecoverySteps:
         rollback = f"a numeric fault at step {before}: rolled back to a checkpoint before it" if before else ""
         if run.restore is None:
             note = "no validated checkpoint" + (f" before step {before}" if before else "")
-            note = f"{note}: the job restarts from its start"
+            start = "its start" if run.baseline.sdk_seen else "where its script resumes (its own snapshot, if any)"
+            note = f"{note}: the job restarts from {start}"
             return StepResult(Restored(skipped=skipped, before_step=before, note=note))
         pinned = await self.deps.registry.pin(run.restore.checkpoint_id, holder=run.recovery_id, ttl_s=PIN_TTL_S)
         checkpoint = CheckpointRef(id=run.restore.checkpoint_id, step=run.restore.step, path=run.restore.path)
@@ -285,9 +286,13 @@ class RecoverySteps:
         raise AssertionError("unreachable")
 
     def _count_progress(self, run: RecoveryRun) -> None:
-        """Record on the job whether this recovery restores a newer checkpoint than the one before (idempotent)."""
+        """Record on the job whether this recovery restores a newer checkpoint than the one before (idempotent). A job
+        that reports neither steps nor checkpoints (a plain script keeping its own snapshot) shows no progress Reprise
+        could count: it is not counted, and its loops end by the same-error streak and the restart budget."""
         before = run.baseline.last_restore_step
         step = run.restore.step if run.restore else None
+        if step is None and before is None and not run.baseline.sdk_seen:
+            return
         progress = (step if step is not None else -1) > (before if before is not None else -1)
         values: dict[str, Any] = {"last_restore_step": step if step is not None else before}
         values["no_progress_streak"] = 0 if progress else run.baseline.no_progress_streak + 1
