@@ -111,6 +111,7 @@ def build_runtime(settings: DetectorSettings, clock: Clock) -> Runtime:
         hang_check_interval_s=settings.hang_check_interval_s,
         bus=bus,
         peers=peers,
+        clocks=detector.clocks,
     )
     watcher.hangs.unheard = liveness.unheard
     liveness.witness = Witnesses(

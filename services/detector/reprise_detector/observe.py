@@ -30,6 +30,7 @@ from reprise_detector.derived import (
     RankExitedEarly,
     RankStraggling,
 )
+from reprise_detector.nodes.clocks import NodeClocks
 
 log = get_logger("reprise.detector.observe")
 
@@ -87,10 +88,13 @@ def bounded_time(sent: datetime, *, stored_ns: int, skew_s: float) -> datetime:
     return sent
 
 
-def observe(event: Event, subject: str, *, stored_ns: int = 0, skew_s: float = 0.0) -> Observation | None:
+def observe(
+    event: Event, subject: str, *, stored_ns: int = 0, skew_s: float = 0.0, clocks: NodeClocks | None = None
+) -> Observation | None:
     """The observation for a symptom event, None for an event the detector does not use; IngestError if unusable.
 
-    Its time is bounded by its arrival (stored_ns, see bounded_time).
+    An agent's event is dated on the detector's clock by its node's measured offset (`clocks`, nodes/clocks.py), then
+    bounded by its arrival (stored_ns, see bounded_time).
     """
     if isinstance(event, ComputeSignal):
         return compute_signal(event, subject, stored_ns=stored_ns, skew_s=skew_s)
@@ -121,7 +125,8 @@ def observe(event: Event, subject: str, *, stored_ns: int = 0, skew_s: float = 0
         case DependencyFailed():
             detail = f"{event.dependency}: {event.detail}"
             job_id = _job_token(event.job_id) if event.job_id is not None else None
-    time = bounded_time(event.time, stored_ns=stored_ns, skew_s=skew_s)
+    sent = clocks.corrected(node_id, event.time) if clocks is not None else event.time
+    time = bounded_time(sent, stored_ns=stored_ns, skew_s=skew_s)
     return Observation(
         event=event, node_id=node_id, kind=event.type, time=time, detail=detail, gpu=gpu, job_id=job_id, rank=rank
     )

@@ -37,6 +37,7 @@ from reprise_detector.incidents import service
 from reprise_detector.incidents.flows import PendingChange, pending_change, publish_changes
 from reprise_detector.incidents.models import Incident, IncidentChangeKind, Symptom
 from reprise_detector.nodes import reputation
+from reprise_detector.nodes.clocks import NodeClocks
 from reprise_detector.nodes.liveness import Liveness
 from reprise_detector.nodes.peers import PeerErrors
 from reprise_detector.observe import IngestError, Observation, derived, observe
@@ -136,6 +137,7 @@ class Detector:
         self.partition = partition or Partition()
         self.reputation_rules = reputation_rules or reputation.ReputationRules()
         self.clock_skew_s = clock_skew_s  # how far before its arrival an agent event's time may lie
+        self.clocks = NodeClocks()  # each node's clock offset, from its reports (the watch feeds it)
         self._lock = asyncio.Lock()  # the event consumer and the watch loop take turns on the database
         self._quarantines_pending = True  # check once after a start: a recommendation may be unannounced
         self.drops = Drops(clock)
@@ -160,7 +162,11 @@ class Detector:
             try:
                 observation = (
                     observe(
-                        item.event, item.delivery.subject, stored_ns=item.delivery.stored_ns, skew_s=self.clock_skew_s
+                        item.event,
+                        item.delivery.subject,
+                        stored_ns=item.delivery.stored_ns,
+                        skew_s=self.clock_skew_s,
+                        clocks=self.clocks,
                     )
                     if item.event is not None
                     else None
@@ -355,15 +361,20 @@ class Detector:
             incident = service.get_active_for_job(
                 session, job_id=target.job_id, around=observation.time, window_s=self.window_s, warning=key[1]
             )
+        epoch, current = target.culprit.restart_epoch, self.placements.epoch_of(target.job_id)
+        replaced = epoch is not None and current is not None and epoch < current  # about ranks already replaced
         relaunched = self.placements.relaunched_at.get(target.job_id)
         if (
             captured is None
+            and not replaced
             and incident is not None
             and relaunched is not None
             and incident.first_symptom_at < relaunched <= observation.time
         ):
             incident = None  # that incident's ranks were replaced by a recovery: this is a new fault
         decision = decide(classification, observation.time, incident)
+        if replaced and decision is Decision.OPEN:
+            decision = Decision.RECORD  # a late word of a launch a recovery replaced: evidence, never a new fault
         if decision is Decision.OPEN:
             incident = service.create(
                 session,

@@ -30,6 +30,7 @@ from reprise_common.errors import MalformedEventError
 from reprise_common.logging import get_logger
 from reprise_common.report_view import EMPTY_ARRAY, RankSeen, ReportSeen
 from reprise_detector.derived import DerivedSymptom
+from reprise_detector.nodes.clocks import NodeClocks
 from reprise_detector.nodes.liveness import Liveness
 from reprise_detector.nodes.models import HangPolicy
 from reprise_detector.nodes.peers import PeerErrors
@@ -137,8 +138,10 @@ class Watcher:
         hang_check_interval_s: float,
         bus: Bus | None = None,
         peers: PeerErrors | None = None,
+        clocks: NodeClocks | None = None,
     ) -> None:
         self.detector = detector
+        self.clocks = clocks or NodeClocks()  # each node's clock offset, from its reports' send times
         self.placements = placements
         self.partition = partition
         self.liveness = liveness
@@ -187,8 +190,9 @@ class Watcher:
             self._here, self._here_version = {}, self.placements.version
         record = self.decided  # a benchmark's: the reports' times are collected only for it
         sent: list[datetime] = []
-        now = self.clock.monotonic()
+        now, wall = self.clock.monotonic(), self.clock.now()
         node_of, placed_here, saw = self._node_of, self._here, self.liveness.saw  # looked up once a batch
+        clocks = self.clocks
         seen = parsed = 0
         for subject, data in reports.items():
             node_id = node_of.get(subject)
@@ -221,6 +225,7 @@ class Watcher:
                 self._malformed(node_id, str(exc))
                 continue
             parsed += 1
+            clocks.saw(node_id, report.time, wall, now=now)
             if here:
                 found.extend(self._progress(node_id, report.ranks, here, now))
             elif report.ranks != EMPTY_ARRAY:  # no job of this replica's runs there: its ranks are only checked

@@ -85,3 +85,63 @@ async def test_an_incident_opened_from_a_future_dated_event_starts_no_later_than
 
     [incident] = (await h.incidents(job_id="job-a"))["data"]
     assert datetime.fromisoformat(incident["first_symptom_at"]) <= datetime.fromisoformat(incident["opened_at"])
+
+
+def _xid(node_id: str, *, time: datetime) -> GpuXid:
+    return GpuXid(source=node_id, node_id=node_id, gpu=0, xid=79, time=time)
+
+
+async def _reports(h: Harness, ahead_s: float) -> None:
+    """A few reports of each node, node-1's clock running `ahead_s` ahead: the detector measures its offset."""
+    for _ in range(3):
+        await h.report("node-1", time=utcnow() + timedelta(seconds=ahead_s))
+        await h.report("node-2", time=utcnow())
+        await asyncio.sleep(0.05)
+    await h.settled()
+
+
+async def test_a_culprit_clock_2_s_ahead_keeps_one_fault_one_incident_when_its_xid_arrives_after_the_relaunch(
+    detector: Harness,
+) -> None:
+    """A peer's crash opened the incident and the job was relaunched in place before the culprit node's XID arrived;
+    the XID, stamped by a clock 2 s ahead, is dated by the node's measured offset (before the relaunch), so it
+    deepens the same incident instead of opening a second one (a second recovery)."""
+    h = detector
+    ranks = [(0, "node-1", 0), (1, "node-2", 0)]
+    await h.place("job-a", ranks)
+    await _reports(h, ahead_s=2.0)
+    xid = _xid("node-1", time=utcnow() + timedelta(seconds=2))  # both happen now
+    crash = _crash("node-2", 1, time=utcnow(), line="RuntimeError: bad batch")
+    await h.emit("node-2", crash)
+    await h.settled()
+    await asyncio.sleep(0.3)
+    await h.place("job-a", ranks, epoch=1)  # the recovery relaunched
+    await h.emit("node-1", xid)
+    await h.settled()
+
+    [incident] = (await h.incidents(job_id="job-a"))["data"]
+    assert (incident["culprit_node_id"], incident["category"]) == ("node-1", "gpu_hardware"), incident
+    [symptom] = h.symptoms(xid.event_id)
+    assert abs(symptom.time - crash.time) < timedelta(seconds=0.5), (symptom.time, crash.time)
+
+
+async def test_a_late_symptom_of_a_replaced_launch_never_opens_a_second_incident(detector: Harness) -> None:
+    """The culprit's XID opened the incident and the job was relaunched without its node; a peer's crash of the old
+    launch, dated after the relaunch (a clock ahead, or simply late), carries its launch's epoch: it is evidence of
+    the replaced launch, not a new fault."""
+    h = detector
+    await h.place("job-a", [(0, "node-1", 0), (1, "node-2", 0)])
+    await h.emit("node-1", _xid("node-1", time=utcnow() + timedelta(seconds=2)))
+    await h.settled()
+    await asyncio.sleep(0.3)
+    await h.place("job-a", [(0, "node-3", 0), (1, "node-2", 0)], epoch=1)
+    late = _crash("node-2", 1, time=utcnow(), line="RuntimeError: Gloo connectFullMesh failed")
+    await h.emit("node-2", late.model_copy(update={"restart_epoch": 0}))
+    await h.settled()
+
+    [incident] = (await h.incidents(job_id="job-a"))["data"]
+    assert (incident["culprit_node_id"], incident["category"]) == ("node-1", "gpu_hardware"), incident
+    fresh = _crash("node-2", 1, time=utcnow(), line="RuntimeError: bad batch")
+    await h.emit("node-2", fresh.model_copy(update={"restart_epoch": 1}))  # the new launch's own fault still counts
+    await h.settled()
+    assert len((await h.incidents(job_id="job-a"))["data"]) == 2
