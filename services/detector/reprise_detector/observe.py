@@ -30,7 +30,7 @@ from reprise_detector.derived import (
     RankExitedEarly,
     RankStraggling,
 )
-from reprise_detector.nodes.clocks import NodeClocks
+from reprise_detector.node_clocks import NodeClocks
 
 log = get_logger("reprise.detector.observe")
 
@@ -93,7 +93,7 @@ def observe(
 ) -> Observation | None:
     """The observation for a symptom event, None for an event the detector does not use; IngestError if unusable.
 
-    An agent's event is dated on the detector's clock by its node's measured offset (`clocks`, nodes/clocks.py), then
+    An agent's event is dated on the detector's clock by its node's measured offset (`clocks`, node_clocks.py), then
     bounded by its arrival (stored_ns, see bounded_time).
     """
     if isinstance(event, ComputeSignal):

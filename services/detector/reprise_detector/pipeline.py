@@ -36,8 +36,8 @@ from reprise_detector.early_exit import EarlyExits
 from reprise_detector.incidents import service
 from reprise_detector.incidents.flows import PendingChange, pending_change, publish_changes
 from reprise_detector.incidents.models import Incident, IncidentChangeKind, Symptom
+from reprise_detector.node_clocks import NodeClocks
 from reprise_detector.nodes import reputation
-from reprise_detector.nodes.clocks import NodeClocks
 from reprise_detector.nodes.liveness import Liveness
 from reprise_detector.nodes.peers import PeerErrors
 from reprise_detector.observe import IngestError, Observation, derived, observe

@@ -30,7 +30,7 @@ from reprise_common.errors import MalformedEventError
 from reprise_common.logging import get_logger
 from reprise_common.report_view import EMPTY_ARRAY, RankSeen, ReportSeen
 from reprise_detector.derived import DerivedSymptom
-from reprise_detector.nodes.clocks import NodeClocks
+from reprise_detector.node_clocks import NodeClocks
 from reprise_detector.nodes.liveness import Liveness
 from reprise_detector.nodes.models import HangPolicy
 from reprise_detector.nodes.peers import PeerErrors

@@ -1,11 +1,11 @@
-"""Each node's clock offset, measured from its reports (nodes/clocks.py): the largest `sent - received` over recent
+"""Each node's clock offset, measured from its reports (node_clocks.py): the largest `sent - received` over recent
 reports, left alone within the trust band, following a clock that steps."""
 
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from reprise_detector.nodes.clocks import BUCKET_S, TRUST_S, NodeClocks
+from reprise_detector.node_clocks import BUCKET_S, TRUST_S, NodeClocks
 
 T0 = datetime(2026, 12, 6, 12, 0, tzinfo=UTC)
 
