@@ -38,9 +38,10 @@ from reprise_registry import db
 from reprise_registry.app import create_app
 from reprise_registry.checkpoints import service
 from reprise_registry.checkpoints.models import Algorithm, Checkpoint, CheckpointCreate, CheckpointState, FileReport
+from reprise_registry.db import Engines
 from reprise_registry.settings import RegistrySettings
 from reprise_registry.validation.hashing import hash_files
-from reprise_registry.validation.service import Engines, validate_checkpoint
+from reprise_registry.validation.service import validate_checkpoint
 
 TORN = Path(__file__).resolve().parents[1] / "services" / "checkpoint-registry" / "tests" / "torn.py"
 

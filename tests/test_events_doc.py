@@ -103,7 +103,9 @@ def _enums() -> list[type[enum.Enum]]:
     return [
         value
         for value in vars(events).values()
-        if inspect.isclass(value) and issubclass(value, enum.Enum) and value.__module__ == events.__name__
+        if inspect.isclass(value)
+        and issubclass(value, enum.Enum)
+        and value.__module__.startswith(events.__name__ + ".")
     ]
 
 

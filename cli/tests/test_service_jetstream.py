@@ -17,7 +17,7 @@ from nats.js.api import DeliverPolicy
 
 from reprise_common import subjects
 from reprise_common.aio import poll_until
-from reprise_common.bus import Bus, Delivery, Outcome, stream_config
+from reprise_common.bus import Bus, Delivery, Outcome
 from reprise_common.clock import utcnow
 from reprise_common.errors import BusError
 from reprise_common.events import (
@@ -40,6 +40,7 @@ from reprise_common.events import (
     RecoveryChange,
     Severity,
 )
+from reprise_common.provision import stream_config
 from reprise_detector import runtime as detector
 from reprise_detector.partition import Partition
 from reprise_notifier import runtime as notifier

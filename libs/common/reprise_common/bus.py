@@ -10,16 +10,15 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-import nats
 import nats.errors
-import nats.js.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import DeliverPolicy, DiscardPolicy, RetentionPolicy, StreamConfig
-from pydantic import ValidationError
+from nats.js.api import DeliverPolicy
 
+from reprise_common import provision
 from reprise_common.advisories import connection_name
+from reprise_common.connection import open_connection
 from reprise_common.consumer import (  # Delivery, Handler and Outcome are part of this module's interface
     BatchHandler,
     Consumer,
@@ -28,9 +27,9 @@ from reprise_common.consumer import (  # Delivery, Handler and Outcome are part 
     Outcome,
     one_at_a_time,
 )
-from reprise_common.errors import BadReplyError, BusError, NoRespondersError, NotConnectedError, RequestTimeoutError
+from reprise_common.errors import BusError, NotConnectedError
 from reprise_common.events import DeadLetter, Event, Wire
-from reprise_common.fanout import request_many
+from reprise_common.fanout import request_many, request_one
 from reprise_common.follow import PENDING_MSGS, Follower, SnapshotHandler
 from reprise_common.logging import get_logger
 from reprise_common.metrics import (
@@ -44,30 +43,11 @@ from reprise_common.metrics import (
 from reprise_common.settings import ServiceSettings
 from reprise_common.subjects import STREAMS, STREAMS_OWNER, StreamSpec, dead_letter, inbox_prefix
 
-__all__ = ["Bus", "Consumer", "Delivery", "Handler", "Outcome", "stream_config"]
+__all__ = ["Bus", "Consumer", "Delivery", "Handler", "Outcome"]
 log = get_logger("reprise.bus")
 W = TypeVar("W", bound=Wire)
 _MAX_DEAD_PAYLOAD = 64 * 1024
-_STREAM_EXISTS_DIFFERENTLY = 10058
-_CLUSTER_NO_PEERS = 10005  # "no suitable peers for placement": too few cluster members have joined yet
-# JetStream still forming (no meta leader yet): the API times out, has no responder, or answers 503
-_JETSTREAM_FORMING = (TimeoutError, nats.errors.NoRespondersError, nats.js.errors.ServiceUnavailableError)
 _SLOW_CONSUMER_LOG_EVERY_S = 60.0
-
-
-def stream_config(spec: StreamSpec, *, replicas: int = 1) -> StreamConfig:
-    """The JetStream configuration for one of Reprise's streams, stored on `replicas` servers of a cluster."""
-    return StreamConfig(
-        name=spec.name,
-        num_replicas=replicas,
-        description=spec.description,
-        subjects=list(spec.subjects),
-        retention=RetentionPolicy.LIMITS,
-        discard=DiscardPolicy.OLD,
-        max_age=spec.max_age_s,
-        max_msgs_per_subject=spec.max_msgs_per_subject,
-        duplicate_window=spec.duplicate_window_s,
-    )
 
 
 class Bus:
@@ -157,29 +137,9 @@ class Bus:
 
     async def connect(self, *, attempts: int | None = None, retry_s: float = 0.5) -> None:
         """Connect (retrying while the server is not up yet), then provision streams; reconnects forever after."""
-        tries = 0
-        while True:
-            tries += 1
-            try:
-                self._nc = await nats.connect(
-                    servers=[server.strip() for server in self.url.split(",")],
-                    name=self.service,
-                    connect_timeout=2,
-                    allow_reconnect=True,
-                    max_reconnect_attempts=-1,
-                    reconnect_time_wait=0.5,
-                    ping_interval=2,
-                    max_outstanding_pings=2,
-                    disconnected_cb=self._on_disconnected,
-                    reconnected_cb=self._on_reconnected,
-                    error_cb=self._on_error,
-                    **self._identity(),
-                )
-                break
-            except (OSError, nats.errors.NoServersError, TimeoutError) as exc:
-                if attempts is not None and tries >= attempts:
-                    raise BusError(f"cannot reach NATS at {self.url}: {exc}") from exc
-                await asyncio.sleep(retry_s)
+        self._nc = await open_connection(
+            self.url, name=self.service, options=self._options, attempts=attempts, retry_s=retry_s
+        )
         self._js = self._nc.jetstream(timeout=5)
         BUS_CONNECTED.labels(self.service).set(1)
         if self.provision:
@@ -187,30 +147,16 @@ class Bus:
         self.generation += 1
 
     async def _provision(self, *, attempts: int | None, retry_s: float) -> None:
-        """ensure_streams, retried while JetStream is not available yet: a cluster that has just started has no
-        meta leader, or too few members for a replicated stream, for a few seconds (a service started with it, or
-        after a whole-cluster restart, would otherwise never become ready). Any other refusal raises at once."""
-        tries = 0
-        while True:
-            tries += 1
-            try:
-                await self.ensure_streams()
-                return
-            except _JETSTREAM_FORMING as exc:
-                reason: Exception = exc
-            except BusError as exc:
-                cause = exc.__cause__
-                if not (isinstance(cause, nats.js.errors.BadRequestError) and cause.err_code == _CLUSTER_NO_PEERS):
-                    raise
-                reason = exc
-            if attempts is not None and tries >= attempts:
-                raise BusError(f"JetStream at {self.url} is not available: {reason!r}") from reason
-            if tries == 1:
-                log.warning("JetStream not available yet: provisioning again", extra={"error": repr(reason)})
-            await asyncio.sleep(retry_s)
+        """ensure_streams, retried while JetStream is not available yet (provision_when_formed)."""
+        await provision.provision_when_formed(self.ensure_streams, url=self.url, attempts=attempts, retry_s=retry_s)
 
-    def _identity(self) -> dict[str, Any]:
-        options: dict[str, Any] = {}
+    def _options(self) -> dict[str, Any]:
+        """The client's callbacks, and this service's identity (its file is looked for at each try)."""
+        options: dict[str, Any] = {
+            "disconnected_cb": self._on_disconnected,
+            "reconnected_cb": self._on_reconnected,
+            "error_cb": self._on_error,
+        }
         if self.nkey_seed_file is not None:
             if not self.nkey_seed_file.is_file():
                 raise BusError(f"NATS identity file {self.nkey_seed_file} not found: create it with `reprise creds`")
@@ -274,29 +220,10 @@ class Bus:
 
     async def ensure_streams(self) -> None:
         """Create each stream, or (the streams' owner only) update it to the wanted configuration; safe to call any
-        number of times.
-
-        An update also purges what an older release stored under subjects the stream no longer takes (node reports
-        in AGENT): they would otherwise hold the server's disk until they age out. Any other service leaves a stream
-        that exists as it is (its permissions allow no update, so no service but the owner can change a stream's
-        retention, limits or subjects).
-        """
-        for spec in self.streams:
-            config = stream_config(spec, replicas=self.replicas)
-            try:
-                await self.js.add_stream(config)
-            except nats.js.errors.BadRequestError as exc:
-                if exc.err_code != _STREAM_EXISTS_DIFFERENTLY:
-                    raise BusError(f"cannot provision stream {spec.name}: {exc}") from exc
-                if not self.updates_streams:
-                    log.info("stream differs from this release's; its owner updates it", extra={"stream": spec.name})
-                    continue
-                await self.js.update_stream(config)
-                for subject in spec.retired_subjects:
-                    await self.js.purge_stream(spec.name, subject=subject)
-                    log.info("purged a retired subject", extra={"stream": spec.name, "subject": subject})
-            except nats.js.errors.ServerError as exc:  # e.g. replicas > 1 on a server that is not in a cluster
-                raise BusError(f"cannot provision stream {spec.name}: {exc}") from exc
+        number of times (provision.ensure_streams)."""
+        await provision.ensure_streams(
+            self.js, self.streams, replicas=self.replicas, updates_streams=self.updates_streams
+        )
 
     async def close(self) -> None:
         """Stop consumers (each finishes its in-flight message), then drain the connection."""
@@ -345,20 +272,9 @@ class Bus:
         """Send a request over core NATS and parse the reply.
 
         Raises NoRespondersError when nothing listens, RequestTimeoutError when no reply came in time, BadReplyError
-        for a reply of the wrong shape, and BusError for anything else the client refused.
+        for a reply of the wrong shape, and BusError for anything else the client refused (see fanout.py).
         """
-        try:
-            msg = await self.nc.request(subject, message.model_dump_json().encode(), timeout=timeout)
-        except nats.errors.NoRespondersError as exc:
-            raise NoRespondersError(subject) from exc
-        except (nats.errors.TimeoutError, TimeoutError) as exc:
-            raise RequestTimeoutError(f"no reply on {subject} within {timeout:g} s") from exc
-        except nats.errors.Error as exc:
-            raise BusError(f"request to {subject} failed: {exc!r}") from exc
-        try:
-            return reply_type.model_validate_json(msg.data)
-        except ValidationError as exc:
-            raise BadReplyError(f"bad reply on {subject}: {str(exc)[:200]}") from exc
+        return await request_one(self.nc, subject, message, reply_type, timeout=timeout)
 
     async def request_many(
         self, messages: Mapping[str, Wire], reply_type: type[W], *, timeout: float = 5.0

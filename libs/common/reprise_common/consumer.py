@@ -14,21 +14,18 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import TYPE_CHECKING
 
 import nats.errors
-import nats.js.errors
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
+from reprise_common.connection import Connection
 from reprise_common.errors import BusError, MalformedEventError
 from reprise_common.events import Event, parse_event
 from reprise_common.logging import get_logger
 from reprise_common.metrics import EVENTS_CONSUMED
+from reprise_common.provision import ensure_consumer
 from reprise_common.pull import PullInbox
-
-if TYPE_CHECKING:
-    from reprise_common.bus import Bus
 
 log = get_logger("reprise.consumer")
 FIRST_WAIT_S = 1.0  # how long a fetch waits (long-polls) for the first message of a batch
@@ -115,7 +112,7 @@ class Consumer:
     def __init__(
         self,
         *,
-        bus: Bus,
+        bus: Connection,
         stream: str,
         durable: str,
         filter_subject: str,
@@ -182,12 +179,7 @@ class Consumer:
             deliver_policy=self.deliver_policy,
             filter_subject=self.filter_subject,
         )
-        try:
-            info = await self.bus.js.consumer_info(self.stream, self.durable)
-        except nats.js.errors.NotFoundError:
-            await self.bus.js.add_consumer(self.stream, config=config)
-        else:
-            await self._update_limits(info.config, config)
+        await ensure_consumer(self.bus.js, self.stream, config)
         inbox = PullInbox(
             self.bus.nc,
             stream=self.stream,
@@ -197,26 +189,6 @@ class Consumer:
         )
         await inbox.open()
         return inbox
-
-    async def _update_limits(self, found: ConsumerConfig, wanted: ConsumerConfig) -> None:
-        """Apply the ack wait and delivery limits this consumer wants to one that an earlier run created otherwise.
-
-        The server keeps a durable consumer's config, so a changed ack wait would otherwise never take effect. Only
-        these limits are changed (the server refuses a change of e.g. the deliver policy); a refusal is logged.
-        """
-        limits = {
-            "ack_wait": wanted.ack_wait,
-            "max_deliver": wanted.max_deliver,
-            "max_ack_pending": wanted.max_ack_pending,
-        }
-        if all(getattr(found, name) == value for name, value in limits.items()):
-            return
-        try:
-            await self.bus.js.add_consumer(self.stream, config=found.evolve(**limits))
-        except nats.js.errors.Error as exc:
-            log.warning("could not update the consumer's limits", extra={"consumer": self.durable, "error": repr(exc)})
-            return
-        log.info("updated the consumer's limits", extra={"consumer": self.durable, **limits})
 
     async def _keep_in_progress(self, every_s: float) -> None:
         """Tell the server every `every_s` that the messages of the batches held are still being worked on."""

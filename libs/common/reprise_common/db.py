@@ -1,4 +1,5 @@
-"""SQL engines for services that keep state: SQLite by default (WAL, busy timeout), PostgreSQL at scale."""
+"""SQL engines for services that keep state: SQLite by default (WAL, busy timeout), PostgreSQL at scale; and a
+session per request for their routes."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
+from fastapi import Depends, Request
 from pydantic import BaseModel, TypeAdapter
 from sqlalchemy import JSON, DateTime, Table, event, func, text
 from sqlalchemy.engine import Connection, Dialect, Engine
@@ -128,6 +130,23 @@ def session_scope(engine: Engine) -> Iterator[Session]:
         except BaseException:
             session.rollback()
             raise
+
+
+def get_engine(request: Request) -> Engine:
+    """The service's engine (its app's `state.engine`), for a route."""
+    engine: Engine = request.app.state.engine
+    return engine
+
+
+def get_session(engine: Annotated[Engine, Depends(get_engine)]) -> Iterator[Session]:
+    """A database session for one request."""
+    with session_scope(engine) as session:
+        yield session
+
+
+# The session closes when the handler returns, before the answer is sent (sending waits for the event loop, which must
+# never wait for a connection a finished handler still holds), and at most REQUEST_SESSIONS handlers hold one at once.
+SessionDep = Annotated[Session, Depends(get_session, scope="function", max_concurrency=REQUEST_SESSIONS)]
 
 
 def db_check(engine: Engine) -> Callable[[], Awaitable[bool]]:

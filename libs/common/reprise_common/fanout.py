@@ -1,7 +1,7 @@
-"""Requests to many subjects at once (a command to every node of a job) on core NATS.
+"""Requests on core NATS: to one subject, or to many at once (a command to every node of a job).
 
-One reply subscription serves the whole batch: every request carries a reply subject `<inbox>.<index>`, and one
-deadline covers them all, so thousands of requests cost no task, future or timer each. A subject where nothing
+For many, one reply subscription serves the whole batch: every request carries a reply subject `<inbox>.<index>`, and
+one deadline covers them all, so thousands of requests cost no task, future or timer each. A subject where nothing
 listens is answered at once by the server ("no responders"), so only silent responders wait for the deadline.
 """
 
@@ -22,6 +22,22 @@ from reprise_common.errors import BadReplyError, BusError, NoRespondersError, No
 from reprise_common.events import Wire
 
 W = TypeVar("W", bound=Wire)
+
+
+async def request_one(nc: Client, subject: str, message: Wire, reply_type: type[W], *, timeout: float) -> W:
+    """Send a request and parse the reply; NoRespondersError, RequestTimeoutError, BadReplyError or BusError."""
+    try:
+        msg = await nc.request(subject, message.model_dump_json().encode(), timeout=timeout)
+    except nats.errors.NoRespondersError as exc:
+        raise NoRespondersError(subject) from exc
+    except (nats.errors.TimeoutError, TimeoutError) as exc:
+        raise RequestTimeoutError(f"no reply on {subject} within {timeout:g} s") from exc
+    except nats.errors.Error as exc:
+        raise BusError(f"request to {subject} failed: {exc!r}") from exc
+    try:
+        return reply_type.model_validate_json(msg.data)
+    except ValidationError as exc:
+        raise BadReplyError(f"bad reply on {subject}: {str(exc)[:200]}") from exc
 
 
 async def request_many(

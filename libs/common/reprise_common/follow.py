@@ -19,17 +19,14 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
 
 import nats.errors
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from reprise_common.connection import Connection
 from reprise_common.logging import get_logger
 from reprise_common.metrics import SNAPSHOTS, subject_kind
-
-if TYPE_CHECKING:
-    from reprise_common.bus import Bus
 
 log = get_logger("reprise.follow")
 
@@ -52,7 +49,7 @@ class Follower:
     def __init__(
         self,
         *,
-        bus: Bus,
+        bus: Connection,
         subject: str,
         handler: SnapshotHandler,
         batch: int = 512,

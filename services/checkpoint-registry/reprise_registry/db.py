@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,14 @@ MIGRATIONS = Migrations(
 )
 upgrade = MIGRATIONS.upgrade  # at every start, instead of create_all
 downgrade = MIGRATIONS.downgrade
+
+
+@dataclass(frozen=True)
+class Engines:
+    """Reads on one engine, writes on another (BEGIN IMMEDIATE on SQLite); the same engine on PostgreSQL."""
+
+    read: Engine
+    write: Engine
 
 
 def make_write_engine(url: str) -> Engine:

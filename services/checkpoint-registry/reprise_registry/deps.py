@@ -10,8 +10,8 @@ from typing import Annotated
 from fastapi import Depends, Request
 from sqlmodel import Session
 
+from reprise_registry.db import Engines
 from reprise_registry.settings import RegistrySettings
-from reprise_registry.validation.service import Engines
 
 
 @dataclass

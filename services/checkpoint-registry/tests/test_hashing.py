@@ -10,7 +10,8 @@ import blake3
 import pytest
 
 from reprise_registry.checkpoints.models import Algorithm
-from reprise_registry.validation.hashing import BUFFER_BYTES, FileDigestResult, hash_file, hash_files, manifest_digest
+from reprise_registry.checkpoints.service import manifest_digest
+from reprise_registry.validation.hashing import BUFFER_BYTES, FileDigestResult, hash_file, hash_files
 
 SIZES = [0, 1, BUFFER_BYTES - 1, BUFFER_BYTES, BUFFER_BYTES + 1, 2 * BUFFER_BYTES + 12345]
 

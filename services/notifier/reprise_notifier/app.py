@@ -90,6 +90,8 @@ def create_app(
         lifespan=lifespan,
     )
     app.state.runtime = runtime
+    app.state.engine = runtime.engine  # what the routes read (reprise_common.db.SessionDep, deps.py)
+    app.state.routing = runtime.routing
     add_error_handlers(app)
     checks = {
         "nats": nats_check(runtime.background),

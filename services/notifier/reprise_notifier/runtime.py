@@ -1,23 +1,20 @@
-"""What one running notifier holds, shared by the lifespan, the consumers, the workers and the routes."""
+"""What one running notifier holds, shared by the lifespan, the consumers and the workers (the routes are handed
+its engine and routing: reprise_common.db.SessionDep, deps.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Annotated
 
-from fastapi import Depends, Request
 from nats.js.api import DeliverPolicy
 from sqlalchemy.engine import Engine
-from sqlmodel import Session
 
 from reprise_common import subjects
 from reprise_common.bus import Bus
 from reprise_common.clock import Clock
 from reprise_common.consumer import Consumer
-from reprise_common.db import REQUEST_SESSIONS, session_scope
+from reprise_common.db import session_scope
 from reprise_common.logging import get_logger
 from reprise_common.service import Background
 from reprise_notifier.deliveries import service as outbox
@@ -115,23 +112,3 @@ class Runtime:
     async def wait_started(self, timeout: float) -> None:
         """Wait until NATS is connected and the consumers run; TimeoutError otherwise."""
         await asyncio.wait_for(self.background.started.wait(), timeout=timeout)
-
-
-def get_runtime(request: Request) -> Runtime:
-    """The running notifier, for a route."""
-    runtime: Runtime = request.app.state.runtime
-    return runtime
-
-
-RuntimeDep = Annotated[Runtime, Depends(get_runtime)]
-
-
-def get_session(runtime: RuntimeDep) -> Iterator[Session]:
-    """A database session for one request."""
-    with session_scope(runtime.engine) as session:
-        yield session
-
-
-# The session closes when the handler returns, before the answer is sent (sending waits for the event loop, which must
-# never wait for a connection a finished handler still holds), and at most REQUEST_SESSIONS handlers hold one at once.
-SessionDep = Annotated[Session, Depends(get_session, scope="function", max_concurrency=REQUEST_SESSIONS)]

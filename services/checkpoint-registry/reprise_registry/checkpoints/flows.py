@@ -23,7 +23,7 @@ from reprise_registry.checkpoints.models import (
     FileReport,
     Layout,
 )
-from reprise_registry.validation.service import Engines
+from reprise_registry.db import Engines
 
 log = get_logger("reprise.registry.flows")
 

@@ -5,9 +5,10 @@ Functions that change rows expect a session on the write engine (BEGIN IMMEDIATE
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
+import blake3
 from sqlalchemy import delete, func
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
@@ -28,7 +29,6 @@ from reprise_registry.checkpoints.models import (
     FileReport,
     JobWorldSize,
 )
-from reprise_registry.validation.hashing import manifest_digest
 
 RESTARTABLE = (CheckpointState.WRITING, CheckpointState.CORRUPT, CheckpointState.DELETED)
 DONE_WRITING = (CheckpointState.COMMITTED, CheckpointState.VALIDATED)
@@ -255,6 +255,14 @@ def manifest_entries(session: Session, *, checkpoint_id: int) -> list[tuple[str,
     query = select(CheckpointFile.path, CheckpointFile.size_bytes, CheckpointFile.digest, CheckpointFile.algorithm)
     rows = session.execute(query.where(CheckpointFile.checkpoint_id == checkpoint_id)).all()
     return [(str(p), int(s), d, str(a)) for p, s, d, a in rows]
+
+
+def manifest_digest(entries: Iterable[tuple[str, int, str | None, str]]) -> str:
+    """One BLAKE3 digest over a manifest's (path, size, digest, algorithm) lines, in path order."""
+    hasher = blake3.blake3()
+    for path, size, digest, algorithm in sorted(entries):
+        hasher.update(f"{path}\t{size}\t{algorithm}:{digest or '-'}\n".encode())
+    return str(hasher.hexdigest())
 
 
 def _commit_result(

@@ -1,9 +1,8 @@
-"""REST routes for checkpoints: begin, report a rank's files, commit, validate, look up, pick one to restore, report
-a load failure."""
+"""REST routes for checkpoints: begin, report a rank's files, commit, look up, report a load failure (validating one
+and picking one to restore are validation's routes)."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Annotated
@@ -13,7 +12,6 @@ from fastapi.exceptions import RequestValidationError
 
 from reprise_common.db import SQL_INT_MAX
 from reprise_common.errors import ConflictError
-from reprise_common.events import RESUME_FILES_MAX
 from reprise_registry.checkpoints import service
 from reprise_registry.checkpoints.models import (
     CheckpointCreate,
@@ -25,12 +23,9 @@ from reprise_registry.checkpoints.models import (
     CommitResult,
     LoadFailure,
     RankReport,
-    RestorePointPublic,
 )
 from reprise_registry.checkpoints.paths import FieldPath, PathRefusedError
 from reprise_registry.deps import DepsDep, ReadSession, WriteSession
-from reprise_registry.validation.recheck import pick_restore_point
-from reprise_registry.validation.service import validate_checkpoint
 
 # Path parameters, bounded so that a number past 64 bits is a 422 naming it, not an overflow in the database (500).
 CheckpointId = Annotated[int, Path(ge=1, le=SQL_INT_MAX, description="a checkpoint's id")]
@@ -107,26 +102,6 @@ def commit_checkpoint(checkpoint_id: CheckpointId, session: WriteSession, deps: 
     return result
 
 
-@router.post("/checkpoints/{checkpoint_id}/validate", response_model=CheckpointPublic)
-async def validate_now(
-    checkpoint_id: CheckpointId, deps: DepsDep, sample_fraction: Annotated[float | None, Query(ge=0, le=1)] = None
-) -> CheckpointPublic:
-    """Validate a committed checkpoint now, or re-verify a validated one; answers with the outcome."""
-    fraction = deps.settings.validate_sample_fraction if sample_fraction is None else sample_fraction
-    checkpoint = await asyncio.to_thread(
-        validate_checkpoint,
-        deps.engines,
-        checkpoint_id=checkpoint_id,
-        sample_fraction=fraction,
-        workers=deps.settings.hash_workers,
-        roots=deps.settings.checkpoint_roots,
-    )
-    if checkpoint.state not in (CheckpointState.VALIDATED, CheckpointState.CORRUPT):
-        raise ConflictError(f"checkpoint {checkpoint_id} is {checkpoint.state}: only a committed one is validated")
-    deps.announcer_wake.set()
-    return _public(checkpoint)
-
-
 @router.post("/checkpoints/{checkpoint_id}/load-failed", response_model=CheckpointPublic)
 def load_failed(
     checkpoint_id: CheckpointId, body: LoadFailure, session: WriteSession, deps: DepsDep
@@ -138,38 +113,6 @@ def load_failed(
         deps.rechecks.add(checkpoint_id)
         deps.wake(deps.validator_wake)
     return _public(checkpoint)
-
-
-@router.post("/jobs/{job_id}/restore-point", response_model=RestorePointPublic)
-async def restore_point(
-    job_id: str,
-    deps: DepsDep,
-    carry_files: Annotated[
-        int, Query(ge=0, le=RESUME_FILES_MAX, description="the most files the caller hands to the ranks to check")
-    ] = RESUME_FILES_MAX,
-    before_step: Annotated[
-        int | None, Query(ge=0, le=SQL_INT_MAX, description="only checkpoints older than this step (a numeric fault's)")
-    ] = None,
-) -> RestorePointPublic:
-    """The newest validated checkpoint re-checked now (marker, ranks, file sizes; every digest when its manifest has
-    more than carry_files files), with its manifest; checkpoints that fail are marked corrupt and skipped."""
-    pick = await asyncio.to_thread(
-        pick_restore_point,
-        deps.engines,
-        job_id=job_id,
-        carry_files=carry_files,
-        before_step=before_step,
-        roots=deps.settings.checkpoint_roots,
-        workers=deps.settings.hash_workers,
-    )
-    if pick.skipped:
-        deps.announcer_wake.set()
-    return RestorePointPublic(
-        checkpoint=_public(pick.checkpoint) if pick.checkpoint is not None else None,
-        files=[CheckpointFilePublic.model_validate(f, from_attributes=True) for f in pick.files],
-        digests_checked=pick.digests_checked,
-        skipped=pick.skipped,
-    )
 
 
 @router.get("/jobs/{job_id}/checkpoints", response_model=CheckpointsPublic)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,11 +117,3 @@ def parallel_map(function: Callable[[T], R], items: Sequence[T], *, workers: int
 def default_workers() -> int:
     """Hash threads: one per core, at least two (reads overlap hashing), at most 32."""
     return max(2, min(32, os.cpu_count() or 2))
-
-
-def manifest_digest(entries: Iterable[tuple[str, int, str | None, str]]) -> str:
-    """One BLAKE3 digest over a manifest's (path, size, digest, algorithm) lines, in path order."""
-    hasher = blake3.blake3()
-    for path, size, digest, algorithm in sorted(entries):
-        hasher.update(f"{path}\t{size}\t{algorithm}:{digest or '-'}\n".encode())
-    return str(hasher.hexdigest())

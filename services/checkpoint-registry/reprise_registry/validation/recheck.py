@@ -19,7 +19,8 @@ from reprise_common.clock import utcnow
 from reprise_common.errors import NotFoundError
 from reprise_registry.checkpoints import service
 from reprise_registry.checkpoints.models import Checkpoint, CheckpointFile, CheckpointState, SkippedCheckpoint
-from reprise_registry.validation.service import Engines, validate_checkpoint
+from reprise_registry.db import Engines
+from reprise_registry.validation.service import validate_checkpoint
 
 RESTORE_CANDIDATES = 8  # a restore gives up after this many corrupt checkpoints in a row (the job starts over)
 PRESENCE_ONLY = 0.0  # sample fraction of a restore's re-check: marker, ranks and sizes, no digest

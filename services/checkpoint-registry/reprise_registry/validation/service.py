@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 from sqlalchemy import func, update
@@ -19,20 +18,12 @@ from reprise_common.events import CheckpointChange
 from reprise_common.logging import get_logger
 from reprise_registry.checkpoints import announce, service
 from reprise_registry.checkpoints.models import Algorithm, Checkpoint, CheckpointFile, CheckpointState
+from reprise_registry.db import Engines
 from reprise_registry.validation.checks import ManifestFile, Verdict, validate
-from reprise_registry.validation.hashing import manifest_digest
 
 log = get_logger("reprise.registry.validation")
 VALIDATABLE = (CheckpointState.COMMITTED, CheckpointState.VALIDATED)
 _ALGORITHMS = {algorithm.value: algorithm for algorithm in Algorithm}  # a dict lookup is 10x an Enum() call
-
-
-@dataclass(frozen=True)
-class Engines:
-    """Reads on one engine, writes on another (BEGIN IMMEDIATE on SQLite); the same engine on PostgreSQL."""
-
-    read: Engine
-    write: Engine
 
 
 def load_manifest(session: Session, *, checkpoint_id: int) -> list[ManifestFile]:
@@ -92,7 +83,8 @@ def record_verdict(engine: Engine, *, checkpoint_id: int, expected: CheckpointSt
                 .values(digest=digest)
             )
         if verdict.computed:
-            checkpoint.manifest_digest = manifest_digest(service.manifest_entries(session, checkpoint_id=checkpoint_id))
+            entries = service.manifest_entries(session, checkpoint_id=checkpoint_id)
+            checkpoint.manifest_digest = service.manifest_digest(entries)
         if verdict.ok:
             _to_validated(session, checkpoint)
         else:

@@ -6,7 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from reprise_common.db import SQL_INT_MAX
+from reprise_common.db import SQL_INT_MAX, SessionDep
 from reprise_notifier.deliveries import service
 from reprise_notifier.deliveries.models import (
     DeadLetterPublic,
@@ -17,7 +17,7 @@ from reprise_notifier.deliveries.models import (
     DestinationPublic,
     DestinationsPublic,
 )
-from reprise_notifier.runtime import RuntimeDep, SessionDep
+from reprise_notifier.deps import RoutingDep
 
 deliveries_router = APIRouter(prefix="/v1/deliveries", tags=["deliveries"])
 dead_letters_router = APIRouter(prefix="/v1/dead-letters", tags=["deliveries"])
@@ -55,12 +55,12 @@ def list_dead_letters(
 
 
 @destinations_router.get("", summary="Every destination with its backlog")
-def list_destinations(runtime: RuntimeDep, session: SessionDep) -> DestinationsPublic:
+def list_destinations(routing: RoutingDep, session: SessionDep) -> DestinationsPublic:
     """Each configured destination by name and kind, its pending alerts and when it may next be sent to."""
     pending = service.count_pending(session)
     states = service.get_states(session)
     data = []
-    for name, destination in sorted(runtime.routing.destinations.items()):
+    for name, destination in sorted(routing.destinations.items()):
         state = states.get(name)
         data.append(
             DestinationPublic(

@@ -1,0 +1,154 @@
+"""Commands to one agent (request/reply, not events): ping, launch, stop, and the agent's reply."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, Any, Literal
+
+from pydantic import AwareDatetime, Field, NonNegativeInt, TypeAdapter, ValidationError, field_validator
+
+from reprise_common.clock import utcnow
+from reprise_common.events.base import Wire, malformed
+from reprise_common.events.checkpoints import RESUME_FILES_MAX, CheckpointWatch, ResumeFile
+from reprise_common.events.jobs import RankAssignment
+from reprise_common.events.symptoms import NumericWatch
+
+
+class CommandAction(StrEnum):
+    """What a command asks an agent to do."""
+
+    PING = "ping"
+    LAUNCH = "launch"
+    STOP = "stop"
+
+
+class StepSpan(Wire):
+    """The training steps from `first` to `last`, both included."""
+
+    first: int = Field(ge=0)
+    last: int = Field(ge=0)
+
+    @field_validator("last")
+    @classmethod
+    def _ordered(cls, last: int, info: Any) -> int:
+        first = info.data.get("first")
+        if first is not None and last < first:
+            raise ValueError("last is before first")
+        return last
+
+
+class LaunchArgs(Wire):
+    """What an agent needs to start its node's ranks of one restart epoch (one schema for both ends)."""
+
+    restart_epoch: int = Field(ge=0)
+    world_size: int = Field(ge=1, le=1_048_576)
+    master_addr: str = Field(min_length=1, max_length=255, description="rank 0's node: the rendezvous host")
+    master_port: int = Field(ge=1, le=65535)
+    command: list[str] = Field(min_length=1, description="the training command, argv style")
+    env: dict[str, str] = Field(default_factory=dict, description="extra environment for every rank")
+    cwd: str | None = Field(default=None, max_length=4096)
+    resume_checkpoint: str | None = Field(
+        default=None, max_length=4096, description="the validated checkpoint to resume from; None: from the start"
+    )
+    resume_files: list[ResumeFile] = Field(
+        default_factory=list,
+        max_length=RESUME_FILES_MAX,
+        description="the checkpoint's files with the registry's digests; empty: the registry checked every digest",
+    )
+    ranks: list[RankAssignment] = Field(min_length=1, description="this node's ranks only")
+    numeric: NumericWatch | None = Field(default=None, description="the job's metrics to watch; None: none")
+    skip_steps: StepSpan | None = Field(
+        default=None, description="steps whose data the ranks skip (the ones that led to a numeric fault)"
+    )
+    checkpoints: CheckpointWatch | None = Field(
+        default=None, description="where the script saves checkpoints of its own; None: it reports them (the SDK)"
+    )
+
+
+class StackCapture(Wire):
+    """Capture the ranks' Python stacks before stopping them, for an incident, within a bound."""
+
+    incident_id: str = Field(min_length=1, max_length=128)
+    within_s: float = Field(default=2.0, gt=0, le=10, description="the longest the capture may hold the stop")
+
+
+class StopArgs(Wire):
+    """How an agent stops a job's ranks on its node: SIGTERM, then SIGKILL after the grace period; first their
+    stacks, when asked (once per incident)."""
+
+    grace_s: float = Field(default=5.0, gt=0, le=3600)
+    capture_stacks: StackCapture | None = None
+    park_within_s: float | None = Field(
+        default=None,
+        gt=0,
+        le=600,
+        description="restart in place: ranks that can (reprise_sdk.run) are parked, not stopped; one not parked"
+        " within this bound is stopped as usual. None: stop every rank (a cold restart)",
+    )
+    kill_ranks: list[NonNegativeInt] = Field(
+        default_factory=list, max_length=1024, description="ranks stopped even when parking (the culprits)"
+    )
+
+
+class AgentCommand(Wire):
+    """What every fenced, idempotent command to one agent carries; the action's own class adds its arguments."""
+
+    command_id: str = Field(min_length=1, max_length=256)
+    job_id: str = Field(min_length=1, max_length=256)
+    fence: int = Field(ge=0)
+    issued_at: AwareDatetime = Field(default_factory=utcnow)
+
+
+class PingCommand(AgentCommand):
+    """Are you there, and what do you run?"""
+
+    action: Literal[CommandAction.PING] = CommandAction.PING
+
+
+class LaunchCommand(AgentCommand):
+    """Start the job's ranks of a new restart epoch on this node."""
+
+    action: Literal[CommandAction.LAUNCH] = CommandAction.LAUNCH
+    args: LaunchArgs
+
+
+class StopCommand(AgentCommand):
+    """Stop every rank of the job on this node."""
+
+    action: Literal[CommandAction.STOP] = CommandAction.STOP
+    args: StopArgs = Field(default_factory=StopArgs)
+
+
+AnyCommand = Annotated[PingCommand | LaunchCommand | StopCommand, Field(discriminator="action")]
+_ANY_COMMAND: TypeAdapter[PingCommand | LaunchCommand | StopCommand] = TypeAdapter(AnyCommand)
+
+
+def parse_command(data: bytes) -> PingCommand | LaunchCommand | StopCommand:
+    """Parse a command by its ``action``; raises MalformedEventError with a one-line reason."""
+    try:
+        return _ANY_COMMAND.validate_json(data)
+    except ValidationError as exc:
+        raise malformed(exc, "command") from exc
+
+
+class CommandResult(StrEnum):
+    """How an agent answered a command."""
+
+    DONE = "done"
+    REJECTED_STALE_FENCE = "rejected_stale_fence"
+    FAILED = "failed"
+
+
+# In a failed launch's reply data: why the agent refused the restored checkpoint (a file differs from the manifest).
+RESTORE_REFUSED = "restore_refused"
+
+
+class CommandReply(Wire):
+    """The agent's answer to a command; a repeated command id gets the first answer again."""
+
+    command_id: str
+    node_id: str
+    result: CommandResult
+    detail: str = ""
+    data: dict[str, Any] = Field(default_factory=dict)
+    duplicate: bool = False
