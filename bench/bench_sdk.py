@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import latency_summary, process_cpu_s, write_result
-from reprise_agent.progress import ProgressBook, SdkServer
+from reprise_agent.progress.book import ProgressBook
+from reprise_agent.progress.server import SdkServer
 
 HEARTBEAT_LOOP = """
 import os, time, reprise_sdk

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from bench.common import process_cpu_s, rss_kib, write_result
-from reprise_agent.standby import StandbyPool
+from reprise_agent.launch.standby import StandbyPool
 
 RANK = "import torch, torch.distributed, torch._dynamo\nprint('first line of work', flush=True)\n"
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]

@@ -1,6 +1,6 @@
 """The transport: one non-blocking Unix datagram socket per process, one compact JSON object per message.
 
-Wire format, protocol version 1 (the agent's reader is ``reprise_agent.progress.parse_message``)::
+Wire format, protocol version 1 (the agent's reader is ``reprise_agent.progress.messages.parse_message``)::
 
     {"v":1,"job":"j1","rank":0,"epoch":0,"k":"hb","step":12,"t_ns":1767225600000000000,"phase":"","m":{"loss":0.5}}
     {"v":1,"job":"j1","rank":0,"epoch":0,"k":"phase","t_ns":1767225600000000000,"phase":"checkpointing"}

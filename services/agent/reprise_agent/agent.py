@@ -1,69 +1,47 @@
-"""The node agent: GPU health, rank supervision, node reports, discrete events and fenced commands."""
+"""The node agent, wired to one bus connection: GPU health, rank supervision through the launcher it picks, node
+reports and discrete events. Its commands are carried out by executor.py, injected faults by faults.py."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import os
-from signal import SIGKILL, SIGSTOP
+from pathlib import Path
 from typing import Any
 
 import nats.errors
-from pydantic import ValidationError
 
-from reprise_agent import foreign_restore
+from reprise_agent import node_events
 from reprise_agent.commands import CommandBook
-from reprise_agent.depchecks import CheckResult, DependencyChecker, rendezvous_job
+from reprise_agent.depchecks.checker import CheckResult, DependencyChecker
+from reprise_agent.executor import CommandExecutor
+from reprise_agent.faults import FaultInjector
 from reprise_agent.foreign_checkpoints import ForeignCheckpoints
-from reprise_agent.gpu.base import GpuBackend, SignalKind
+from reprise_agent.gpu.base import GpuBackend
 from reprise_agent.gpu.factory import open_backend
-from reprise_agent.gpu.sim import SimulatedGpus
+from reprise_agent.launch.base import Launcher
+from reprise_agent.launch.processes import ProcessLauncher
+from reprise_agent.launch.standby import StandbyPool
 from reprise_agent.numeric import NumericWatcher
 from reprise_agent.outbox import Outbox
-from reprise_agent.progress import ProgressBook, SdkMessage, SdkServer, default_inbox_dir, default_socket_path
+from reprise_agent.progress.book import ProgressBook
+from reprise_agent.progress.messages import SdkMessage
+from reprise_agent.progress.server import SdkServer, default_inbox_dir, default_socket_path
 from reprise_agent.ranks import LostRank, RankProcess, RankSupervisor
 from reprise_agent.settings import AgentSettings
 from reprise_agent.stack_sampler import ProcessActivity, StackSampler
-from reprise_agent.stacks import capture, find_py_spy
-from reprise_agent.standby import StandbyPool
+from reprise_agent.stacks import find_py_spy
 from reprise_common import subjects
 from reprise_common.bus import Bus
 from reprise_common.clock import SystemClock
-from reprise_common.errors import BusError, MalformedEventError
-from reprise_common.events import (
-    PARKED_WHY_MAX,
-    PROCESS_FAULTS,
-    RESTORE_REFUSED,
-    AgentLifecycle,
-    CheckpointSaved,
-    CommandReply,
-    CommandResult,
-    DependencyFailed,
-    FaultKind,
-    FileDigest,
-    GpuLost,
-    GpuXid,
-    InjectFault,
-    InjectReply,
-    LaunchCommand,
-    NodeReport,
-    PingCommand,
-    RankExited,
-    RankParked,
-    RankStacks,
-    RankStatus,
-    StackCapture,
-    StopCommand,
-    Wire,
-    parse_command,
-)
+from reprise_common.errors import BusError
+from reprise_common.events import AgentLifecycle, CheckpointSaved, NodeReport, RankStatus
 from reprise_common.logging import get_logger
 
 log = get_logger("reprise.agent")
 # After a rank's first heartbeat, how long its node's report waits for its peers' (and so at most 20 extra reports a s)
 EARLY_REPORT_GATHER_S = 0.05
 STEP_END_WAIT_S = 0.5  # in a scheduler's step, how long a rank's outside SIGTERM waits for the agent's own
-CAPTURES_REMEMBERED = 256  # incidents whose stacks this agent captured (a repeated stop does not capture again)
 
 
 class Agent:
@@ -83,13 +61,45 @@ class Agent:
         sdk_path = settings.sdk_socket.absolute() if settings.sdk_socket else default_socket_path(settings.state_dir)
         self.sdk = SdkServer(sdk_path, self.progress)
         self.standbys = StandbyPool(
-            python=str(settings.standby_python),
-            size=settings.standbys,
-            preload=settings.standby_preload,
+            python=str(settings.standby_python), size=settings.standbys, preload=settings.standby_preload,
             refill_delay_s=settings.standby_refill_delay_s,
+        )  # fmt: skip
+        self.launcher: Launcher = ProcessLauncher(standbys=self.standbys)  # ranks are child processes of the agent
+        self.supervisor = self._supervisor(settings)
+        self.progress.on_restart_message(self.supervisor.on_sdk_message)
+        self.foreign = ForeignCheckpoints(self.node_id, emit=self._emit_checkpoint, alive=self._job_alive)
+        py_spy = find_py_spy(settings.py_spy)
+        activity = self.gpus if isinstance(self.gpus, ProcessActivity) else None
+        self.stack_sampler = StackSampler(py_spy=py_spy, interval_s=settings.stack_sample_s, activity=activity)
+        self.book = CommandBook(node_id=self.node_id, state_file=settings.state_dir / "fences.json")
+        self.node_lost = False  # set by an injected node loss: from then on the agent publishes nothing
+        self.stopping = False  # set by stop(): the last report says so, and then the connection closes
+        # Run as a task of a scheduler's job step (Slurm's srun sets SLURM_STEP_ID): a SIGTERM to this agent is then the
+        # scheduler ending the step, its ranks with it (a preemption, a time limit, a cancel), not a fault of theirs.
+        self.scheduler_step = os.environ.get("SLURM_STEP_ID") is not None
+        self.step_ending = asyncio.Event()  # set when the scheduler ends this agent's step (terminating())
+        self.outbox = Outbox(bus, capacity=settings.outbox_capacity)
+        self.depchecks = DependencyChecker(
+            settings.dependency_checks,
+            clock=SystemClock(),
+            repeat_s=settings.dependency_repeat_s,
+            rendezvous_grace_s=settings.rendezvous_grace_s,
         )
-        self.supervisor = RankSupervisor(
-            standbys=self.standbys,
+        self.executor = self._executor(py_spy)
+        self.faults = FaultInjector(
+            node_id=self.node_id, gpus=self.gpus, supervisor=self.supervisor,
+            flush_gpu_signals=self.flush_gpu_signals, lose_node=self._lose_node,
+        )  # fmt: skip
+        self.reports_skipped = 0
+        self.early_reports = 0  # reports sent ahead of the interval because a rank of a launch began training
+        self._report_soon = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._subscriptions: list[Any] = []
+
+    def _supervisor(self, settings: AgentSettings) -> RankSupervisor:
+        """The supervisor of this node's ranks, started by the agent's launcher."""
+        return RankSupervisor(
+            launcher=self.launcher,
             sdk_socket=self.sdk.path,
             inbox_dir=default_inbox_dir(settings.state_dir),
             node_id=self.node_id,
@@ -98,39 +108,28 @@ class Agent:
             on_parked=self._on_rank_parked,
             tail_lines=settings.log_tail_lines,
         )
-        self.progress.on_restart_message(self.supervisor.on_sdk_message)
-        self.foreign = ForeignCheckpoints(self.node_id, emit=self._emit_checkpoint, alive=self._job_alive)
-        self.py_spy = find_py_spy(settings.py_spy)
-        activity = self.gpus if isinstance(self.gpus, ProcessActivity) else None
-        self.stack_sampler = StackSampler(py_spy=self.py_spy, interval_s=settings.stack_sample_s, activity=activity)
-        self._captured: dict[str, None] = {}  # incident ids, oldest first
-        self.book = CommandBook(node_id=self.node_id, state_file=settings.state_dir / "fences.json")
-        self.node_lost = False  # set by an injected node loss: from then on the agent publishes nothing
-        self.stopping = False  # set by stop(): the last report says so, and then the connection closes
-        # Run as a task of a scheduler's job step (Slurm's srun sets SLURM_STEP_ID): a SIGTERM to this agent is then the
-        # scheduler ending the step, its ranks with it (a preemption, a time limit, a cancel), not a fault of theirs.
-        self.scheduler_step = os.environ.get("SLURM_STEP_ID") is not None
-        self.step_ending = asyncio.Event()  # set when the scheduler ends this agent's step (terminating())
-        self._stopping_jobs: set[str] = set()  # jobs whose stop (or park) this agent is carrying out now
-        self.outbox = Outbox(bus, capacity=settings.outbox_capacity)
-        self.depchecks = DependencyChecker(
-            settings.dependency_checks,
-            clock=SystemClock(),
-            repeat_s=settings.dependency_repeat_s,
-            rendezvous_grace_s=settings.rendezvous_grace_s,
+
+    def _executor(self, py_spy: Path | None) -> CommandExecutor:
+        """What carries out this node's commands, on its ranks and its books."""
+        return CommandExecutor(
+            node_id=self.node_id,
+            spare=self.settings.spare,
+            book=self.book,
+            supervisor=self.supervisor,
+            progress=self.progress,
+            numeric=self.numeric,
+            foreign=self.foreign,
+            depchecks=self.depchecks,
+            outbox=self.outbox,
+            py_spy=py_spy,
         )
-        self.reports_skipped = 0
-        self.early_reports = 0  # reports sent ahead of the interval because a rank of a launch began training
-        self._report_soon = asyncio.Event()
-        self._tasks: list[asyncio.Task[None]] = []
-        self._subscriptions: list[Any] = []
 
     # --- lifecycle --------------------------------------------------------------------------------------------
     async def start(self) -> None:
         """Serve commands and injections, start the loops, announce ourselves."""
         await self.sdk.start()  # before any command can launch a rank that reports to it
-        self._subscriptions.append(await self.bus.serve(subjects.node_command(self.node_id), self._on_command))
-        self._subscriptions.append(await self.bus.serve(subjects.node_inject(self.node_id), self._on_inject))
+        self._subscriptions.append(await self.bus.serve(subjects.node_command(self.node_id), self.executor.on_command))
+        self._subscriptions.append(await self.bus.serve(subjects.node_inject(self.node_id), self.faults.on_inject))
         self._tasks = [
             asyncio.create_task(self.outbox.run(), name="outbox"),
             asyncio.create_task(self._report_loop(), name="reports"),
@@ -182,6 +181,10 @@ class Agent:
         except (BusError, nats.errors.Error, TimeoutError):
             log.warning("the stopping report was not sent: the node may be called lost")
 
+    def _lose_node(self) -> None:
+        """An injected node loss: from now on this agent publishes nothing."""
+        self.node_lost = True
+
     def _emit_lifecycle(self, state: str) -> None:
         event = AgentLifecycle(
             source=self.node_id, node_id=self.node_id, state=state, gpu_count=self.settings.gpu_count
@@ -219,25 +222,11 @@ class Agent:
 
     def _on_checkpoint_saved(self, message: SdkMessage) -> None:
         spec = self.supervisor.launches.get(message.job_id)
-        try:
-            digests = [
-                FileDigest(path=name, size_bytes=size, digest=digest, algorithm="sha256")
-                for name, size, digest in message.sha256
-            ]
-        except ValidationError as exc:  # a bad digest from a script: report the files, let the registry hash them
-            log.warning("ignoring invalid checkpoint digests", extra={"job_id": message.job_id, "error": str(exc)})
-            digests = []
-        event = CheckpointSaved(
-            source=self.node_id,
-            node_id=self.node_id,
-            job_id=message.job_id,
-            rank=message.rank,
-            step=message.step or 0,
-            path=message.path,
-            files=list(message.files),
+        event = node_events.checkpoint_saved(
+            self.node_id,
+            message,
             restart_epoch=self.progress.restart_epoch(message.job_id, message.rank) or 0,
             world_size=spec.world_size if spec else None,
-            file_digests=digests,
         )
         self._emit_checkpoint(event)
 
@@ -302,18 +291,9 @@ class Agent:
     def flush_gpu_signals(self) -> None:
         """Publish every GPU signal seen since the last call, at once."""
         for signal in self.gpus.drain_signals():
-            if signal.kind is SignalKind.XID and signal.xid is not None:
-                xid = GpuXid(
-                    source=self.node_id,
-                    node_id=self.node_id,
-                    gpu=signal.gpu,
-                    xid=signal.xid,
-                    message=signal.message,
-                )
-                self.outbox.put(subjects.node_event(self.node_id, "gpu.xid"), xid)
-            elif signal.kind is SignalKind.LOST:
-                lost = GpuLost(source=self.node_id, node_id=self.node_id, gpu=signal.gpu, reason=signal.message)
-                self.outbox.put(subjects.node_event(self.node_id, "gpu.lost"), lost)
+            event = node_events.gpu_event(self.node_id, signal)
+            if event is not None:
+                self.outbox.put(subjects.node_event(self.node_id, event.type), event)
 
     async def _dependency_loop(self) -> None:
         while True:
@@ -327,13 +307,7 @@ class Agent:
             log.info("dependency recovered", extra={"dependency": result.name, "detail": result.detail})
             return
         log.warning("dependency failed", extra={"dependency": result.name, "detail": result.detail})
-        event = DependencyFailed(
-            source=self.node_id,
-            node_id=self.node_id,
-            dependency=result.name,
-            detail=result.detail,
-            job_id=rendezvous_job(result.name),
-        )
+        event = node_events.dependency_failed(self.node_id, result)
         self.outbox.put(subjects.node_event(self.node_id, "dependency.failed"), event)
 
     async def _on_rank_exit(self, rank: RankProcess) -> None:
@@ -345,33 +319,15 @@ class Agent:
                 await asyncio.wait_for(self.step_ending.wait(), STEP_END_WAIT_S)
         if not any(r.alive for r in self.supervisor.ranks() if r.job_id == rank.job_id):
             self.depchecks.clear_rendezvous(rank.job_id)  # nothing here needs the job's master any more
-        event = RankExited(
-            source=self.node_id,
-            node_id=self.node_id,
-            job_id=rank.job_id,
-            rank=rank.rank,
-            exit_code=rank.exit_code,
-            signal=rank.exit_signal,
-            oom_killed=rank.oom_killed,
-            log_tail=list(rank.tail),
-            restart_epoch=rank.restart_epoch,
-            scheduler_ended=self.step_ending.is_set(),
-        )
+        event = node_events.rank_exited(self.node_id, rank, scheduler_ended=self.step_ending.is_set())
         self.outbox.put(subjects.node_event(self.node_id, "rank.exited"), event)
 
     def _on_rank_parked(self, rank: RankProcess) -> None:
         """A rank parked for a restart in place: no fault, but what it caught (a peer's failure) is the detector's
         early evidence that a silent node of the job is lost, as a peer's exit was before ranks could park."""
-        if self.node_lost or rank.job_id in self._stopping_jobs:  # parked by a recovery's stop: no evidence
+        if self.node_lost or rank.job_id in self.executor.stopping_jobs:  # parked by a recovery's stop: no evidence
             return
-        event = RankParked(
-            source=self.node_id,
-            node_id=self.node_id,
-            job_id=rank.job_id,
-            rank=rank.rank,
-            restart_epoch=rank.restart_epoch,
-            why=rank.parked_why[:PARKED_WHY_MAX],
-        )
+        event = node_events.rank_parked(self.node_id, rank)
         self.outbox.put(subjects.node_event(self.node_id, event.type), event)
 
     def _report_lost(self, lost: LostRank) -> None:
@@ -379,158 +335,5 @@ class Agent:
         log.warning(
             "a rank was lost with the agent's previous process", extra={"job_id": lost.job_id, "rank": lost.rank}
         )
-        event = RankExited(
-            source=self.node_id,
-            node_id=self.node_id,
-            job_id=lost.job_id,
-            rank=lost.rank,
-            signal="SIGKILL",
-            log_tail=[*lost.tail(self.supervisor.tail_lines - 1), "(lost with the agent's previous process)"],
-            restart_epoch=lost.restart_epoch,
-        )
+        event = node_events.lost_rank_exited(self.node_id, lost, tail_lines=self.supervisor.tail_lines)
         self.outbox.put(subjects.node_event(self.node_id, "rank.exited"), event)
-
-    # --- commands and injection -------------------------------------------------------------------------------
-    async def _on_command(self, data: bytes) -> Wire:
-        try:
-            command = parse_command(data)
-        except MalformedEventError as exc:
-            return CommandReply(
-                command_id="", node_id=self.node_id, result=CommandResult.FAILED, detail=f"bad command: {exc}"
-            )
-        return await self.book.run(command, self._execute)
-
-    async def _execute(self, command: PingCommand | LaunchCommand | StopCommand) -> CommandReply:
-        data: dict[str, Any]
-        if isinstance(command, PingCommand):
-            data = {"ranks": len(self.supervisor.ranks()), "spare": self.settings.spare}
-        elif isinstance(command, LaunchCommand):
-            try:
-                data = await self._launch(command)
-            except foreign_restore.RestoreRefusedError as exc:  # no rank starts on it: the recovery falls back
-                return CommandReply(
-                    command_id=command.command_id,
-                    node_id=self.node_id,
-                    result=CommandResult.FAILED,
-                    detail=str(exc),
-                    data={RESTORE_REFUSED: exc.problem},
-                )
-        else:
-            data = await self._stop(command)
-        return CommandReply(command_id=command.command_id, node_id=self.node_id, result=CommandResult.DONE, data=data)
-
-    async def _launch(self, command: LaunchCommand) -> dict[str, Any]:
-        """Start the job's ranks here; a script's own restored checkpoint is re-hashed first and handed to it
-        (RestoreRefusedError when it differs)."""
-        spec = ready = command.args
-        if foreign_restore.restores_own_checkpoint(spec):
-            ready = await asyncio.to_thread(foreign_restore.prepared, spec)
-        pids, in_place = await self.supervisor.launch(command.job_id, ready)
-        self.foreign.launched(command.job_id, spec)
-        for assignment in spec.ranks:  # startup begins now; a no-op for a rank that already reported
-            self.progress.begin(command.job_id, assignment.rank, restart_epoch=spec.restart_epoch)
-        return {"pids": pids, "in_place": in_place}
-
-    async def _stop(self, command: StopCommand) -> dict[str, Any]:
-        """Stop the job's ranks here (a hang's stacks first); for a restart in place, the culprits first, then park
-        whoever can. Ranks that park meanwhile were parked by the recovery: their peer errors are no evidence of a
-        lost node, so no rank.parked is published for them."""
-        job_id, args = command.job_id, command.args
-        self._stopping_jobs.add(job_id)
-        try:
-            if args.capture_stacks is not None:
-                await self._capture_stacks(job_id, args.capture_stacks)
-            self.depchecks.clear_rendezvous(job_id)
-            kept: set[int] = set()
-            stopped = []
-            if args.park_within_s is not None:  # a restart in place: who can, parks; the rest is stopped
-                # The culprits go first: a frozen rank holds its peers in their collective until it is gone.
-                kill = set(args.kill_ranks)
-                others = {r.rank for r in self.supervisor.ranks() if r.job_id == job_id} - kill
-                stopped = await self.supervisor.stop(job_id, grace_s=args.grace_s, keep=others)
-                parked = await self.supervisor.park(job_id, within_s=args.park_within_s, kill=kill)
-                kept = {r.rank for r in parked}
-            stopped += await self.supervisor.stop(job_id, grace_s=args.grace_s, keep=kept)
-        finally:
-            self._stopping_jobs.discard(job_id)
-        self.progress.forget(job_id)
-        self.numeric.forget(job_id)
-        outcomes = {r.rank: {"rank": r.rank, "exit_code": r.exit_code, "signal": r.exit_signal} for r in stopped}
-        return {"stopped": list(outcomes.values()), "parked": sorted(kept)}
-
-    async def _capture_stacks(self, job_id: str, order: StackCapture) -> None:
-        """Publish the Python stacks of the job's live ranks here, once per incident, within the order's bound."""
-        if order.incident_id in self._captured:
-            return
-        self._captured[order.incident_id] = None
-        while len(self._captured) > CAPTURES_REMEMBERED:
-            del self._captured[next(iter(self._captured))]
-        ranks = [r for r in self.supervisor.ranks() if r.job_id == job_id and r.alive]
-        found = await capture([r.proc.pid for r in ranks], py_spy=self.py_spy, within_s=order.within_s)
-        for rank in ranks:
-            one = found[rank.proc.pid]
-            event = RankStacks(
-                source=self.node_id,
-                node_id=self.node_id,
-                job_id=job_id,
-                rank=rank.rank,
-                restart_epoch=rank.restart_epoch,
-                incident_id=order.incident_id,
-                pid=one.pid,
-                proc_state=one.proc_state,
-                threads=one.threads,
-                capture_ms=one.took_ms,
-                error=one.error,
-            )
-            self.outbox.put(subjects.node_event(self.node_id, event.type), event)
-        failed = [r.rank for r in ranks if found[r.proc.pid].error]
-        log.info(
-            "rank stacks captured",
-            extra={"job_id": job_id, "incident_id": order.incident_id, "ranks": len(ranks), "failed": failed},
-        )
-
-    async def _on_inject(self, data: bytes) -> Wire:
-        try:
-            fault = InjectFault.model_validate_json(data)
-        except ValidationError as exc:
-            return InjectReply(accepted=False, detail=f"bad fault: {exc.errors()[0]['msg']}")
-        if not isinstance(self.gpus, SimulatedGpus):
-            return InjectReply(
-                accepted=False, detail=f"fault injection needs the sim backend (this node: {self.gpus.name})"
-            )
-        if fault.kind in PROCESS_FAULTS:
-            return self._inject_process_fault(fault)
-        result = self.gpus.inject(fault)
-        self.flush_gpu_signals()  # the driver reports the error before the process dies of it
-        detail = result.detail
-        if result.fatal:
-            victim = self.supervisor.rank_on_gpu(fault.gpu)
-            if victim is not None:
-                self.supervisor.kill(victim)
-                detail += f"; killed rank {victim.rank} of job {victim.job_id}"
-        log.warning("fault injected", extra={"fault": fault.model_dump(mode="json"), "detail": detail})
-        return InjectReply(accepted=result.accepted, detail=detail)
-
-    def _inject_process_fault(self, fault: InjectFault) -> InjectReply:
-        """Kill or freeze a rank, or lose the whole node (its ranks, then this agent, with no goodbye)."""
-        alive = sorted(
-            (r for r in self.supervisor.ranks() if r.alive and fault.job_id in (None, r.job_id)),
-            key=lambda r: r.rank,
-        )
-        if fault.kind is FaultKind.NODE_LOSS:
-            self.node_lost = True
-            for rank in alive:
-                self.supervisor.kill(rank)
-            log.warning("fault injected: node loss", extra={"ranks": [r.rank for r in alive]})
-            asyncio.get_running_loop().call_later(0.2, os.kill, os.getpid(), SIGKILL)  # after the reply
-            return InjectReply(
-                accepted=True, detail=f"node {self.node_id} lost: killed {len(alive)} ranks and its agent"
-            )
-        victim = next((r for r in alive if fault.rank in (None, r.rank)), None)
-        if victim is None:
-            return InjectReply(accepted=False, detail=f"no live rank {fault.rank} on {self.node_id}")
-        sig = SIGKILL if fault.kind is FaultKind.RANK_KILL else SIGSTOP
-        self.supervisor.kill(victim, sig)
-        detail = f"{'killed' if sig is SIGKILL else 'froze (SIGSTOP)'} rank {victim.rank} of job {victim.job_id}"
-        log.warning("fault injected", extra={"fault": fault.model_dump(mode="json"), "detail": detail})
-        return InjectReply(accepted=True, detail=detail)

@@ -1,4 +1,4 @@
-"""Rank supervision: the job's ranks on this node as child processes, each in its own process group."""
+"""Rank supervision: the job's ranks on this node, started through a launcher, watched, parked, stopped."""
 
 from __future__ import annotations
 
@@ -14,31 +14,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from pydantic import TypeAdapter
-
-from reprise_agent.progress import MessageKind, SdkMessage
-from reprise_agent.standby import StandbyPool
-from reprise_common.events import LaunchArgs, RankAssignment, RankStatus, ResumeFile
+from reprise_agent.launch.base import Launcher, RankHandle
+from reprise_agent.progress.messages import MessageKind, SdkMessage
+from reprise_agent.rank_env import rank_env, write_resume_files
+from reprise_common.events import LaunchArgs, RankAssignment, RankStatus
 from reprise_common.logging import get_logger
-from reprise_common.procs import (
-    describe_exit,
-    die_with_parent,
-    oom_kill_count,
-    sample_process,
-    signal_group,
-    start_ticks,
-)
+from reprise_common.procs import describe_exit
 
 log = get_logger("reprise.agent.ranks")
-RESUME_FILES = TypeAdapter(list[ResumeFile])
-
-
-def _killed_by_oom(rank: RankProcess) -> bool:
-    # The kernel says so only indirectly: a SIGKILL while its OOM-kill counter moved since the rank started.
-    if rank.exit_signal != "SIGKILL" or rank.oom_baseline is None:
-        return False
-    now = oom_kill_count()
-    return now is not None and now > rank.oom_baseline
 
 
 @dataclass(frozen=True)
@@ -66,13 +49,11 @@ class RankProcess:
     rank: int
     local_rank: int
     gpu: int | None
-    proc: asyncio.subprocess.Process
+    handle: RankHandle
     log_path: Path
     tail: deque[str]
     restart_epoch: int = 0
     stopping: bool = False
-    oom_baseline: int | None = None
-    started: int | None = None  # start time in clock ticks: its pid may be another process's once it has exited
     exit_code: int | None = None
     exit_signal: str | None = None
     oom_killed: bool = False
@@ -91,7 +72,7 @@ class RankProcess:
 
     def status(self) -> RankStatus:
         """This rank as a node report shows it; a live one with its scheduler state and CPU time."""
-        sample = sample_process(self.proc.pid) if self.alive else None
+        sample = self.handle.usage() if self.alive else None
         state, now = sample.state if sample else "", time.monotonic()
         if state != self.state_seen:
             self.state_seen, self.state_since = state, now
@@ -99,10 +80,10 @@ class RankProcess:
             job_id=self.job_id,
             rank=self.rank,
             restart_epoch=self.restart_epoch,
-            pid=self.proc.pid,
+            pid=self.handle.pid,
             gpu=self.gpu,
             alive=self.alive,
-            exit_code=None if self.alive else self.proc.returncode,  # negative for a signal, as the schema says
+            exit_code=None if self.alive else self.handle.returncode,  # negative for a signal, as the schema says
             proc_state=state,
             proc_state_age_s=round(now - self.state_since, 3) if state else None,
             cpu_s=sample.cpu_s if sample else None,
@@ -122,15 +103,15 @@ class RankSupervisor:
         *,
         node_id: str,
         state_dir: Path,
+        launcher: Launcher,
         on_exit: ExitCallback,
         on_parked: ParkedCallback | None = None,
         tail_lines: int = 50,
         sdk_socket: Path | None = None,
         inbox_dir: Path | None = None,
-        standbys: StandbyPool | None = None,
     ) -> None:
         self.node_id = node_id
-        self.standbys = standbys
+        self.launcher = launcher
         self.sdk_socket = sdk_socket
         self.inbox_dir = inbox_dir
         if inbox_dir is not None:
@@ -167,7 +148,7 @@ class RankSupervisor:
         for rank in parked:  # they are re-keyed by their new rank below
             del self._ranks[(job_id, rank.rank)]
         self.launches[job_id] = spec
-        resume_files = self._write_resume_files(job_id, spec)
+        resume_files = write_resume_files(self.log_dir / job_id, spec)
         pids, in_place = [], []
         for assignment in spec.ranks:
             taken = next((r for r in parked if r.gpu == assignment.gpu), None)
@@ -175,13 +156,13 @@ class RankSupervisor:
                 parked.remove(taken)
                 if self._assign(taken, job_id, spec, assignment, resume_files):
                     self._ranks[(job_id, assignment.rank)] = taken
-                    pids.append(taken.proc.pid)
+                    pids.append(taken.handle.pid)
                     in_place.append(assignment.rank)
                     continue
                 self._discard(taken)
             rank = await self._start(job_id, spec, assignment, resume_files)
             self._ranks[(job_id, assignment.rank)] = rank
-            pids.append(rank.proc.pid)
+            pids.append(rank.handle.pid)
         for rank in parked:  # more parked ranks than this node's share of the new epoch
             self._discard(rank)
         self._record()
@@ -191,7 +172,7 @@ class RankSupervisor:
         self, rank: RankProcess, job_id: str, spec: LaunchArgs, assignment: RankAssignment, resume_files: Path | None
     ) -> bool:
         """Hand a parked rank the next epoch through its inbox; False when it is unreachable (it is then replaced)."""
-        env = self._rank_env(job_id, spec, assignment, resume_files)
+        env = self._env(job_id, spec, assignment, resume_files)
         if not self._order(rank, {"k": "assign", "env": env}):
             return False
         rank.rank, rank.local_rank, rank.restart_epoch = assignment.rank, assignment.local_rank, spec.restart_epoch
@@ -199,8 +180,22 @@ class RankSupervisor:
         rank.parked_why = ""
         rank.tail.clear()  # an exit's log tail must be this epoch's, not the peer error that parked it
         rank.log_path = self._log_path(job_id, spec.restart_epoch, assignment.rank)  # the pump moves to it
-        log.info("rank restarted in place", extra={"job_id": job_id, "rank": rank.rank, "pid": rank.proc.pid})
+        log.info("rank restarted in place", extra={"job_id": job_id, "rank": rank.rank, "pid": rank.handle.pid})
         return True
+
+    def _env(
+        self, job_id: str, spec: LaunchArgs, assignment: RankAssignment, resume_files: Path | None
+    ) -> dict[str, str]:
+        """What a rank of this launch finds in its environment on top of the agent's own."""
+        return rank_env(
+            job_id,
+            spec,
+            assignment,
+            node_id=self.node_id,
+            resume_files=resume_files,
+            sdk_socket=self.sdk_socket,
+            inbox_dir=self.inbox_dir,
+        )
 
     def _log_path(self, job_id: str, epoch: int, rank: int) -> Path:
         """Where a rank's output of one restart epoch goes (its directory created)."""
@@ -213,7 +208,7 @@ class RankSupervisor:
         if self.inbox_dir is None:
             return False
         try:
-            self._orders.sendto(json.dumps(order).encode(), str(self.inbox_dir / f"{rank.proc.pid}.sock"))
+            self._orders.sendto(json.dumps(order).encode(), str(self.inbox_dir / f"{rank.handle.pid}.sock"))
         except OSError as exc:
             log.warning("rank's inbox unreachable", extra={"job_id": rank.job_id, "rank": rank.rank, "error": str(exc)})
             return False
@@ -222,7 +217,7 @@ class RankSupervisor:
     def _discard(self, rank: RankProcess) -> None:
         """Stop a parked rank the new epoch has no place for (its exit is not a fault)."""
         rank.stopping = True
-        signal_group(rank.proc.pid, rank.started, signal.SIGKILL)
+        rank.handle.kill()
 
     def on_sdk_message(self, message: SdkMessage) -> None:
         """A rank says it can restart in place, or that it is parked; a message of an earlier epoch is ignored."""
@@ -240,8 +235,8 @@ class RankSupervisor:
     def _record(self) -> None:
         """Write the ledger of running ranks (atomically): a rank whose agent dies is not forgotten."""
         live = [
-            {"job_id": r.job_id, "rank": r.rank, "restart_epoch": r.restart_epoch, "pid": r.proc.pid,
-             "started": r.started, "log": str(r.log_path)}
+            {"job_id": r.job_id, "rank": r.rank, "restart_epoch": r.restart_epoch, **r.handle.record(),
+             "log": str(r.log_path)}
             for r in self._ranks.values() if r.alive and not r.stopping
         ]  # fmt: skip
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -257,94 +252,43 @@ class RankSupervisor:
         except (OSError, ValueError):
             entries = []
         lost = []
-        for entry in entries:  # each its own process group (start_new_session); the pid may be reused by now
-            signal_group(int(entry["pid"]), entry.get("started"), signal.SIGKILL)
+        for entry in entries:
+            self.launcher.kill_lost(entry)
             lost.append(LostRank(entry["job_id"], int(entry["rank"]), int(entry["restart_epoch"]), Path(entry["log"])))
         self._record()
         return lost
 
-    def _write_resume_files(self, job_id: str, spec: LaunchArgs) -> Path | None:
-        """The checkpoint's files and the registry's digests, as JSON for the ranks (REPRISE_RESUME_FILES)."""
-        if not spec.resume_files:
-            return None
-        path = self.log_dir / job_id / f"epoch-{spec.restart_epoch}-resume-files.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(RESUME_FILES.dump_json(spec.resume_files).decode(), encoding="utf-8")
-        return path
-
-    def _rank_env(
-        self, job_id: str, spec: LaunchArgs, assignment: RankAssignment, resume_files: Path | None
-    ) -> dict[str, str]:
-        """What a rank of this launch finds in its environment on top of the agent's own."""
-        env = {
-            **spec.env,
-            "RANK": str(assignment.rank),
-            "LOCAL_RANK": str(assignment.local_rank),
-            "WORLD_SIZE": str(spec.world_size),
-            "LOCAL_WORLD_SIZE": str(len(spec.ranks)),
-            "MASTER_ADDR": spec.master_addr,
-            "MASTER_PORT": str(spec.master_port),
-            "REPRISE_JOB_ID": job_id,
-            "REPRISE_NODE_ID": self.node_id,
-            "REPRISE_RESTART_EPOCH": str(spec.restart_epoch),
-            "REPRISE_RESUME_CHECKPOINT": spec.resume_checkpoint or "",
-            "REPRISE_RESUME_FILES": str(resume_files or ""),
-            "REPRISE_SKIP_STEPS": f"{spec.skip_steps.first}-{spec.skip_steps.last}" if spec.skip_steps else "",
-        }
-        if assignment.gpu is not None:
-            env["CUDA_VISIBLE_DEVICES"] = str(assignment.gpu)
-        if self.sdk_socket is not None:
-            env["REPRISE_SDK_SOCKET"] = str(self.sdk_socket)
-            if self.inbox_dir is not None:
-                env["REPRISE_SDK_INBOX_DIR"] = str(self.inbox_dir)
-        return env
-
     async def _start(
         self, job_id: str, spec: LaunchArgs, assignment: RankAssignment, resume_files: Path | None
     ) -> RankProcess:
-        env = {**os.environ, **self._rank_env(job_id, spec, assignment, resume_files)}
+        env = self._env(job_id, spec, assignment, resume_files)
         log_path = self._log_path(job_id, spec.restart_epoch, assignment.rank)
-        proc = None
-        if self.standbys is not None and spec.restart_epoch > 0:
-            # Standbys serve relaunches: a job's first start is on no recovery's critical path, and taking them then
-            # would leave none for its first fault.
-            proc = await self.standbys.take(spec.command, env, spec.cwd)
-        warm = proc is not None
-        if proc is None:
-            proc = await asyncio.create_subprocess_exec(
-                *spec.command,
-                env=env,
-                cwd=spec.cwd,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT,
-                start_new_session=True,
-                preexec_fn=die_with_parent(signal.SIGKILL),  # a lost agent means a lost node: its ranks go too
-            )
+        # Standbys serve relaunches: a job's first start is on no recovery's critical path, and taking them then would
+        # leave none for its first fault.
+        handle = await self.launcher.start(spec.command, env=env, cwd=spec.cwd, warm=spec.restart_epoch > 0)
         rank = RankProcess(
-            oom_baseline=oom_kill_count(),
             job_id=job_id,
             rank=assignment.rank,
             local_rank=assignment.local_rank,
             gpu=assignment.gpu,
-            proc=proc,
+            handle=handle,
             log_path=log_path,
             tail=deque(maxlen=self.tail_lines),
             restart_epoch=spec.restart_epoch,
-            started=start_ticks(proc.pid),
         )
         task = asyncio.create_task(self._watch(rank), name=f"rank:{job_id}:{assignment.rank}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        log.info("rank started", extra={"job_id": job_id, "rank": assignment.rank, "pid": proc.pid, "warm": warm})
+        log.info(
+            "rank started", extra={"job_id": job_id, "rank": assignment.rank, "pid": handle.pid, "warm": handle.warm}
+        )
         return rank
 
     async def _watch(self, rank: RankProcess) -> None:
-        assert rank.proc.stdout is not None
-        await self._pump(rank, rank.proc.stdout)
-        returncode = await rank.proc.wait()
+        await self._pump(rank, rank.handle.output)
+        returncode = await rank.handle.wait()
         rank.exit_code, rank.exit_signal = describe_exit(returncode)
-        rank.oom_killed = _killed_by_oom(rank)
+        rank.oom_killed = rank.handle.oom_killed()
         rank.done.set()
         log.info(
             "rank exited",
@@ -384,9 +328,9 @@ class RankSupervisor:
             sink.close()
 
     def kill(self, rank: RankProcess, sig: int = signal.SIGKILL) -> None:
-        """Signal a rank's whole process group, as a fault would (the exit is reported)."""
+        """Signal a rank (all of it), as a fault would (the exit is reported)."""
         rank.signalled = True
-        signal_group(rank.proc.pid, rank.started, sig)
+        rank.handle.signal(sig)
 
     async def park(self, job_id: str, *, within_s: float, kill: Set[int] = frozenset()) -> list[RankProcess]:
         """Have the job's ranks that can restart in place (not those in `kill`) park: each is ordered to, and the
@@ -405,8 +349,8 @@ class RankSupervisor:
         for rank in ranks:
             rank.stopping = True
             if rank.alive:
-                self.kill(rank, signal.SIGTERM)
-                self.kill(rank, signal.SIGCONT)  # a frozen (SIGSTOPped) rank must run to handle its SIGTERM
+                rank.signalled = True
+                rank.handle.terminate()
         waits = [asyncio.wait_for(r.done.wait(), timeout=grace_s) for r in ranks if r.alive]
         results = await asyncio.gather(*waits, return_exceptions=True)
         if any(isinstance(result, TimeoutError) for result in results):
@@ -414,8 +358,8 @@ class RankSupervisor:
                 if rank.alive:
                     self.kill(rank, signal.SIGKILL)
             await asyncio.gather(*(r.done.wait() for r in ranks))
-        for rank in ranks:  # nothing of the group may survive the leader
-            signal_group(rank.proc.pid, rank.started, signal.SIGKILL)
+        for rank in ranks:  # nothing of the rank may survive its main process
+            rank.handle.kill()
         return ranks
 
     def _forget(self, job_id: str) -> None:

@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from reprise_agent.depchecks import DependencyChecks
+from reprise_agent.depchecks.specs import DependencyChecks
 from reprise_common.settings import IdStr, ServiceSettings
 
 

@@ -27,7 +27,6 @@ from reprise_agent.ranks import RankProcess
 from reprise_agent.stacks import capture, collective_of, top_frame
 from reprise_common.events import WHERE_MAX, ThreadStack
 from reprise_common.logging import get_logger
-from reprise_common.procs import sample_process
 
 log = get_logger("reprise.agent.stack_sampler")
 Frames = tuple[tuple[str, str, int | None], ...]
@@ -77,19 +76,6 @@ class Work:
         if self.io_chars is None or last.io_chars is None or self.io_chars - last.io_chars >= IO_IDLE_BYTES_S * elapsed:
             return False
         return in_collective or not self.busy_gpu  # a collective's kernels keep a GPU busy while they wait
-
-
-def io_chars(pid: int) -> int | None:
-    """The bytes a process read and wrote through system calls so far (rchar + wchar); None when unreadable."""
-    try:
-        text = Path(f"/proc/{pid}/io").read_text(encoding="ascii")
-    except OSError:
-        return None
-    fields = dict(line.split(": ", 1) for line in text.splitlines() if ": " in line)
-    try:
-        return int(fields["rchar"]) + int(fields["wchar"])
-    except (KeyError, ValueError):
-        return None
 
 
 def stack_key(threads: Sequence[ThreadStack]) -> Frames:
@@ -147,7 +133,7 @@ class StackSampler:
 
     def _due_at(self, rank: RankProcess) -> float:
         seen = self._seen.get((rank.job_id, rank.rank))
-        if seen is None or seen.pid != rank.proc.pid:
+        if seen is None or seen.pid != rank.handle.pid:
             return float("-inf")
         return seen.sampled_at + self.interval_s
 
@@ -160,16 +146,16 @@ class StackSampler:
     async def sample(self, rank: RankProcess) -> None:
         """Dump one rank's stack now and note whether it stood still since its last sample."""
         assert self.py_spy is not None
-        pid = rank.proc.pid
-        found = (await capture([pid], py_spy=self.py_spy, within_s=self.within_s))[pid]
+        pid = rank.handle.pid
+        found = (await capture([rank.handle], py_spy=self.py_spy, within_s=self.within_s))[pid]
         self.samples += 1
         now, key = self.clock(), (rank.job_id, rank.rank)
         if found.error or not found.threads:
             self.errors += 1
             self._seen.pop(key, None)
             return
-        cpu = sample_process(pid)
-        work = Work(cpu.cpu_s if cpu else None, io_chars(pid), await self._gpu_busy(pid, key))
+        cpu = rank.handle.usage()
+        work = Work(cpu.cpu_s if cpu else None, rank.handle.io_bytes(), await self._gpu_busy(pid, key))
         self._seen[key] = self._next(self._seen.get(key), pid, found.threads, now, work)
 
     async def _gpu_busy(self, pid: int, key: tuple[str, int]) -> bool:
@@ -198,7 +184,7 @@ class StackSampler:
     def fields(self, rank: RankProcess) -> dict[str, Any]:
         """The rank's sample as RankStatus fields (where, waits_in, still_s); none for a rank not sampled."""
         seen = self._seen.get((rank.job_id, rank.rank))
-        if seen is None or seen.pid != rank.proc.pid or not rank.alive:
+        if seen is None or seen.pid != rank.handle.pid or not rank.alive:
             return {}
         still = round(max(self.clock() - seen.first_at, 0.0), 3) if seen.still else 0.0
         return {"where": seen.top, "waits_in": seen.waits_in, "still_s": still}

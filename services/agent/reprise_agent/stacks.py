@@ -18,8 +18,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from reprise_agent.launch.base import RankHandle
 from reprise_common.events import STACK_FRAMES_MAX, STACK_THREADS_MAX, StackFrame, ThreadStack
-from reprise_common.procs import sample_process, signal_group, start_ticks
+from reprise_common.procs import signal_group, start_ticks
 
 
 def find_py_spy(configured: Path | None = None) -> Path | None:
@@ -36,18 +37,18 @@ def find_py_spy(configured: Path | None = None) -> Path | None:
 class Capture:
     """What one rank's capture found: its threads, or why there are none."""
 
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        sample = sample_process(pid)
+    def __init__(self, rank: RankHandle) -> None:
+        self.pid = rank.pid
+        sample = rank.usage()
         self.proc_state = sample.state if sample else ""
         self.threads: list[ThreadStack] = []
         self.error = ""
         self.took_ms = 0.0
 
 
-async def capture(pids: Sequence[int], *, py_spy: Path | None, within_s: float) -> dict[int, Capture]:
-    """Capture the stacks of every pid at once; no rank's capture outlasts `within_s`."""
-    found = {pid: Capture(pid) for pid in pids}
+async def capture(ranks: Sequence[RankHandle], *, py_spy: Path | None, within_s: float) -> dict[int, Capture]:
+    """Capture the stacks of every rank at once, by pid; no rank's capture outlasts `within_s`."""
+    found = {rank.pid: Capture(rank) for rank in ranks}
     if py_spy is None:
         for one in found.values():
             one.error = "py-spy is not installed on this node"

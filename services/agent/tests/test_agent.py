@@ -18,6 +18,7 @@ import pytest
 from pydantic import TypeAdapter
 
 from reprise_agent.agent import Agent
+from reprise_agent.launch.processes import ProcessLauncher
 from reprise_agent.ranks import RankProcess, RankSupervisor
 from reprise_agent.settings import AgentSettings
 from reprise_cli.servers import NatsServer, free_port
@@ -479,7 +480,8 @@ def test_an_agent_restarted_after_its_ranks_died_leaves_a_process_that_reused_th
         async def on_exit(rank: RankProcess) -> None:
             raise AssertionError("no rank ran")
 
-        lost = RankSupervisor(node_id="node-a", state_dir=tmp_path, on_exit=on_exit).orphans()
+        supervisor = RankSupervisor(node_id="node-a", state_dir=tmp_path, launcher=ProcessLauncher(), on_exit=on_exit)
+        lost = supervisor.orphans()
         assert [(r.job_id, r.rank, r.restart_epoch) for r in lost] == [("job-1", 0, 2)]
         time.sleep(0.2)
         assert stranger.poll() is None
@@ -536,7 +538,7 @@ async def test_a_capture_without_py_spy_or_past_its_bound_reports_why_and_the_st
     slow = tmp_path / "py-spy"
     slow.write_text("#!/bin/sh\nsleep 30\n")
     slow.chmod(0o755)
-    harness.agent.py_spy = slow
+    harness.agent.executor.py_spy = slow
     reply = await harness.launch(fence=1, command_id="l", command=LOOPER)
     began = time.monotonic()
     capture = {"incident_id": "inc-2", "within_s": 0.5}
@@ -548,7 +550,7 @@ async def test_a_capture_without_py_spy_or_past_its_bound_reports_why_and_the_st
         "py-spy did not answer within 0.5 s"
     }
 
-    harness.agent.py_spy = None
+    harness.agent.executor.py_spy = None
     await harness.launch(fence=1, command_id="l2", command=LOOPER, restart_epoch=1)
     capture = {"incident_id": "inc-3", "within_s": 0.5}
     await harness.command(CommandAction.STOP, fence=1, command_id="s2", grace_s=2.0, capture_stacks=capture)

@@ -15,20 +15,16 @@ import pytest
 from pydantic import ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from reprise_agent.depchecks import (
+from reprise_agent.depchecks.checker import CheckResult, DependencyChecker, rendezvous_job, rendezvous_name
+from reprise_agent.depchecks.probes import BlockingRunner, DependencyCheckError
+from reprise_agent.depchecks.specs import (
     DEPENDENCY_CHECKS,
-    BlockingRunner,
-    CheckResult,
-    DependencyChecker,
-    DependencyCheckError,
     DependencyChecks,
     DependencyCheckSpec,
     DiskCheck,
     HttpCheck,
     StorageCheck,
     TcpCheck,
-    rendezvous_job,
-    rendezvous_name,
 )
 from reprise_common.clock import ManualClock
 from reprise_common.errors import ConfigError

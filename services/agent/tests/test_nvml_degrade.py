@@ -21,7 +21,9 @@ import pytest
 
 from reprise_agent.gpu.base import GpuSignal, SignalKind
 from reprise_agent.gpu.factory import UnavailableGpus, open_backend
-from reprise_agent.gpu.nvml import NvmlGpus, decode_clock_reasons, gpu_health
+from reprise_agent.gpu.health import gpu_health
+from reprise_agent.gpu.nvml import NvmlGpus
+from reprise_agent.gpu.nvml_fields import decode_clock_reasons
 from reprise_common.errors import ConfigError
 from reprise_common.events import GpuHealth, GpuStatus
 

@@ -17,17 +17,9 @@ from typing import Any
 
 import pytest
 
-from reprise_agent.progress import (
-    STATUS_FIELDS,
-    STEP_WINDOW,
-    MalformedSdkMessage,
-    MessageKind,
-    ProgressBook,
-    SdkMessage,
-    SdkServer,
-    default_socket_path,
-    parse_message,
-)
+from reprise_agent.progress.book import STATUS_FIELDS, STEP_WINDOW, ProgressBook
+from reprise_agent.progress.messages import MalformedSdkMessage, MessageKind, SdkMessage, parse_message
+from reprise_agent.progress.server import SdkServer, default_socket_path
 from reprise_common.aio import poll_until
 from reprise_common.clock import ManualClock
 from reprise_common.events import RankStatus

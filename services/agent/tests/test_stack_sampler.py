@@ -14,6 +14,7 @@ import pytest
 
 from reprise_agent.gpu.nvml import NvmlGpus
 from reprise_agent.gpu.sim import SimulatedGpus
+from reprise_agent.launch.processes import ProcessHandle
 from reprise_agent.ranks import RankProcess
 from reprise_agent.stack_sampler import ProcessActivity, StackSampler, same_place
 from reprise_agent.stacks import find_py_spy
@@ -24,9 +25,9 @@ IDLE = "import time\ndef wait():\n    while True:\n        time.sleep(0.05)\nwai
 BUSY = "def spin():\n    while True:\n        sum(range(10_000))\nspin()\n"
 
 
-async def _rank(code: str, rank: int, tmp_path: Path) -> RankProcess:
+async def _rank(code: str, rank: int, tmp_path: Path) -> tuple[RankProcess, asyncio.subprocess.Process]:
     proc = await asyncio.create_subprocess_exec(sys.executable, "-c", code)
-    return RankProcess("job-p", rank, rank, None, proc, tmp_path / f"{rank}.log", deque())
+    return RankProcess("job-p", rank, rank, None, ProcessHandle(proc), tmp_path / f"{rank}.log", deque()), proc
 
 
 @pytest.fixture
@@ -34,10 +35,10 @@ async def ranks(tmp_path: Path) -> AsyncIterator[list[RankProcess]]:
     """Rank 0 idles in a Python loop, rank 1 spins in one."""
     started = [await _rank(IDLE, 0, tmp_path), await _rank(BUSY, 1, tmp_path)]
     await asyncio.sleep(0.5)  # past the interpreter's start
-    yield started
-    for rank in started:
-        rank.proc.kill()
-        await rank.proc.wait()
+    yield [rank for rank, _ in started]
+    for _, proc in started:
+        proc.kill()
+        await proc.wait()
 
 
 @needs_py_spy

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from reprise_agent.standby import StandbyPool
+from reprise_agent.launch.standby import StandbyPool
 from reprise_common.procs import process_alive
 
 SCRIPT = """

@@ -2,7 +2,7 @@
 
 A cold rank start spends seconds before its first line of training: the interpreter, ``import torch``, then the
 script. A standby has done the first two already; the agent hands it the rank's command line, environment and
-directory (reprise_agent/standby_boot.py runs them as ``python <script>`` would) and starts a new standby in the
+directory (reprise_agent/launch/standby_boot.py runs them as ``python <script>`` would) and starts a new standby in the
 background. A command is run on a standby only when it is that interpreter running a script or ``-m module`` with no
 interpreter options, and the environment agrees with the standby's on what an interpreter reads before the script
 runs (``PYTHON*`` variables, thread counts read at ``import torch``, the dynamic loader's); otherwise it starts cold.
@@ -26,7 +26,7 @@ from reprise_common.procs import die_with_parent, sample_process, signal_group, 
 
 log = get_logger("reprise.agent.standby")
 
-BOOT_SOURCE = resources.files("reprise_agent").joinpath("standby_boot.py").read_text(encoding="utf-8")
+BOOT_SOURCE = resources.files("reprise_agent.launch").joinpath("standby_boot.py").read_text(encoding="utf-8")
 READY = "reprise-standby ready"
 READY_TIMEOUT_S = 300.0  # importing torch on a loaded host can take a minute; longer means something is wrong
 RETRY_AFTER_S = 5.0  # after a standby died before it was ready: no tight loop of failing starts

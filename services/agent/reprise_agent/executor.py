@@ -1,0 +1,154 @@
+"""What the node's commands do: ping, launch a job's ranks here, stop them (a hang's stacks captured first, parked
+where a restart in place follows). Fencing and idempotency around them are the CommandBook's (commands.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+from reprise_agent import foreign_restore, node_events
+from reprise_agent.commands import CommandBook
+from reprise_agent.depchecks.checker import DependencyChecker
+from reprise_agent.foreign_checkpoints import ForeignCheckpoints
+from reprise_agent.numeric import NumericWatcher
+from reprise_agent.outbox import Outbox
+from reprise_agent.progress.book import ProgressBook
+from reprise_agent.ranks import RankSupervisor
+from reprise_agent.stacks import capture
+from reprise_common import subjects
+from reprise_common.errors import MalformedEventError
+from reprise_common.events import (
+    RESTORE_REFUSED,
+    CommandReply,
+    CommandResult,
+    LaunchCommand,
+    PingCommand,
+    StackCapture,
+    StopCommand,
+    Wire,
+    parse_command,
+)
+from reprise_common.logging import get_logger
+
+log = get_logger("reprise.agent")
+CAPTURES_REMEMBERED = 256  # incidents whose stacks this agent captured (a repeated stop does not capture again)
+
+
+class CommandExecutor:
+    """Carries out the commands the book lets through, on this node's ranks."""
+
+    def __init__(
+        self,
+        *,
+        node_id: str,
+        spare: bool,
+        book: CommandBook,
+        supervisor: RankSupervisor,
+        progress: ProgressBook,
+        numeric: NumericWatcher,
+        foreign: ForeignCheckpoints,
+        depchecks: DependencyChecker,
+        outbox: Outbox,
+        py_spy: Path | None,
+    ) -> None:
+        self.node_id = node_id
+        self.spare = spare
+        self.book = book
+        self.supervisor = supervisor
+        self.progress = progress
+        self.numeric = numeric
+        self.foreign = foreign
+        self.depchecks = depchecks
+        self.outbox = outbox
+        self.py_spy = py_spy
+        self.stopping_jobs: set[str] = set()  # jobs whose stop (or park) this agent is carrying out now
+        self._captured: dict[str, None] = {}  # incident ids, oldest first
+
+    async def on_command(self, data: bytes) -> Wire:
+        """Parse a command and run it through the book (at most once, fenced)."""
+        try:
+            command = parse_command(data)
+        except MalformedEventError as exc:
+            return CommandReply(
+                command_id="", node_id=self.node_id, result=CommandResult.FAILED, detail=f"bad command: {exc}"
+            )
+        return await self.book.run(command, self._execute)
+
+    async def _execute(self, command: PingCommand | LaunchCommand | StopCommand) -> CommandReply:
+        data: dict[str, Any]
+        if isinstance(command, PingCommand):
+            data = {"ranks": len(self.supervisor.ranks()), "spare": self.spare}
+        elif isinstance(command, LaunchCommand):
+            try:
+                data = await self._launch(command)
+            except foreign_restore.RestoreRefusedError as exc:  # no rank starts on it: the recovery falls back
+                return CommandReply(
+                    command_id=command.command_id,
+                    node_id=self.node_id,
+                    result=CommandResult.FAILED,
+                    detail=str(exc),
+                    data={RESTORE_REFUSED: exc.problem},
+                )
+        else:
+            data = await self._stop(command)
+        return CommandReply(command_id=command.command_id, node_id=self.node_id, result=CommandResult.DONE, data=data)
+
+    async def _launch(self, command: LaunchCommand) -> dict[str, Any]:
+        """Start the job's ranks here; a script's own restored checkpoint is re-hashed first and handed to it
+        (RestoreRefusedError when it differs)."""
+        spec = ready = command.args
+        if foreign_restore.restores_own_checkpoint(spec):
+            ready = await asyncio.to_thread(foreign_restore.prepared, spec)
+        pids, in_place = await self.supervisor.launch(command.job_id, ready)
+        self.foreign.launched(command.job_id, spec)
+        for assignment in spec.ranks:  # startup begins now; a no-op for a rank that already reported
+            self.progress.begin(command.job_id, assignment.rank, restart_epoch=spec.restart_epoch)
+        return {"pids": pids, "in_place": in_place}
+
+    async def _stop(self, command: StopCommand) -> dict[str, Any]:
+        """Stop the job's ranks here (a hang's stacks first); for a restart in place, the culprits first, then park
+        whoever can. Ranks that park meanwhile were parked by the recovery: their peer errors are no evidence of a
+        lost node, so no rank.parked is published for them."""
+        job_id, args = command.job_id, command.args
+        self.stopping_jobs.add(job_id)
+        try:
+            if args.capture_stacks is not None:
+                await self._capture_stacks(job_id, args.capture_stacks)
+            self.depchecks.clear_rendezvous(job_id)
+            kept: set[int] = set()
+            stopped = []
+            if args.park_within_s is not None:  # a restart in place: who can, parks; the rest is stopped
+                # The culprits go first: a frozen rank holds its peers in their collective until it is gone.
+                kill = set(args.kill_ranks)
+                others = {r.rank for r in self.supervisor.ranks() if r.job_id == job_id} - kill
+                stopped = await self.supervisor.stop(job_id, grace_s=args.grace_s, keep=others)
+                parked = await self.supervisor.park(job_id, within_s=args.park_within_s, kill=kill)
+                kept = {r.rank for r in parked}
+            stopped += await self.supervisor.stop(job_id, grace_s=args.grace_s, keep=kept)
+        finally:
+            self.stopping_jobs.discard(job_id)
+        self.progress.forget(job_id)
+        self.numeric.forget(job_id)
+        outcomes = {r.rank: {"rank": r.rank, "exit_code": r.exit_code, "signal": r.exit_signal} for r in stopped}
+        return {"stopped": list(outcomes.values()), "parked": sorted(kept)}
+
+    async def _capture_stacks(self, job_id: str, order: StackCapture) -> None:
+        """Publish the Python stacks of the job's live ranks here, once per incident, within the order's bound."""
+        if order.incident_id in self._captured:
+            return
+        self._captured[order.incident_id] = None
+        while len(self._captured) > CAPTURES_REMEMBERED:
+            del self._captured[next(iter(self._captured))]
+        ranks = [r for r in self.supervisor.ranks() if r.job_id == job_id and r.alive]
+        found = await capture([r.handle for r in ranks], py_spy=self.py_spy, within_s=order.within_s)
+        for rank in ranks:
+            event = node_events.rank_stacks(
+                self.node_id, rank, incident_id=order.incident_id, found=found[rank.handle.pid]
+            )
+            self.outbox.put(subjects.node_event(self.node_id, event.type), event)
+        failed = [r.rank for r in ranks if found[r.handle.pid].error]
+        log.info(
+            "rank stacks captured",
+            extra={"job_id": job_id, "incident_id": order.incident_id, "ranks": len(ranks), "failed": failed},
+        )

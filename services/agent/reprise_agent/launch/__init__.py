@@ -1,0 +1,1 @@
+"""Rank launching: the Launcher protocol (base) and its implementations (processes, with warm standbys)."""

@@ -1,0 +1,79 @@
+"""The interface every rank launcher implements: start a rank, and the handle its supervisor drives it through."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+from reprise_common.procs import ProcessSample
+
+
+class RankHandle(Protocol):
+    """One launched rank: its exit, its signals, what it uses. Signals reach all of it (every process it started), and
+    never a stranger that took its pid since."""
+
+    @property
+    def pid(self) -> int:
+        """Its main process as this node sees it: reports show it, py-spy reads it, its SDK inbox is named by it."""
+        ...
+
+    @property
+    def warm(self) -> bool:
+        """Whether it started on an interpreter started ahead of need (a standby)."""
+        ...
+
+    @property
+    def output(self) -> asyncio.StreamReader:
+        """Its stdout and stderr, interleaved."""
+        ...
+
+    @property
+    def returncode(self) -> int | None:
+        """Its exit code once it exited (negative: the signal that killed it); None while it runs."""
+        ...
+
+    async def wait(self) -> int:
+        """Wait for its exit; the code as `returncode` gives it."""
+        ...
+
+    def signal(self, sig: int) -> None:
+        """Send it a signal, as a fault would."""
+        ...
+
+    def terminate(self) -> None:
+        """Ask it to stop: SIGTERM, and SIGCONT so that a frozen (SIGSTOPped) rank runs to handle it."""
+        ...
+
+    def kill(self) -> None:
+        """SIGKILL all of it, also once its main process exited: nothing it started may survive it."""
+        ...
+
+    def oom_killed(self) -> bool:
+        """Whether the kernel's OOM killer ended it (asked after its exit)."""
+        ...
+
+    def usage(self) -> ProcessSample | None:
+        """Its scheduler state and CPU seconds now; None once it is gone or cannot be read."""
+        ...
+
+    def io_bytes(self) -> int | None:
+        """The bytes it read and wrote through system calls so far; None when they cannot be read."""
+        ...
+
+    def record(self) -> dict[str, Any]:
+        """What a later process of this agent needs to find it again (JSON), should this one die."""
+        ...
+
+
+class Launcher(Protocol):
+    """Starts ranks on this node."""
+
+    async def start(self, argv: Sequence[str], *, env: Mapping[str, str], cwd: str | None, warm: bool) -> RankHandle:
+        """Start a rank: `env` is what it finds on top of the launcher's own environment; `warm` lets it start on a
+        standby where one is ready and fits."""
+        ...
+
+    def kill_lost(self, record: Mapping[str, Any]) -> None:
+        """Kill what is left of a rank an earlier process of this agent started (its handle's `record`)."""
+        ...
