@@ -21,7 +21,7 @@ from reprise_common.service import (
     settle_garbage_collector,
 )
 from reprise_detector import schema
-from reprise_detector.classify import load_rules
+from reprise_detector.classify import RuleBook, load_rules
 from reprise_detector.incidents import views as incident_views
 from reprise_detector.nodes import views as node_views
 from reprise_detector.nodes.liveness import Liveness
@@ -31,7 +31,10 @@ from reprise_detector.nodes.witnesses import Witnesses
 from reprise_detector.partition import Partition
 from reprise_detector.pipeline import Detector
 from reprise_detector.placements import PlacementMap
-from reprise_detector.progress import HangLimits, HangWatch, ProgressBook, StragglerWatch
+from reprise_detector.progress.book import ProgressBook
+from reprise_detector.progress.hangs import HangWatch
+from reprise_detector.progress.limits import HangLimits
+from reprise_detector.progress.stragglers import StragglerWatch
 from reprise_detector.runtime import Runtime
 from reprise_detector.settings import DetectorSettings
 from reprise_detector.stack_hangs import SteplessJudge
@@ -47,21 +50,8 @@ def build_runtime(settings: DetectorSettings, clock: Clock) -> Runtime:
     placements = PlacementMap()
     partition = Partition(settings.partition_index, settings.partition_count)
     rules = load_rules(settings.rules_path)
-    liveness = Liveness(
-        clock=clock,
-        lost_after_s=settings.node_lost_after_s,
-        reconnect_grace_s=settings.reconnect_grace_s,
-        unreachable_after_s=settings.node_unreachable_after_s,
-        hold_max_s=settings.node_hold_max_s,
-    )
-    peers = PeerErrors(
-        clock=clock,
-        placements=placements,
-        liveness=liveness,
-        rules=rules,
-        keep_s=settings.node_lost_after_s,
-        factor=settings.node_lost_peer_factor,
-    )
+    liveness = _liveness(settings, clock)
+    peers = _peers(settings, clock, placements=placements, liveness=liveness, rules=rules)
     detector = Detector(
         engine=engine,
         bus=bus,
@@ -74,35 +64,16 @@ def build_runtime(settings: DetectorSettings, clock: Clock) -> Runtime:
         peers=peers,
         liveness=liveness,
         partition=partition,
-        reputation_rules=ReputationRules(
-            xid=settings.reputation_xid,
-            xid_count=settings.reputation_xid_count,
-            jobs=settings.reputation_jobs,
-            numeric_count=settings.reputation_numeric_count,
-            window_s=settings.reputation_window_s,
-        ),
+        reputation_rules=_reputation_rules(settings),
     )
     book = ProgressBook(clock)
-    limits = HangLimits(
-        floor_s=settings.hang_floor_s,
-        k=settings.hang_k,
-        startup_s=settings.hang_startup_s,
-        checkpointing_s=settings.hang_checkpointing_s,
-        evaluating_s=settings.hang_evaluating_s,
-        loading_data_s=settings.hang_loading_data_s,
-    )
     watcher = Watcher(
         detector=detector,
         placements=placements,
         partition=partition,
         liveness=liveness,
         book=book,
-        hangs=HangWatch(
-            clock=clock,
-            book=book,
-            defaults=limits,
-            stepless=SteplessJudge(limit_s=settings.hang_stepless_s, grace_s=settings.hang_stepless_grace_s),
-        ),
+        hangs=_hang_watch(settings, clock, book),
         stragglers=StragglerWatch(
             clock=clock, book=book, factor=settings.straggler_factor, reports=settings.straggler_reports
         ),
@@ -118,6 +89,56 @@ def build_runtime(settings: DetectorSettings, clock: Clock) -> Runtime:
         placements=placements, book=book, window_s=settings.node_witness_window_s, settle=watcher.settle
     )
     return Runtime(settings, engine, bus, clock, placements, detector, Background(bus), partition, watcher)
+
+
+def _liveness(settings: DetectorSettings, clock: Clock) -> Liveness:
+    """Every node's liveness, judged by the settings' limits."""
+    return Liveness(
+        clock=clock,
+        lost_after_s=settings.node_lost_after_s,
+        reconnect_grace_s=settings.reconnect_grace_s,
+        unreachable_after_s=settings.node_unreachable_after_s,
+        hold_max_s=settings.node_hold_max_s,
+    )
+
+
+def _peers(
+    settings: DetectorSettings, clock: Clock, *, placements: PlacementMap, liveness: Liveness, rules: RuleBook
+) -> PeerErrors:
+    """The peers' errors that are early evidence of a node's loss, weighed by the settings."""
+    return PeerErrors(
+        clock=clock,
+        placements=placements,
+        liveness=liveness,
+        rules=rules,
+        keep_s=settings.node_lost_after_s,
+        factor=settings.node_lost_peer_factor,
+    )
+
+
+def _reputation_rules(settings: DetectorSettings) -> ReputationRules:
+    """When a node's faults make it a quarantine candidate, from the settings."""
+    return ReputationRules(
+        xid=settings.reputation_xid,
+        xid_count=settings.reputation_xid_count,
+        jobs=settings.reputation_jobs,
+        numeric_count=settings.reputation_numeric_count,
+        window_s=settings.reputation_window_s,
+    )
+
+
+def _hang_watch(settings: DetectorSettings, clock: Clock, book: ProgressBook) -> HangWatch:
+    """The hang stage with the settings' default limits, ranks without steps timed by their stack samples."""
+    limits = HangLimits(
+        floor_s=settings.hang_floor_s,
+        k=settings.hang_k,
+        startup_s=settings.hang_startup_s,
+        checkpointing_s=settings.hang_checkpointing_s,
+        evaluating_s=settings.hang_evaluating_s,
+        loading_data_s=settings.hang_loading_data_s,
+    )
+    stepless = SteplessJudge(limit_s=settings.hang_stepless_s, grace_s=settings.hang_stepless_grace_s)
+    return HangWatch(clock=clock, book=book, defaults=limits, stepless=stepless)
 
 
 def create_app(settings: DetectorSettings, *, clock: Clock | None = None) -> FastAPI:
@@ -142,7 +163,8 @@ def create_app(settings: DetectorSettings, *, clock: Clock | None = None) -> Fas
         version="0.1.0",
         lifespan=lifespan,
     )
-    app.state.runtime = runtime
+    served: node_views.NodesView = runtime  # the routes read it through their protocols (deps.py)
+    app.state.runtime = served
     add_error_handlers(app)
     add_ops_routes(app, checks={"nats": nats_check(runtime.background), "database": db_check(runtime.engine)})
     auth.install(app, auth.authority_keys(settings, runtime.bus))

@@ -1,29 +1,27 @@
-"""What one running detector holds, shared by the lifespan, the consumers and the routes."""
+"""What one running detector holds, shared by the lifespan, the consumers and the routes (which read it through the
+protocols of deps.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Annotated
 
 import nats.js.errors
-from fastapi import Depends, Request
 from nats.js.api import DeliverPolicy
 from sqlalchemy.engine import Engine
-from sqlmodel import Session
 
 from reprise_common import subjects
 from reprise_common.bus import Bus
 from reprise_common.clock import Clock
 from reprise_common.consumer import Consumer
-from reprise_common.db import REQUEST_SESSIONS, session_scope
 from reprise_common.follow import Follower
 from reprise_common.logging import get_logger
 from reprise_common.service import Background
 from reprise_detector.incidents.mitigation import RecoveryOutcomes
 from reprise_detector.nodes.connections import Connections
+from reprise_detector.nodes.liveness import Liveness
+from reprise_detector.nodes.reputation import ReputationRules
 from reprise_detector.partition import Partition
 from reprise_detector.pipeline import Detector
 from reprise_detector.placements import PlacementMap
@@ -62,12 +60,35 @@ class Runtime:
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
+    @property
+    def liveness(self) -> Liveness:
+        """Every node's liveness, as the watch keeps it."""
+        return self.watcher.liveness
+
+    @property
+    def reputation_rules(self) -> ReputationRules:
+        """When a node's faults make it a quarantine candidate."""
+        return self.detector.reputation_rules
+
     def durable(self, base: str) -> str:
         """This replica's durable consumer name for a purpose."""
         return self.partition.durable(base)
 
     async def start_consumers(self) -> None:
         """Load every job's last placement, then consume agent events and reports, then start the watch loop."""
+        await self._load_placements()
+        with contextlib.suppress(nats.js.errors.NotFoundError):  # an older release's; it would only hold state
+            await self.bus.js.delete_consumer(subjects.AGENT_STREAM, self.durable(RETIRED_REPORTS_DURABLE))
+        self.consumers = self._event_consumers()
+        for consumer in self.consumers:
+            await consumer.open()
+        await self._follow_reports()
+        self.tasks.append(
+            asyncio.create_task(self.watcher.run(self.settings.watch_interval_s, self.stopping), name="watch")
+        )
+
+    async def _load_placements(self) -> None:
+        """Consume every job's last placement, and wait (a while) until those published so far are applied."""
         # The placement map lives in memory: replay the last placement of every job on each start, which a durable
         # consumer only does when it is created, so drop the one a previous run left behind.
         placements_durable = self.durable(PLACEMENTS_DURABLE)
@@ -85,9 +106,10 @@ class Runtime:
             info.state.last_seq, timeout=PLACEMENTS_CATCH_UP_S
         ):
             log.warning("placements not fully loaded before consuming events", extra={"seq": self.placements.last_seq})
-        with contextlib.suppress(nats.js.errors.NotFoundError):  # an older release's; it would only hold state
-            await self.bus.js.delete_consumer(subjects.AGENT_STREAM, self.durable(RETIRED_REPORTS_DURABLE))
-        self.consumers = [
+
+    def _event_consumers(self) -> list[Consumer]:
+        """The consumers of agent events, compute signals and recovery outcomes (not opened yet)."""
+        return [
             self.bus.batch_consumer(
                 stream=subjects.AGENT_STREAM,
                 durable=self.durable(EVENTS_DURABLE),
@@ -116,8 +138,9 @@ class Runtime:
                 handler=RecoveryOutcomes(engine=self.engine, clock=self.clock, partition=self.partition).handle,
             ),
         ]
-        for consumer in self.consumers:
-            await consumer.open()
+
+    async def _follow_reports(self) -> None:
+        """Follow node reports, and agents' closed connections when the node keys are known."""
         # Reports are snapshots on core NATS: every replica receives every one (liveness of all nodes); the watcher
         # parses only the reports of nodes that run its jobs.
         self.reports = self.bus.follow(
@@ -138,9 +161,6 @@ class Runtime:
             )
             for subject in subjects.CLIENT_EVENTS:
                 await self.bus.nc.subscribe(subject, cb=connections.on_message)
-        self.tasks.append(
-            asyncio.create_task(self.watcher.run(self.settings.watch_interval_s, self.stopping), name="watch")
-        )
 
     async def stop(self) -> None:
         """Stop the watch loop, the report subscription and the batch consumers (each finishes what it holds)."""
@@ -155,23 +175,3 @@ class Runtime:
     async def wait_started(self, timeout: float) -> None:
         """Wait until NATS is connected and the consumers run; TimeoutError otherwise."""
         await asyncio.wait_for(self.background.started.wait(), timeout=timeout)
-
-
-def get_runtime(request: Request) -> Runtime:
-    """The running detector, for a route."""
-    runtime: Runtime = request.app.state.runtime
-    return runtime
-
-
-RuntimeDep = Annotated[Runtime, Depends(get_runtime)]
-
-
-def get_session(runtime: RuntimeDep) -> Iterator[Session]:
-    """A database session for one request."""
-    with session_scope(runtime.engine) as session:
-        yield session
-
-
-# The session closes when the handler returns, before the answer is sent (sending waits for the event loop, which must
-# never wait for a connection a finished handler still holds), and at most REQUEST_SESSIONS handlers hold one at once.
-SessionDep = Annotated[Session, Depends(get_session, scope="function", max_concurrency=REQUEST_SESSIONS)]

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from reprise_detector.progress import STARTUP, HangLimits, JobTrack, RankTrack, StackHang
+from reprise_detector.progress.book import JobTrack, RankTrack
+from reprise_detector.progress.hangs import StackHang
+from reprise_detector.progress.limits import STARTUP, HangLimits
 from reprise_detector.stacks import StackView, culprit
 
 
 class SteplessJudge:
-    """Times the ranks that report no steps by their stack samples, after the startup grace (progress.StackTimer)."""
+    """Times the ranks that report no steps by their stack samples, after the startup grace (hangs.StackTimer)."""
 
     def __init__(self, *, limit_s: float, grace_s: float) -> None:
         self.limit_s = limit_s

@@ -4,7 +4,7 @@ When a hang's recovery stops the job, each agent first captures the Python stack
 (`rank.stacks`, one event per rank). A collective hang shows as every rank but one waiting in the same
 torch.distributed call (all_reduce, barrier, ...): the one elsewhere is the culprit — stuck in its data loader, in a
 lock, in a loop. A rank whose process the kernel holds (stopped, or in uninterruptible sleep) is the culprit
-whatever its stack says, as for the hang itself (progress.HELD_STATES).
+whatever its stack says, as for the hang itself (progress.stalls.HELD_STATES).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from reprise_common.events import RankStacks, ThreadStack
-from reprise_detector.progress import HELD_STATES
+from reprise_detector.progress.stalls import HELD_STATES
 
 COLLECTIVES_PATH = "torch/distributed/"  # a frame of this package in a rank's main thread: it waits in a collective
 

@@ -14,12 +14,12 @@ from nats.js.api import ConsumerConfig
 from prometheus_client import REGISTRY
 
 from reprise_common import subjects
-from reprise_common.bus import stream_config
 from reprise_common.clock import ManualClock, utcnow
 from reprise_common.events import GpuHealth, GpuStatus, NodeReport, RankStatus
+from reprise_common.provision import stream_config
 from reprise_common.subjects import AGENT_STREAM, STREAMS
+from reprise_detector.node_reports import REPORT_ID_BYTES
 from reprise_detector.runtime import RETIRED_REPORTS_DURABLE
-from reprise_detector.watch import REPORT_ID_BYTES
 
 Harness = Any  # tests/conftest.py
 StartDetector = Any

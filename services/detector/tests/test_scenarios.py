@@ -17,7 +17,7 @@ import pytest
 from reprise_common import subjects
 from reprise_common.clock import ManualClock, utcnow
 from reprise_common.events import GpuXid, RankExited, RankStatus
-from reprise_detector import watch
+from reprise_detector import node_reports
 
 Harness = Any  # tests/conftest.py
 StartDetector = Any
@@ -110,7 +110,7 @@ async def hang(w: World) -> None:
     """Rank 1 stops at step 10, the others stop one step later (blocked in the next collective).
 
     Each rank's status says how long ago its last heartbeat was, as an agent's does: the detector dates a step by
-    it, since it may read a node's reports seconds after they arrived (watch.FOLD_EVERY_S).
+    it, since it may read a node's reports seconds after they arrived (node_reports.FOLD_EVERY_S).
     """
     await w.h.place("job-a", [(0, "node-1", 0), (1, "node-1", 1), (2, "node-2", 0), (3, "node-2", 1)])
     reached: dict[int, tuple[int, float]] = {}  # rank -> its step, and when it heartbeated it first (monotonic)
@@ -220,10 +220,10 @@ async def test_scenario(
 async def test_a_hang_blames_the_rank_that_stopped_first_whenever_its_nodes_reports_are_folded(
     start_detector: StartDetector, sqlite_url: str, monkeypatch: pytest.MonkeyPatch, draws: tuple[float, float]
 ) -> None:
-    """The nodes' reports are folded seconds apart, at moments drawn at random (watch.FOLD_EVERY_S): the culprit is
-    the rank whose step came first by the reports' ages, not by when each node was folded."""
+    """The nodes' reports are folded seconds apart, at moments drawn at random (node_reports.FOLD_EVERY_S): the culprit
+    is the rank whose step came first by the reports' ages, not by when each node was folded."""
     draw = itertools.cycle(draws)
-    monkeypatch.setattr(watch.random, "random", lambda: next(draw))
+    monkeypatch.setattr(node_reports.random, "random", lambda: next(draw))
     h = await _played(start_detector, sqlite_url, hang)
     [incident] = await h.open_incidents("job-a")
     assert (incident["culprit_node_id"], incident["culprit_rank"]) == ("node-1", 1), incident["root_cause"]

@@ -10,7 +10,9 @@ import pytest
 
 from reprise_common.clock import ManualClock
 from reprise_common.events import RankStatus
-from reprise_detector.progress import HangLimits, HangWatch, LimitReason, ProgressBook
+from reprise_detector.progress.book import ProgressBook
+from reprise_detector.progress.hangs import HangWatch
+from reprise_detector.progress.limits import HangLimits, LimitReason
 from reprise_detector.stack_hangs import SteplessJudge
 
 T0 = datetime(2026, 12, 6, 12, 0, tzinfo=UTC)

@@ -24,27 +24,23 @@ from reprise_common.events import (
     RecommendedAction,
     Severity,
 )
-from reprise_detector import progress, watch
+from reprise_detector import node_reports
 from reprise_detector.classify import Classification
 from reprise_detector.correlate import Decision, decide
 from reprise_detector.incidents.models import Incident
+from reprise_detector.node_reports import FOLD_EVERY_S, FOLD_SLOW_S
 from reprise_detector.nodes.liveness import Liveness, NodeState
 from reprise_detector.nodes.models import NodeFaultBase
 from reprise_detector.nodes.reputation import ReputationRules, judge
 from reprise_detector.partition import Partition, partition_of
 from reprise_detector.placements import PlacementMap
-from reprise_detector.progress import (
-    HangLimits,
-    HangWatch,
-    LimitReason,
-    ProgressBook,
-    StragglerVerdict,
-    StragglerWatch,
-    fold,
-    limit_for,
-)
+from reprise_detector.progress import stragglers
+from reprise_detector.progress.book import ProgressBook, fold
+from reprise_detector.progress.hangs import HangWatch, limit_for
+from reprise_detector.progress.limits import HangLimits, LimitReason
+from reprise_detector.progress.stragglers import StragglerVerdict, StragglerWatch
 from reprise_detector.settings import DetectorSettings
-from reprise_detector.watch import FOLD_EVERY_S, FOLD_SLOW_S, HANG_MIN_GAP_S, REHEAR_S, Watcher
+from reprise_detector.watch import HANG_MIN_GAP_S, REHEAR_S, Watcher
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -730,7 +726,7 @@ def test_a_nodes_reports_are_folded_every_few_seconds_and_a_job_is_judged_on_the
     """Reports are folded into the ranks' tracks at most FOLD_EVERY_S apart; the ones between wait (the latest of
     each node) until then or until a close look at the job, which folds them first: a rank that stepped in a
     report not folded yet is not called hung."""
-    monkeypatch.setattr(watch.random, "random", lambda: 0.99)  # the node's first fold 3.96 s after its first report
+    monkeypatch.setattr(node_reports.random, "random", lambda: 0.99)  # its first fold 3.96 s after its first report
     clock = ManualClock(T0)
     watcher, book, hangs = _fleet(clock, {"node-1": [0, 1]})
     _report(watcher, "node-1", [_status(0, 1), _status(1, 1)])  # a node's first report is folded at once
@@ -754,7 +750,7 @@ def test_a_node_whose_reports_keep_coming_is_folded_at_most_fold_every_s_apart(
 ) -> None:
     """After its tracks are looked up, a node's first fold comes at a random moment within FOLD_EVERY_S (nodes looked
     up together must not fold together), and then every FOLD_EVERY_S."""
-    monkeypatch.setattr(watch.random, "random", lambda: first_fold)
+    monkeypatch.setattr(node_reports.random, "random", lambda: first_fold)
     clock = ManualClock(T0)
     watcher, book, _ = _fleet(clock, {"node-1": [0], "node-2": [1]})
     folded = []
@@ -773,7 +769,7 @@ def test_a_node_with_a_slow_rank_is_folded_again_sooner_so_its_straggler_is_not_
 ) -> None:
     """Nodes are folded FOLD_EVERY_S (8 s) apart, but one whose rank is in a slow streak FOLD_SLOW_S (4 s) after: the
     straggler is reported at the look after its first slow one, 4 s later, with every report between counted."""
-    monkeypatch.setattr(watch.random, "random", lambda: 0.0)  # the node's first fold at its second report
+    monkeypatch.setattr(node_reports.random, "random", lambda: 0.0)  # the node's first fold at its second report
     clock = ManualClock(T0)
     watcher, _, _ = _fleet(clock, {"node-1": [0, 1, 2]})
 
@@ -849,7 +845,7 @@ def test_a_jobs_median_unknown_at_a_nodes_lookup_is_known_at_its_next_fold(monke
     """A node's first report is folded rank by rank, and the job's median step time is unknown until three ranks
     have one: it is known from the third (not a round of updates later), so the node's next fold, seconds later,
     compares with it."""
-    monkeypatch.setattr(watch.random, "random", lambda: 0.0)  # the node's first fold at its next report
+    monkeypatch.setattr(node_reports.random, "random", lambda: 0.0)  # the node's first fold at its next report
     clock = ManualClock(T0)
     watcher, book, _ = _fleet(clock, {"node-1": [0, 1, 2]})
 
@@ -873,7 +869,7 @@ def test_the_median_of_a_job_without_step_times_is_recomputed_once_a_round() -> 
     for step in range(3):  # three rounds of 64 ranks, each rank looked at as it is folded
         for rank in range(64):
             job, _ = book.update("node-1", _status(rank, step))
-            due = progress._median_due(job)
+            due = stragglers._median_due(job)
             assert watch.slow_above(job) is None
             recomputed += due
     assert recomputed <= 4

@@ -21,7 +21,8 @@ from reprise_detector.correlate import Target
 from reprise_detector.incidents import service
 from reprise_detector.incidents.models import Incident, IncidentState
 from reprise_detector.observe import observe
-from reprise_detector.pipeline import Detector, Work
+from reprise_detector.persist import Work
+from reprise_detector.pipeline import Detector
 from reprise_detector.placements import PlacementMap
 
 

@@ -11,6 +11,7 @@ from reprise_common.db import SQL_INT_MAX
 from reprise_common.errors import BusError
 from reprise_common.events import Category
 from reprise_common.service import IsoDateTime
+from reprise_detector.deps import RuntimeDep, SessionDep
 from reprise_detector.incidents import flows, service
 from reprise_detector.incidents.models import (
     IncidentDetail,
@@ -20,7 +21,6 @@ from reprise_detector.incidents.models import (
     RankStackPublic,
     SymptomPublic,
 )
-from reprise_detector.runtime import RuntimeDep, SessionDep
 
 router = APIRouter(prefix="/v1/incidents", tags=["incidents"])
 

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Annotated, Protocol
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Depends, Request
 from sqlmodel import Session, col, select
 
 from reprise_common.db import session_scope
 from reprise_common.errors import NotFoundError
+from reprise_detector.deps import RuntimeDep, RuntimeView, SessionDep
 from reprise_detector.nodes import reputation
+from reprise_detector.nodes.liveness import Liveness
 from reprise_detector.nodes.models import (
     GpuHealthPublic,
     HangPolicy,
@@ -21,21 +24,39 @@ from reprise_detector.nodes.models import (
     NodesHealthPublic,
     QuarantinePublic,
 )
-from reprise_detector.runtime import Runtime, RuntimeDep, SessionDep
 
 router = APIRouter(prefix="/v1/node-health", tags=["nodes"])
 jobs_router = APIRouter(prefix="/v1/jobs", tags=["hang policy"])
 
 
-def _health(runtime: Runtime, session: Session, node_id: str, *, detail: bool) -> NodeHealthPublic:
-    seen = runtime.watcher.liveness.nodes.get(node_id)
-    window = timedelta(seconds=runtime.detector.reputation_rules.window_s)
+class NodesView(RuntimeView, Protocol):
+    """What the node routes read of the running detector, beyond what any route reads (runtime.Runtime)."""
+
+    @property
+    def liveness(self) -> Liveness: ...
+
+    @property
+    def reputation_rules(self) -> reputation.ReputationRules: ...
+
+
+def get_nodes_view(request: Request) -> NodesView:
+    """The running detector, for a node route."""
+    runtime: NodesView = request.app.state.runtime
+    return runtime
+
+
+NodesDep = Annotated[NodesView, Depends(get_nodes_view)]
+
+
+def _health(runtime: NodesView, session: Session, node_id: str, *, detail: bool) -> NodeHealthPublic:
+    seen = runtime.liveness.nodes.get(node_id)
+    window = timedelta(seconds=runtime.reputation_rules.window_s)
     faults = reputation.faults_of(session, node_id=node_id, since=runtime.clock.now() - window)
     recommendations = reputation.recommendations_of(session, node_id=node_id)
     return NodeHealthPublic(
         node_id=node_id,
         state=seen.state.value if seen else "unknown",
-        last_report_age_s=runtime.watcher.liveness.age(node_id),
+        last_report_age_s=runtime.liveness.age(node_id),
         gpus=[GpuHealthPublic(index=g.index, health=g.health.value, last_xid=g.last_xid) for g in seen.gpus]
         if seen
         else [],
@@ -48,18 +69,18 @@ def _health(runtime: Runtime, session: Session, node_id: str, *, detail: bool) -
 
 
 @router.get("", summary="Every known node's liveness and reputation")
-def list_node_health(runtime: RuntimeDep, session: SessionDep) -> NodesHealthPublic:
+def list_node_health(runtime: NodesDep, session: SessionDep) -> NodesHealthPublic:
     """Nodes that reported to this replica or have faults on record, by id."""
     with_faults = set(session.exec(select(NodeFault.node_id).distinct()).all())
-    nodes = sorted(set(runtime.watcher.liveness.nodes) | with_faults)
+    nodes = sorted(set(runtime.liveness.nodes) | with_faults)
     data = [_health(runtime, session, node_id, detail=False) for node_id in nodes]
     return NodesHealthPublic(data=data, count=len(data))
 
 
 @router.get("/{node_id}", summary="One node's liveness, fault history and quarantine recommendations")
-def read_node_health(runtime: RuntimeDep, session: SessionDep, node_id: str) -> NodeHealthPublic:
+def read_node_health(runtime: NodesDep, session: SessionDep, node_id: str) -> NodeHealthPublic:
     """A node's health; 404 when it never reported and has no faults on record."""
-    known = node_id in runtime.watcher.liveness.nodes
+    known = node_id in runtime.liveness.nodes
     if not known and session.exec(select(NodeFault).where(col(NodeFault.node_id) == node_id)).first() is None:
         raise NotFoundError(f"no node {node_id}")
     return _health(runtime, session, node_id, detail=True)

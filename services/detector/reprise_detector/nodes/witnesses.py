@@ -6,9 +6,9 @@ needs every rank. So the job's ranks on other nodes advancing after a node fell 
 the report limit. They can tell only what they report: a job without the SDK reports no steps, and a job evaluating or
 saving advances none; such a job is blind, and the node's silence decides as before.
 
-A witness's step is dated by its heartbeat's age (progress.py), not by when its report arrived. A witness that stepped
-just after its last report shows it only at its next, a report interval later: the window without a step that counts
-as a stop is the setting's (one and a half report intervals by default) plus two of the job's median steps.
+A witness's step is dated by its heartbeat's age (progress/book.py), not by when its report arrived. A witness that
+stepped just after its last report shows it only at its next, a report interval later: the window without a step that
+counts as a stop is the setting's (one and a half report intervals by default) plus two of the job's median steps.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from reprise_detector.nodes.liveness import Witness
 from reprise_detector.placements import PlacementMap
-from reprise_detector.progress import JobTrack, ProgressBook
+from reprise_detector.progress.book import JobTrack, ProgressBook
 
 TRAINING = "training"  # the phase in which a job's ranks are expected to advance (in others they may pause)
 # What a job says, strongest first: one job advancing proves the node alive; one stopping with it, gone.
