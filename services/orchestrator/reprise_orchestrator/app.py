@@ -37,12 +37,13 @@ from reprise_orchestrator.compute.choose import BackendContext, open_backend
 from reprise_orchestrator.deps import Deps
 from reprise_orchestrator.drills import views as drill_views
 from reprise_orchestrator.drills.flows import DrillRunner
+from reprise_orchestrator.inventory import Inventory
 from reprise_orchestrator.jobs import views as job_views
 from reprise_orchestrator.jobs.allocations import AllocationReconciler
 from reprise_orchestrator.locks import RedisJobLocks
 from reprise_orchestrator.nodes import views as node_views
 from reprise_orchestrator.nodes.flows import QuarantineFlow
-from reprise_orchestrator.nodes.inventory import Inventory
+from reprise_orchestrator.recoveries import service as recoveries
 from reprise_orchestrator.recoveries import views as recovery_views
 from reprise_orchestrator.recoveries.claims import Claims, job_of
 from reprise_orchestrator.recoveries.flows import RecoveryFlow
@@ -102,16 +103,9 @@ def build_deps(settings: OrchestratorSettings, redis: Redis) -> Deps:
 
 def create_app(settings: OrchestratorSettings) -> FastAPI:
     """Build the app; consumers start once NATS is reachable."""
-    password = settings.redis_password.get_secret_value() if settings.redis_password is not None else None
-    redis = Redis.from_url(
-        settings.redis_url,
-        username=settings.redis_username,
-        password=password,
-        socket_timeout=2.0,
-        socket_connect_timeout=2.0,
-    )
+    redis = _redis_client(settings)
     deps = build_deps(settings, redis)
-    bus, engine, compute = deps.bus, deps.engine, deps.compute
+    bus, engine = deps.bus, deps.engine
     flow = RecoveryFlow(deps)
     runner = RecoveryRunner(flow, deps.locks, limit=settings.max_concurrent_recoveries)
     claims = Claims(deps, flow, runner)
@@ -123,32 +117,7 @@ def create_app(settings: OrchestratorSettings) -> FastAPI:
     tasks: list[asyncio.Task[None]] = []
 
     async def on_connected() -> None:
-        await bus.serve(subjects.AUTH_VERIFY, keys.answer, queue=subjects.AUTH_VERIFY_QUEUE)  # the key authority
-        await deps.inventory.start(
-            Bus.for_service(settings, "orchestrator-reports", provision=False, identity="orchestrator")
-        )
-        for durable, subject, handler in (
-            (INCIDENTS_DURABLE, subjects.INCIDENTS_OPENED, claims.on_opened),
-            (INCIDENT_UPDATES_DURABLE, subjects.INCIDENTS_UPDATED, claims.on_updated),
-        ):
-            bus.batch_consumer(
-                stream=subjects.INCIDENTS_STREAM,
-                durable=durable,
-                filter_subject=subject,
-                handler=side_by_side(handler, key=job_of),  # different jobs' claims at once, one job's in order
-                batch=INCIDENT_BATCH,
-                max_deliver=INCIDENT_MAX_DELIVER,
-            ).start()
-        bus.consumer(
-            stream=subjects.NODES_STREAM,
-            durable=QUARANTINE_DURABLE,
-            filter_subject=subjects.NODE_QUARANTINE_ALL,
-            handler=QuarantineFlow(deps).on_recommendation,
-        ).start()
-        tasks.append(asyncio.create_task(reconciler.run(), name="reconciler"))
-        tasks.append(asyncio.create_task(compute.watch(_announce(bus, compute)), name="compute-signals"))
-        if allocations is not None:  # its first pass now: a restarted replica catches up at once
-            tasks.append(asyncio.create_task(allocations.run(), name="allocations"))
+        tasks.extend(await _start_work(deps, keys=keys, claims=claims, reconciler=reconciler, allocations=allocations))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -159,16 +128,7 @@ def create_app(settings: OrchestratorSettings) -> FastAPI:
         yield
         await drills.stop()
         await runner.stop()  # unfinished recoveries are released to the other replicas' reconcilers
-        for task in tasks:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        await background.stop()
-        await deps.inventory.stop()
-        await deps.registry.close()
-        await compute.close()
-        await redis.aclose()
-        engine.dispose()
+        await _stop_work(deps, tasks=tasks, background=background, redis=redis)
 
     app = FastAPI(title="Reprise orchestrator", version="0.1.0", lifespan=lifespan)
     app.state.deps = deps
@@ -185,6 +145,73 @@ def create_app(settings: OrchestratorSettings) -> FastAPI:
     return app
 
 
+def _redis_client(settings: OrchestratorSettings) -> Redis:
+    """The client of the lock store, as the settings' ACL user when they name a password."""
+    password = settings.redis_password.get_secret_value() if settings.redis_password is not None else None
+    return Redis.from_url(
+        settings.redis_url,
+        username=settings.redis_username,
+        password=password,
+        socket_timeout=2.0,
+        socket_connect_timeout=2.0,
+    )
+
+
+async def _start_work(
+    deps: Deps,
+    *,
+    keys: LocalKeys,
+    claims: Claims,
+    reconciler: Reconciler,
+    allocations: AllocationReconciler | None,
+) -> list[asyncio.Task[None]]:
+    """Once NATS is reachable: the key authority, the node reports, the incident and quarantine consumers, and the
+    replica's background tasks (returned, to be cancelled at shutdown)."""
+    bus, settings, compute = deps.bus, deps.settings, deps.compute
+    tasks: list[asyncio.Task[None]] = []
+    await bus.serve(subjects.AUTH_VERIFY, keys.answer, queue=subjects.AUTH_VERIFY_QUEUE)  # the key authority
+    await deps.inventory.start(
+        Bus.for_service(settings, "orchestrator-reports", provision=False, identity="orchestrator")
+    )
+    for durable, subject, handler in (
+        (INCIDENTS_DURABLE, subjects.INCIDENTS_OPENED, claims.on_opened),
+        (INCIDENT_UPDATES_DURABLE, subjects.INCIDENTS_UPDATED, claims.on_updated),
+    ):
+        bus.batch_consumer(
+            stream=subjects.INCIDENTS_STREAM,
+            durable=durable,
+            filter_subject=subject,
+            handler=side_by_side(handler, key=job_of),  # different jobs' claims at once, one job's in order
+            batch=INCIDENT_BATCH,
+            max_deliver=INCIDENT_MAX_DELIVER,
+        ).start()
+    bus.consumer(
+        stream=subjects.NODES_STREAM,
+        durable=QUARANTINE_DURABLE,
+        filter_subject=subjects.NODE_QUARANTINE_ALL,
+        handler=QuarantineFlow(deps).on_recommendation,
+    ).start()
+    tasks.append(asyncio.create_task(reconciler.run(), name="reconciler"))
+    tasks.append(asyncio.create_task(compute.watch(_announce(bus, compute)), name="compute-signals"))
+    if allocations is not None:  # its first pass now: a restarted replica catches up at once
+        tasks.append(asyncio.create_task(allocations.run(), name="allocations"))
+    return tasks
+
+
+async def _stop_work(deps: Deps, *, tasks: list[asyncio.Task[None]], background: Background, redis: Redis) -> None:
+    """Cancel the background tasks, then close the bus, the node reports, the registry, the backend and the stores."""
+    for task in tasks:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    await background.stop()
+    await deps.inventory.stop()
+    await deps.registry.close()
+    await deps.compute.close()
+    await redis.aclose()
+    deps.engine.dispose()
+
+
 def _allocation_reconciler(deps: Deps) -> AllocationReconciler | None:
     """The reconciler of jobs and allocations when the backend's scheduler allocates nodes (Slurm); else None."""
     if not isinstance(deps.compute, AllocatingBackend):
@@ -192,7 +219,14 @@ def _allocation_reconciler(deps: Deps) -> AllocationReconciler | None:
     settings = deps.settings
     interval, grace = settings.slurm_poll_interval_s, 3 * settings.slurm_command_timeout_s
     timeout = settings.slurm_agent_start_timeout_s
-    return AllocationReconciler(deps, deps.compute, interval_s=interval, grace_s=grace, agent_start_timeout_s=timeout)
+    return AllocationReconciler(
+        deps,
+        deps.compute,
+        placing=recoveries.is_placing,
+        interval_s=interval,
+        grace_s=grace,
+        agent_start_timeout_s=timeout,
+    )
 
 
 def _registry_key(settings: OrchestratorSettings) -> str | None:

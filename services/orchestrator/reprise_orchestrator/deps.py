@@ -14,8 +14,8 @@ from reprise_common.bus import Bus
 from reprise_common.clock import Clock
 from reprise_common.db import REQUEST_SESSIONS
 from reprise_orchestrator.compute.backend import ComputeBackend
+from reprise_orchestrator.inventory import Inventory
 from reprise_orchestrator.locks import JobLocks
-from reprise_orchestrator.nodes.inventory import Inventory
 from reprise_orchestrator.registry_client import Registry
 from reprise_orchestrator.settings import OrchestratorSettings
 

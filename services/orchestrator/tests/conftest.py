@@ -13,15 +13,8 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from reprise_cli.servers import (
-    ManagedProcess,
-    NatsServer,
-    RedisServer,
-    answers,
-    free_port,
-    wait_until,
-    with_port_retries,
-)
+from reprise_cli.redis_server import RedisServer
+from reprise_cli.servers import ManagedProcess, NatsServer, answers, free_port, wait_until, with_port_retries
 from reprise_orchestrator.app import create_app
 from reprise_orchestrator.settings import OrchestratorSettings
 

@@ -17,16 +17,8 @@ from typing import Any
 
 import httpx
 
-from reprise_cli.servers import (
-    ManagedProcess,
-    NatsServer,
-    PortTaken,
-    RedisServer,
-    answers,
-    free_port,
-    wait_until,
-    with_port_retries,
-)
+from reprise_cli.redis_server import RedisServer
+from reprise_cli.servers import ManagedProcess, NatsServer, PortTaken, answers, free_port, wait_until, with_port_retries
 from reprise_common import subjects
 from reprise_common.bus import Bus
 from reprise_common.events import (

@@ -14,7 +14,8 @@ from fastapi import APIRouter, Depends, FastAPI
 from fastapi.testclient import TestClient
 from pydantic import SecretStr, ValidationError
 
-from reprise_cli.servers import NatsServer, RedisServer
+from reprise_cli.redis_server import RedisServer
+from reprise_cli.servers import NatsServer
 from reprise_common.auth import require_scope_for_method
 from reprise_orchestrator.app import create_app
 from reprise_orchestrator.settings import OrchestratorSettings

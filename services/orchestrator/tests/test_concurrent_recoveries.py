@@ -19,7 +19,8 @@ import httpx
 import pytest
 
 from reprise_cli.client import poll
-from reprise_cli.servers import NatsServer, RedisServer
+from reprise_cli.redis_server import RedisServer
+from reprise_cli.servers import NatsServer
 from reprise_common.events import new_id
 
 from .stack_harness import RANK, Cluster, opened, publish

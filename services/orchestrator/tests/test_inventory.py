@@ -15,8 +15,8 @@ from reprise_common.aio import poll_until
 from reprise_common.bus import Bus
 from reprise_common.clock import ManualClock, SystemClock
 from reprise_common.events import GpuHealth, GpuStatus, NodeReport, RankStatus
-from reprise_orchestrator.compute.agents import AgentsBackend
-from reprise_orchestrator.nodes.inventory import Inventory
+from reprise_orchestrator.compute.agents.backend import AgentsBackend
+from reprise_orchestrator.inventory import Inventory
 
 
 def _report(node: str, *ranks: RankStatus, spare: bool = False, health: GpuHealth = GpuHealth.OK) -> NodeReport:

@@ -23,7 +23,8 @@ import pytest
 import redis
 
 from reprise_cli.client import poll
-from reprise_cli.servers import ManagedProcess, NatsServer, RedisServer, wait_until
+from reprise_cli.redis_server import RedisServer
+from reprise_cli.servers import ManagedProcess, NatsServer, wait_until
 from reprise_common.events import new_id
 
 from .stack_harness import RANK, Cluster, opened, publish

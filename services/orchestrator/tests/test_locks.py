@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 import pytest
 from redis.asyncio import Redis
 
-from reprise_cli.servers import RedisServer
+from reprise_cli.redis_server import RedisServer
 from reprise_orchestrator.locks import RedisJobLocks
 
 

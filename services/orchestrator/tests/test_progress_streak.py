@@ -19,7 +19,8 @@ from reprise_orchestrator.jobs import service as jobs
 from reprise_orchestrator.jobs.models import Job, JobCreate
 from reprise_orchestrator.locks import LockHandle
 from reprise_orchestrator.recoveries.records import Baseline, Restored
-from reprise_orchestrator.recoveries.steps import RecoveryRun, RecoverySteps
+from reprise_orchestrator.recoveries.run import RecoveryRun
+from reprise_orchestrator.recoveries.steps import RecoverySteps
 from reprise_orchestrator.registry_client import RestorePick, RestorePoint
 
 from . import incidents

@@ -25,7 +25,8 @@ import httpx
 import pytest
 
 from reprise_cli.client import poll
-from reprise_cli.servers import NatsServer, RedisServer, wait_until
+from reprise_cli.redis_server import RedisServer
+from reprise_cli.servers import NatsServer, wait_until
 from reprise_common import subjects
 from reprise_common.bus import Bus
 from reprise_common.events import FaultKind, IncidentChange, InjectFault, InjectReply, NodeReport, RankStatus

@@ -11,7 +11,7 @@ from reprise_common.events import Category, Culprit, IncidentChange, Recommended
 from reprise_orchestrator.compute.backend import NodePool
 from reprise_orchestrator.jobs.models import Job, JobCreate, JobState, RecoveryPolicy
 from reprise_orchestrator.jobs.placement import PlacementDecision, replacements, replan
-from reprise_orchestrator.recoveries import rules
+from reprise_orchestrator.recoveries import facts, rules
 from reprise_orchestrator.recoveries.records import Baseline
 from reprise_orchestrator.recoveries.rules import CordonFacts, Decision, Proposal, Reason
 from reprise_orchestrator.recoveries.states import Outcome, RecoveryStep
@@ -153,8 +153,8 @@ def test_admission(
 
 def test_same_error_streak_counts_the_same_signature_only() -> None:
     fault = incident()
-    assert rules.same_error_streak(job(last_error=rules.error_signature(fault), same_error_streak=2), fault) == 3
-    assert rules.same_error_streak(job(last_error="something else", same_error_streak=9), fault) == 1
+    assert facts.same_error_streak(job(last_error=facts.error_signature(fault), same_error_streak=2), fault) == 3
+    assert facts.same_error_streak(job(last_error="something else", same_error_streak=9), fault) == 1
 
 
 @pytest.mark.parametrize(
@@ -171,8 +171,10 @@ def test_same_error_streak_counts_the_same_signature_only() -> None:
 def test_circuit_breaker_allows_at_least_one_and_at_most_the_share(
     recent: int, known: int, share: float, allowed: bool
 ) -> None:
-    facts = CordonFacts(node_id="node-2", recent=recent, known_nodes=known)
-    answer = rules.decide(proposal(S.ISOLATING, S.PLACING, cordon=facts, policy=RecoveryPolicy(max_cordon_share=share)))
+    cordon = CordonFacts(node_id="node-2", recent=recent, known_nodes=known)
+    answer = rules.decide(
+        proposal(S.ISOLATING, S.PLACING, cordon=cordon, policy=RecoveryPolicy(max_cordon_share=share))
+    )
     assert (answer.decision is Decision.ACCEPT) is allowed
     if not allowed:
         assert answer.outcome is Outcome.CIRCUIT_BREAKER and "human" in answer.detail
@@ -216,8 +218,8 @@ def test_isolation_cordons_hardware_culprits_and_leaves_lost_nodes_out(
     action: RecommendedAction, category: Category, cordon: bool, exclude: bool
 ) -> None:
     fault = incident(recommended_action=action, category=category)
-    assert rules.should_cordon(fault) is cordon
-    assert rules.should_exclude(fault) is exclude
+    assert facts.should_cordon(fault) is cordon
+    assert facts.should_exclude(fault) is exclude
 
 
 XID = {"category": Category.GPU_HARDWARE, "recommended_action": RecommendedAction.RESTART_EXCLUDE_NODE}
@@ -239,7 +241,7 @@ XID = {"category": Category.GPU_HARDWARE, "recommended_action": RecommendedActio
 def test_what_an_updated_incident_teaches_a_plan(
     planned: dict[str, Any], latest: dict[str, Any], learned: bool
 ) -> None:
-    assert bool(rules.learned(incident(**planned), incident(**latest))) is learned
+    assert bool(facts.learned(incident(**planned), incident(**latest))) is learned
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from fastapi.testclient import TestClient
 
-from reprise_cli.servers import NatsServer, RedisServer
+from reprise_cli.redis_server import RedisServer
+from reprise_cli.servers import NatsServer
 from reprise_orchestrator.app import create_app
 from reprise_orchestrator.settings import OrchestratorSettings
 

@@ -19,6 +19,7 @@ from reprise_orchestrator.deps import Deps
 from reprise_orchestrator.jobs import service as jobs
 from reprise_orchestrator.jobs.models import JobCreate
 from reprise_orchestrator.nodes import flows as node_flows
+from reprise_orchestrator.recoveries import service as recoveries
 from reprise_orchestrator.recoveries.models import Recovery
 
 from .test_slurm_cli import sinfo_reasons
@@ -81,9 +82,11 @@ def test_a_recoverys_drain_names_its_incident_in_sinfo(slurm_client: TestClient,
         job = jobs.create(session, spec=JobCreate(name="j", node_count=1, command=["true"]), placement=[])
         session.add(Recovery(id="rec-1", job_id=job.id, incident_id="inc-7f3a", fence=1, owner="replica-a"))
         session.commit()
+        started_by = recoveries.incident_of(session, recovery_id="rec-1")  # as the recovery's isolate step reads it
 
-    for node, by in (("node3", "recovery:rec-1"), ("node4", "api")):
-        asyncio.run(node_flows.cordon(deps, node_id=node, reason="GPU XID 79 (fallen off the bus)", by=by))
+    for node, by, incident_id in (("node3", "recovery:rec-1", started_by), ("node4", "api", None)):
+        reason = "GPU XID 79 (fallen off the bus)"
+        asyncio.run(node_flows.cordon(deps, node_id=node, reason=reason, by=by, incident_id=incident_id))
 
     reasons = sinfo_reasons(slurm_cluster)
     assert reasons["node3"] == "reprise: incident inc-7f3a: GPU XID 79 (fallen off the bus)"

@@ -18,16 +18,11 @@ from reprise_common.clock import SystemClock
 from reprise_common.errors import ConfigError
 from reprise_common.events import ComputeSignal, ComputeSignalKind, NodeReport
 from reprise_orchestrator.compute.choose import BackendContext, open_backend
-from reprise_orchestrator.compute.slurm import SlurmBackend
-from reprise_orchestrator.compute.slurm_cli import (
-    SlurmJob,
-    SlurmJobState,
-    SlurmNode,
-    SlurmSubmission,
-    SlurmUnavailableError,
-)
-from reprise_orchestrator.compute.slurm_signals import SlurmView, allocation_name, signals
-from reprise_orchestrator.nodes.inventory import Inventory
+from reprise_orchestrator.compute.slurm.backend import SlurmBackend
+from reprise_orchestrator.compute.slurm.cli import SlurmUnavailableError
+from reprise_orchestrator.compute.slurm.models import SlurmJob, SlurmJobState, SlurmNode, SlurmSubmission
+from reprise_orchestrator.compute.slurm.signals import SlurmView, allocation_name, signals
+from reprise_orchestrator.inventory import Inventory
 from reprise_orchestrator.settings import OrchestratorSettings
 
 from .slurm_waits import eventually

@@ -13,16 +13,8 @@ from pathlib import Path
 import pytest
 
 from reprise_cli.slurm import SlurmCluster
-from reprise_orchestrator.compute.slurm_cli import (
-    SlurmCli,
-    SlurmError,
-    SlurmJob,
-    SlurmJobState,
-    SlurmNode,
-    SlurmSubmission,
-    SlurmUnavailableError,
-    expand_hostlist,
-)
+from reprise_orchestrator.compute.slurm.cli import SlurmCli, SlurmError, SlurmUnavailableError, expand_hostlist
+from reprise_orchestrator.compute.slurm.models import SlurmJob, SlurmJobState, SlurmNode, SlurmSubmission
 
 from .slurm_waits import eventually
 

@@ -20,8 +20,9 @@ from reprise_cli.slurm import SlurmCluster
 from reprise_common import subjects
 from reprise_common.bus import Bus
 from reprise_common.events import IncidentChange
-from reprise_orchestrator.compute.slurm_cli import SlurmCli, SlurmJob, SlurmJobState
-from reprise_orchestrator.compute.slurm_signals import allocation_name
+from reprise_orchestrator.compute.slurm.cli import SlurmCli
+from reprise_orchestrator.compute.slurm.models import SlurmJob, SlurmJobState
+from reprise_orchestrator.compute.slurm.signals import allocation_name
 
 from . import incidents
 from .test_slurm_api import deps_of

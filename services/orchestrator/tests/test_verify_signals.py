@@ -24,15 +24,16 @@ from reprise_common.db import make_engine
 from reprise_common.events import NodeReport, RankAssignment, RankStatus
 from reprise_orchestrator import schema
 from reprise_orchestrator.deps import Deps
+from reprise_orchestrator.inventory import Inventory
 from reprise_orchestrator.jobs import service as jobs
 from reprise_orchestrator.jobs.models import JobCreate
 from reprise_orchestrator.locks import LockHandle
-from reprise_orchestrator.nodes.inventory import Inventory
 from reprise_orchestrator.recoveries.flows import RecoveryFlow
 from reprise_orchestrator.recoveries.records import Baseline, Then, Verified, VerifyPath
+from reprise_orchestrator.recoveries.run import RecoveryRun
 from reprise_orchestrator.recoveries.service import Current
 from reprise_orchestrator.recoveries.states import Outcome, RecoveryStep
-from reprise_orchestrator.recoveries.steps import RecoveryRun, RecoverySteps, StepResult
+from reprise_orchestrator.recoveries.steps import RecoverySteps, StepResult
 
 from . import incidents
 

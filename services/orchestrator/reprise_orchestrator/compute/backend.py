@@ -3,8 +3,8 @@
 The recovery flow decides *what* happens to a job (which nodes, which checkpoint, which epoch); a backend does it on
 the cluster: it launches a job's ranks with a rendezvous and a fence, stops them, cordons and uncordons nodes, says
 which nodes are usable (workers and spares), and reports its own failure signals. Reprise's own agents are the first
-backend (compute/agents.py); a scheduler such as Slurm is another implementation of the same protocol, chosen by the
-orchestrator's `REPRISE_COMPUTE_BACKEND` setting (compute/__init__.py).
+backend (compute/agents/); a scheduler such as Slurm is another implementation of the same protocol, chosen by the
+orchestrator's `REPRISE_COMPUTE_BACKEND` setting (compute/choose.py).
 """
 
 from __future__ import annotations

@@ -14,12 +14,12 @@ from dataclasses import dataclass
 from reprise_common.bus import Bus
 from reprise_common.clock import Clock
 from reprise_common.errors import ConfigError
-from reprise_orchestrator.compute.agents import AgentsBackend
+from reprise_orchestrator.compute.agents.backend import AgentsBackend
 from reprise_orchestrator.compute.backend import ComputeBackend
-from reprise_orchestrator.compute.slurm import SlurmBackend
-from reprise_orchestrator.compute.slurm_agents import AgentLaunch
-from reprise_orchestrator.compute.slurm_cli import SlurmCli
-from reprise_orchestrator.nodes.inventory import Inventory
+from reprise_orchestrator.compute.slurm.backend import SlurmBackend
+from reprise_orchestrator.compute.slurm.batch import AgentLaunch
+from reprise_orchestrator.compute.slurm.cli import SlurmCli
+from reprise_orchestrator.inventory import Inventory
 from reprise_orchestrator.settings import OrchestratorSettings
 
 

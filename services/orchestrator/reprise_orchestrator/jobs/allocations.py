@@ -19,8 +19,9 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from typing import Protocol
 
-from sqlmodel import Session, col, select
+from sqlmodel import Session
 
 from reprise_common.errors import ConflictError, DependencyUnavailableError, RepriseError
 from reprise_common.logging import get_logger
@@ -31,8 +32,6 @@ from reprise_orchestrator.jobs.launch import check_placement_fits, publish_inact
 from reprise_orchestrator.jobs.models import Job, JobCreate, JobState, SlurmSpec
 from reprise_orchestrator.jobs.placement import PlacementDecision, assign_ranks, replacements, replan
 from reprise_orchestrator.nodes import service as nodes_service
-from reprise_orchestrator.recoveries.models import Recovery
-from reprise_orchestrator.recoveries.states import RecoveryStep
 
 log = get_logger("reprise.orchestrator.jobs")
 WAITING_STATES = (JobState.PENDING, JobState.RUNNING, JobState.RECOVERING, JobState.HELD)
@@ -77,6 +76,13 @@ async def submit(deps: Deps, backend: AllocatingBackend, spec: JobCreate) -> Job
         return service.get(session, job_id=job.id)
 
 
+class RecoveryPlacing(Protocol):
+    """Whether a job has an unfinished recovery at its placing step (recoveries' `is_placing`, given by the app:
+    recoveries sit above jobs)."""
+
+    def __call__(self, session: Session, *, job_id: str) -> bool: ...
+
+
 @dataclass
 class Reconciled:
     """What one pass did, by platform job id."""
@@ -96,12 +102,14 @@ class AllocationReconciler:
         deps: Deps,
         backend: AllocatingBackend,
         *,
+        placing: RecoveryPlacing,
         interval_s: float,
         grace_s: float,
         agent_start_timeout_s: float = 180.0,
     ) -> None:
         self.deps = deps
         self.backend = backend
+        self.placing = placing
         self.interval_s = interval_s
         self.grace_s = grace_s  # a job younger than this may not be known to the scheduler yet (sbatch in flight)
         self.agent_start_timeout_s = agent_start_timeout_s
@@ -197,11 +205,8 @@ class AllocationReconciler:
         """Requeue the allocation of a job whose recovery is placing and can neither use a spare nor shrink (the
         placement the recovery computes waits for capacity), without its drained and cordoned nodes; the recovery's
         placement goes on when the new allocation's agents report. False when nothing was done."""
-        placing = select(Recovery.id).where(
-            Recovery.job_id == job.id, col(Recovery.finished_at).is_(None), Recovery.step == RecoveryStep.PLACING
-        )
         with Session(self.deps.engine) as session:
-            if session.exec(placing).first() is None:
+            if not self.placing(session, job_id=job.id):
                 return False
             cordoned = nodes_service.cordoned_ids(session)
             busy = service.busy_nodes(session, except_job=job.id)

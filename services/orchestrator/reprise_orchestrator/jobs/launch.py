@@ -16,9 +16,9 @@ from reprise_common.events import JobPlacement, LaunchArgs, RankAssignment, Step
 from reprise_common.logging import get_logger
 from reprise_orchestrator.compute.backend import Answers, ComputeBackend, LaunchRequest
 from reprise_orchestrator.deps import Deps
+from reprise_orchestrator.inventory import Inventory
 from reprise_orchestrator.jobs import service
 from reprise_orchestrator.jobs.models import Job, JobCreate, JobState
-from reprise_orchestrator.nodes.inventory import Inventory
 from reprise_orchestrator.registry_client import RestorePoint
 
 log = get_logger("reprise.orchestrator.jobs")

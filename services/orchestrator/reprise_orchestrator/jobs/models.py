@@ -16,7 +16,7 @@ from reprise_common.db import TypedJSON, UTCDateTime
 from reprise_common.events import NumericWatch, RankAssignment
 from reprise_common.labels import MAX_LABELS, MAX_NAME, MAX_PREFIX, MAX_VALUE, Labels
 from reprise_common.settings import IdStr
-from reprise_orchestrator.compute.slurm_cli import sbatch_option, slurm_name
+from reprise_orchestrator.compute.slurm.models import sbatch_option, slurm_name
 from reprise_orchestrator.jobs.checkpoints import CheckpointSpec
 
 

@@ -8,8 +8,8 @@ from enum import StrEnum
 from reprise_common.errors import ConflictError
 from reprise_common.events import RankAssignment
 from reprise_orchestrator.compute.backend import NodePool
+from reprise_orchestrator.inventory import Inventory
 from reprise_orchestrator.jobs.models import JobCreate, RecoveryPolicy
-from reprise_orchestrator.nodes.inventory import Inventory
 
 
 class PlacementDecision(StrEnum):

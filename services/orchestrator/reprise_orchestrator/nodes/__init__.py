@@ -1,1 +1,1 @@
-"""Nodes: the inventory built from agent reports."""
+"""Nodes: cordons (an operator's, a recovery's, the detector's quarantine) and the node routes."""

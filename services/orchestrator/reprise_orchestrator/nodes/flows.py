@@ -10,31 +10,23 @@ from reprise_common.events import Event, NodeQuarantineRecommended
 from reprise_common.logging import get_logger
 from reprise_orchestrator.deps import Deps
 from reprise_orchestrator.nodes import service
-from reprise_orchestrator.recoveries.models import Recovery
 
 log = get_logger("reprise.orchestrator.nodes")
 QUARANTINE_BY = "quarantine"
 
 
-async def cordon(deps: Deps, *, node_id: str, reason: str, by: str, job_id: str | None = None) -> bool:
+async def cordon(
+    deps: Deps, *, node_id: str, reason: str, by: str, job_id: str | None = None, incident_id: str | None = None
+) -> bool:
     """Give a node no new ranks, in the record and in the backend; False when it already was (the first reason
     stays, and the backend is told again: telling it twice is harmless).
 
-    A recovery's cordon tells the backend which incident it answers (`incident <id>: <reason>`), so a scheduler's
-    own record of it (Slurm's drain reason in `sinfo -R`) leads an admin to the incident."""
+    A recovery's cordon gives the incident it answers, and the backend is told it (`incident <id>: <reason>`), so a
+    scheduler's own record of it (Slurm's drain reason in `sinfo -R`) leads an admin to the incident."""
     with Session(deps.engine) as session:
         changed = service.cordon(session, node_id=node_id, reason=reason, by=by, now=deps.clock.now(), job_id=job_id)
-        incident_id = _incident_of(session, by)
     await deps.compute.cordon(node_id, reason=f"incident {incident_id}: {reason}" if incident_id else reason)
     return changed
-
-
-def _incident_of(session: Session, by: str) -> str | None:
-    """The incident a recovery's cordon answers (`by` is recovery:<id>); None for any other cordon."""
-    if not by.startswith(service.RECOVERY_PREFIX):
-        return None
-    recovery = session.get(Recovery, by.removeprefix(service.RECOVERY_PREFIX))
-    return recovery.incident_id if recovery is not None else None
 
 
 async def uncordon(deps: Deps, *, node_id: str) -> bool:

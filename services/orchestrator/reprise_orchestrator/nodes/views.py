@@ -6,8 +6,8 @@ from fastapi import APIRouter
 
 from reprise_common.settings import IdStr
 from reprise_orchestrator.deps import DepsDep, SessionDep
+from reprise_orchestrator.inventory import NodePublic
 from reprise_orchestrator.nodes import flows, service
-from reprise_orchestrator.nodes.inventory import NodePublic
 from reprise_orchestrator.nodes.models import CordonPublic, CordonRequest, NodeCordon
 
 router = APIRouter(prefix="/v1/nodes", tags=["nodes"])

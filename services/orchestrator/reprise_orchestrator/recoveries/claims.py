@@ -10,6 +10,7 @@ reason (`Skip`, on /metrics); one whose fence SQL refuses draws a higher fence (
 from __future__ import annotations
 
 from collections.abc import Iterable
+from datetime import datetime
 from enum import StrEnum
 
 from prometheus_client import Counter
@@ -24,14 +25,14 @@ from reprise_orchestrator.deps import Deps
 from reprise_orchestrator.jobs import service as jobs
 from reprise_orchestrator.jobs.models import ACTIVE_STATES, Job, JobState
 from reprise_orchestrator.locks import LockHandle, LockStoreUnavailableError
-from reprise_orchestrator.recoveries import fences, rules, service
+from reprise_orchestrator.recoveries import facts, fences, service
 from reprise_orchestrator.recoveries.fences import Refused
 from reprise_orchestrator.recoveries.flows import RecoveryFlow, Started
 from reprise_orchestrator.recoveries.models import Recovery
 from reprise_orchestrator.recoveries.records import Baseline, Locked, StepRecord, incident_of
+from reprise_orchestrator.recoveries.run import RecoveryRun
 from reprise_orchestrator.recoveries.runner import RecoveryRunner
 from reprise_orchestrator.recoveries.states import TERMINAL_STEPS, Outcome, RecoveryStep
-from reprise_orchestrator.recoveries.steps import RecoveryRun
 
 log = get_logger("reprise.orchestrator.claims")
 INCIDENTS_SKIPPED = Counter(
@@ -80,7 +81,7 @@ class Claims:
                     self.flow.notify(recovery.id)
                 return Ack.ACK
             answered = recovery.learned or incident_of(service.records(session, recovery_id=recovery.id))
-            if recovery.outcome is not Outcome.RECOVERED or not rules.learned(answered, event):
+            if recovery.outcome is not Outcome.RECOVERED or not facts.learned(answered, event):
                 return Ack.ACK
         log.info("the incident learned more after its recovery ended", extra={"incident_id": event.incident_id})
         return await self._claim(event, fresh=True)
@@ -161,44 +162,51 @@ class Claims:
                 if service.learn(session, recovery_id=active.id, incident=incident):
                     self.flow.notify(active.id)
                 return None
-            streak = rules.same_error_streak(job, incident)
+            streak = facts.same_error_streak(job, incident)
             claimed = jobs.claim_fence(
                 session,
                 job_id=incident.job_id,
                 fence=handle.fence,
                 commit=False,
                 state=JobState.RECOVERING,
-                last_error=rules.error_signature(incident),
+                last_error=facts.error_signature(incident),
                 same_error_streak=streak,
                 updated_at=now,
             )
             if not claimed:
                 session.rollback()
                 return Refused(fence=handle.fence, stored=service.stored_fence(session, job_id=incident.job_id))
-            baseline = Baseline(
-                last_restore_step=job.last_restore_step,
-                no_progress_streak=job.no_progress_streak,
-                same_error_streak=streak,
-                sdk_seen=_sdk_seen_in(self.deps.inventory.ranks_of(job.id, restart_epoch=job.restart_epoch).values()),
-            )
-            recovery = Recovery(
-                id=f"rec-{new_id()[:12]}",
-                job_id=incident.job_id,
-                incident_id=incident.incident_id,
-                fence=handle.fence,
-                owner=self.deps.settings.replica_id,
-                step=RecoveryStep.LOCKED,
-            )
-            detected = StepRecord(
-                step=RecoveryStep.DETECTED, started_at=incident.first_symptom_at, ended_at=incident.time, data=incident
-            )
-            locked = StepRecord(
-                step=RecoveryStep.LOCKED, started_at=incident.time, ended_at=now, data=Locked(baseline=baseline)
-            )
-            service.insert_claimed(session, recovery=recovery, steps=[detected, locked])
-            session.commit()  # with the fence claimed and the job recovering, in one transaction
-            run = RecoveryRun(handle, recovery.id, job, incident, baseline, step=RecoveryStep.LOCKED)
-            return run, locked
+            return self._insert(session, handle, job, incident, streak=streak, now=now)
+
+    def _insert(
+        self, session: Session, handle: LockHandle, job: Job, incident: IncidentChange, *, streak: int, now: datetime
+    ) -> Started:
+        """Insert the claimed recovery, its detected and locked steps, and commit with the fence claimed; what the run
+        starts from."""
+        baseline = Baseline(
+            last_restore_step=job.last_restore_step,
+            no_progress_streak=job.no_progress_streak,
+            same_error_streak=streak,
+            sdk_seen=_sdk_seen_in(self.deps.inventory.ranks_of(job.id, restart_epoch=job.restart_epoch).values()),
+        )
+        recovery = Recovery(
+            id=f"rec-{new_id()[:12]}",
+            job_id=incident.job_id,
+            incident_id=incident.incident_id,
+            fence=handle.fence,
+            owner=self.deps.settings.replica_id,
+            step=RecoveryStep.LOCKED,
+        )
+        detected = StepRecord(
+            step=RecoveryStep.DETECTED, started_at=incident.first_symptom_at, ended_at=incident.time, data=incident
+        )
+        locked = StepRecord(
+            step=RecoveryStep.LOCKED, started_at=incident.time, ended_at=now, data=Locked(baseline=baseline)
+        )
+        service.insert_claimed(session, recovery=recovery, steps=[detected, locked])
+        session.commit()  # with the fence claimed and the job recovering, in one transaction
+        run = RecoveryRun(handle, recovery.id, job, incident, baseline, step=RecoveryStep.LOCKED)
+        return run, locked
 
 
 def _sdk_seen_in(ranks: Iterable[RankSeen]) -> bool:

@@ -31,7 +31,7 @@ from reprise_orchestrator.jobs import service as jobs
 from reprise_orchestrator.jobs.launch import publish_inactive
 from reprise_orchestrator.jobs.models import Job, JobState
 from reprise_orchestrator.locks import LockHandle
-from reprise_orchestrator.recoveries import fences, rules, service
+from reprise_orchestrator.recoveries import facts, fences, rules, service
 from reprise_orchestrator.recoveries.fences import FENCE_ATTEMPTS, Refused
 from reprise_orchestrator.recoveries.lease import Lease
 from reprise_orchestrator.recoveries.models import Recovery
@@ -47,9 +47,10 @@ from reprise_orchestrator.recoveries.records import (
     incident_of,
 )
 from reprise_orchestrator.recoveries.rules import Decision, Proposal
+from reprise_orchestrator.recoveries.run import RecoveryRun
 from reprise_orchestrator.recoveries.service import Current, Ending, FencedOutError, TransitionRefusedError
 from reprise_orchestrator.recoveries.states import ATTEMPT_STEPS, TERMINAL_STEPS, Outcome, RecoveryStep
-from reprise_orchestrator.recoveries.steps import RecoveryRun, RecoverySteps, StepResult
+from reprise_orchestrator.recoveries.steps import RecoverySteps, StepResult
 
 log = get_logger("reprise.orchestrator.recovery")
 RecoveryChangeKind = Literal["started", "step", "succeeded", "failed"]
@@ -262,7 +263,7 @@ class RecoveryFlow:
         the recovery never stopped them: the person it waits for wants them most) and tell the detector."""
         node_ids = list(dict.fromkeys([*run.job.nodes(), *(r.node_id for r in run.ranks)]))
         operation = f"{run.recovery_id}:end"
-        stacks_for = rules.stacks_wanted(run.incident, attempt=run.attempt)  # an agent captures once per incident
+        stacks_for = facts.stacks_wanted(run.incident, attempt=run.attempt)  # an agent captures once per incident
         await self.deps.compute.stop(
             run.job.id, node_ids, operation_id=operation, fence=run.handle.fence, stacks_for=stacks_for
         )

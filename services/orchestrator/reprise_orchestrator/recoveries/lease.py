@@ -28,7 +28,7 @@ from reprise_common.logging import get_logger
 from reprise_orchestrator.deps import Deps
 from reprise_orchestrator.locks import LockStoreUnavailableError
 from reprise_orchestrator.recoveries import service
-from reprise_orchestrator.recoveries.steps import RecoveryRun
+from reprise_orchestrator.recoveries.run import RecoveryRun
 
 log = get_logger("reprise.orchestrator.lease")
 RETRIES_PER_LEASE = 10  # a renewal the store did not answer is tried again after a tenth of the lease

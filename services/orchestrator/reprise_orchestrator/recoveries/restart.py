@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from reprise_common.events import Category, IncidentChange
 from reprise_orchestrator.compute.backend import Answers, InPlace, parked_ranks
 from reprise_orchestrator.jobs.models import RecoveryPolicy
-from reprise_orchestrator.recoveries import rules
+from reprise_orchestrator.recoveries import facts
 
 IN_PLACE, COLD = "in_place", "cold"
 
@@ -36,7 +36,7 @@ def plan(incident: IncidentChange, policy: RecoveryPolicy, *, attempt: int) -> R
     culprit = incident.culprit
     # A numeric fault's first rank is a healthy process that saw bad data; any other culprit rank may be broken.
     kill = frozenset() if incident.category is Category.NUMERIC or culprit.rank is None else frozenset({culprit.rank})
-    leaving = culprit.node_id if culprit.node_id is not None and rules.should_exclude(incident) else None
+    leaving = culprit.node_id if culprit.node_id is not None and facts.should_exclude(incident) else None
     cold_nodes = frozenset({leaving}) if leaving else frozenset()
     parts = ["restart_mode auto: ranks that can restart in place are parked"]
     if kill:

@@ -14,7 +14,7 @@ from typing import Any, cast
 
 from sqlalchemy import bindparam, insert, update
 from sqlalchemy import select as core_select
-from sqlalchemy.engine import CursorResult
+from sqlalchemy.engine import Connection, CursorResult
 from sqlmodel import Session, col, select
 
 from reprise_common.errors import RepriseError
@@ -82,6 +82,20 @@ def get_all_active_ids(session: Session) -> list[tuple[str, str]]:
     """(recovery id, job id) of every recovery that has not ended (what the reconciler looks at)."""
     query = select(Recovery.id, Recovery.job_id).where(col(Recovery.step).not_in(list(TERMINAL_STEPS)))
     return [(recovery_id, job_id) for recovery_id, job_id in session.exec(query).all()]
+
+
+def is_placing(session: Session, *, job_id: str) -> bool:
+    """True when a recovery of the job has not finished and is at its placing step."""
+    query = select(Recovery.id).where(
+        Recovery.job_id == job_id, col(Recovery.finished_at).is_(None), Recovery.step == RecoveryStep.PLACING
+    )
+    return session.exec(query).first() is not None
+
+
+def incident_of(session: Session, *, recovery_id: str) -> str | None:
+    """The incident that started a recovery; None when there is no such recovery."""
+    recovery = session.get(Recovery, recovery_id)
+    return recovery.incident_id if recovery is not None else None
 
 
 def knows_incident(session: Session, *, job_id: str, incident_id: str) -> bool:
@@ -282,25 +296,7 @@ def transition(
     job_id, step, attempt, seq, learned, highest = head
     if highest != fence:
         raise FencedOutError(f"job {job_id} is owned by fence {highest}, not {fence}")
-    if ending is not None:
-        if (ending.step, ending.attempt) != (step, attempt):
-            raise TransitionRefusedError(f"recovery {recovery_id} is not running {ending.step.value} ({attempt})")
-        ended = connection.execute(
-            _END_STEP,
-            {
-                "rid": recovery_id,
-                "at_seq": seq,
-                "p_ended_at": at,
-                "p_data": ending.data.model_dump(mode="json"),
-                "p_then": ending.then.value,
-                "p_outcome": ending.outcome.value if ending.outcome else None,
-            },
-        )
-        if cast("CursorResult[Any]", ended).rowcount != 1:
-            raise TransitionRefusedError(f"recovery {recovery_id}: its {step.value} step already ended")
-        ended_at: datetime | None = at
-    else:
-        ended_at = connection.execute(_ENDED_AT, {"rid": recovery_id, "at_seq": seq}).scalar_one_or_none()
+    ended_at = _end_step(connection, recovery_id, ending, step=step, attempt=attempt, seq=seq, at=at)
     proposal = propose(Current(step=step, attempt=attempt, ended_at=ended_at, learned=learned))
     if (step, attempt) != (proposal.from_step, proposal.from_attempt):
         raise TransitionRefusedError(
@@ -312,6 +308,41 @@ def transition(
         _begin(session, recovery_id, job_id, seq, proposal, fence=fence, at=at)
     session.commit()
     return answer, proposal
+
+
+def _end_step(
+    connection: Connection,
+    recovery_id: str,
+    ending: Ending | None,
+    *,
+    step: RecoveryStep,
+    attempt: int,
+    seq: int,
+    at: datetime,
+) -> datetime | None:
+    """Record how the current step ended (`ending`, at `at`) and say when it ended; without an ending, when it ended
+    before (None while it runs). TransitionRefusedError when the ending is not the current step's, or it ended."""
+    if ending is None:
+        ended_at: datetime | None = connection.execute(
+            _ENDED_AT, {"rid": recovery_id, "at_seq": seq}
+        ).scalar_one_or_none()
+        return ended_at
+    if (ending.step, ending.attempt) != (step, attempt):
+        raise TransitionRefusedError(f"recovery {recovery_id} is not running {ending.step.value} ({attempt})")
+    ended = connection.execute(
+        _END_STEP,
+        {
+            "rid": recovery_id,
+            "at_seq": seq,
+            "p_ended_at": at,
+            "p_data": ending.data.model_dump(mode="json"),
+            "p_then": ending.then.value,
+            "p_outcome": ending.outcome.value if ending.outcome else None,
+        },
+    )
+    if cast("CursorResult[Any]", ended).rowcount != 1:
+        raise TransitionRefusedError(f"recovery {recovery_id}: its {step.value} step already ended")
+    return at
 
 
 def move(session: Session, *, recovery_id: str, fence: int, proposal: Proposal, at: datetime) -> Answer:

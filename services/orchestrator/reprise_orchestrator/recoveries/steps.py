@@ -1,8 +1,9 @@
 """The actions of one recovery attempt: stop, isolate, place, restore, launch, verify.
 
-Each action works on the recovery's RecoveryRun (what the finished steps decided) and returns a StepResult: its
-typed data for the record and what should follow. Actions raise FencedOutError when they learn the job has a newer
-owner. Whether what follows may happen is for the policy to say (recoveries/rules.py), not for the actions.
+Each action works on the recovery's RecoveryRun (recoveries/run.py: what the finished steps decided) and returns a
+StepResult: its typed data for the record and what should follow. Actions raise FencedOutError when they learn the
+job has a newer owner. Whether what follows may happen is for the policy to say (recoveries/rules.py), not for the
+actions.
 """
 
 from __future__ import annotations
@@ -10,44 +11,39 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from datetime import datetime, timedelta
-from functools import cached_property
+from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, TypeVar
 
 from sqlmodel import Session
 
 from reprise_common.errors import BusError
-from reprise_common.events import IncidentChange, RankAssignment
 from reprise_common.logging import get_logger
 from reprise_orchestrator.deps import Deps
 from reprise_orchestrator.jobs import checkpoints
 from reprise_orchestrator.jobs import service as jobs
-from reprise_orchestrator.jobs.launch import launch, rendezvous_for
-from reprise_orchestrator.jobs.models import Job, RecoveryPolicy
+from reprise_orchestrator.jobs.launch import Rendezvous, launch, rendezvous_for
 from reprise_orchestrator.jobs.placement import PlacementDecision, assign_ranks, replacements, replan
-from reprise_orchestrator.locks import LockHandle
 from reprise_orchestrator.nodes import flows as node_flows
 from reprise_orchestrator.nodes import service as nodes
-from reprise_orchestrator.recoveries import restart, rules, service
+from reprise_orchestrator.recoveries import facts, restart, rules, service
 from reprise_orchestrator.recoveries import verify as verifying
 from reprise_orchestrator.recoveries.records import (
-    Baseline,
     CheckpointRef,
     Isolated,
     Launched,
     Placed,
     Restored,
     StepData,
-    StepRecord,
     Stopped,
     Then,
     Verified,
 )
-from reprise_orchestrator.recoveries.rules import CordonFacts, Decision, Proposal
+from reprise_orchestrator.recoveries.rules import CordonFacts, Decision
+from reprise_orchestrator.recoveries.run import RecoveryRun
 from reprise_orchestrator.recoveries.service import FencedOutError
 from reprise_orchestrator.recoveries.states import Outcome, RecoveryStep
-from reprise_orchestrator.registry_client import RegistryUnavailableError, RestorePoint
+from reprise_orchestrator.registry_client import RegistryUnavailableError
 
 T = TypeVar("T")
 log = get_logger("reprise.orchestrator.recovery")
@@ -64,74 +60,6 @@ class StepResult:
     then: Then = Then.NEXT
     outcome: Outcome | None = None
     detail: str = ""
-
-
-@dataclass
-class RecoveryRun:
-    """One recovery while it runs: who owns it, what the plan answers, and what its finished steps decided."""
-
-    handle: LockHandle
-    recovery_id: str
-    job: Job
-    incident: IncidentChange  # the version of the incident the current plan answers
-    baseline: Baseline
-    attempt: int = 1
-    lock_lost: asyncio.Event = field(default_factory=asyncio.Event)
-    news: asyncio.Event = field(default_factory=asyncio.Event)  # set when this replica learned of an update
-    exclude: set[str] = field(default_factory=set)
-    ranks: list[RankAssignment] = field(default_factory=list)
-    restore: RestorePoint | None = None
-    step: RecoveryStep = RecoveryStep.LOCKED  # the step it is at
-    replans: int = 0  # re-plans made in this attempt
-
-    @property
-    def operation(self) -> str:
-        """The command-id prefix of this attempt: a retry sends new commands, a resume repeats the same ones."""
-        return f"{self.recovery_id}:{self.attempt}"
-
-    def adopt(self, record: StepRecord) -> None:
-        """Take over what a finished step decided (used when a recovery is resumed, by this or another replica)."""
-        data = record.data
-        if isinstance(data, Stopped) and not rules.scheduler_took_the_nodes(self.incident):
-            self.exclude |= set(data.agents_gone)
-        elif isinstance(data, Isolated):
-            self.exclude |= set(data.excluded)
-        elif isinstance(data, Placed) and data.ranks:
-            self.ranks = list(data.ranks)
-        elif isinstance(data, Restored) and data.checkpoint is not None:
-            c = data.checkpoint
-            self.restore = RestorePoint(c.id, c.step, c.path, digests_checked=data.digests_checked)
-
-    def take_news(self, latest: IncidentChange | None) -> str:
-        """What `latest` (the newest version of the incident) knows that the plan did not ("" when nothing); the run
-        plans with it from now on."""
-        what = rules.learned(self.incident, latest) if latest is not None else ""
-        if what and latest is not None:
-            self.incident = latest
-        return what
-
-    @cached_property
-    def policy(self) -> RecoveryPolicy:
-        """The job's recovery policy (its spec does not change while the job lives)."""
-        return self.job.job_spec().policy
-
-    def proposal(
-        self, to_step: RecoveryStep, *, now: datetime, to_attempt: int | None = None, **facts: Any
-    ) -> Proposal:
-        """A transition from where the run is, with the facts the rules need."""
-        return Proposal(
-            from_step=self.step,
-            from_attempt=self.attempt,
-            to_step=to_step,
-            to_attempt=self.attempt if to_attempt is None else to_attempt,
-            job=self.job,
-            incident=self.incident,
-            policy=self.policy,
-            now=now,
-            baseline=self.baseline,
-            replans=self.replans,
-            **facts,
-        )
 
 
 class RecoverySteps:
@@ -156,9 +84,9 @@ class RecoverySteps:
     async def stop_ranks(self, run: RecoveryRun) -> StepResult:
         """A fenced stop to every node the job ran on (or was just launched on); silence counts as stopped. Ranks
         that can restart in place are parked instead, when the policy and the attempt allow (recoveries/restart.py)."""
-        gone = rules.node_gone(run.incident)
+        gone = facts.node_gone(run.incident)
         node_ids = [n for n in dict.fromkeys([*run.job.nodes(), *(r.node_id for r in run.ranks)]) if n != gone]
-        stacks_for = rules.stacks_wanted(run.incident, attempt=run.attempt)
+        stacks_for = facts.stacks_wanted(run.incident, attempt=run.attempt)
         chosen = restart.plan(run.incident, run.policy, attempt=run.attempt)
         answers = await self.deps.compute.stop(
             run.job.id,
@@ -171,7 +99,7 @@ class RecoverySteps:
         if answers.stale:
             raise FencedOutError("a node refused our fence as stale")
         silent = answers.gone()
-        if not rules.scheduler_took_the_nodes(run.incident):
+        if not facts.scheduler_took_the_nodes(run.incident):
             run.exclude |= set(silent)  # no agent listens there: do not wait for the detector to call the node lost
         mode, parked, why = restart.outcome(chosen, answers)
         stopped = Stopped(
@@ -192,10 +120,10 @@ class RecoverySteps:
         def isolated(**fields: Any) -> Isolated:
             return Isolated(excluded=sorted(run.exclude), culprit=culprit, symptoms=incident.symptom_count, **fields)
 
-        if culprit is None or not rules.should_exclude(incident):
+        if culprit is None or not facts.should_exclude(incident):
             return StepResult(isolated())
         run.exclude |= {culprit}
-        if not rules.should_cordon(incident):
+        if not facts.should_cordon(incident):
             return StepResult(isolated(note="lost node left out, not cordoned"))
         by = f"{nodes.RECOVERY_PREFIX}{run.recovery_id}"
         now = self.deps.clock.now()
@@ -203,13 +131,16 @@ class RecoverySteps:
         with Session(self.deps.engine) as session:
             already = culprit in nodes.cordoned_ids(session)
             recent = nodes.count_recovery_cordons(session, since=now - window, other_than=by)
+            started_by = service.incident_of(session, recovery_id=run.recovery_id)  # named in the backend's cordon
         if not already:
-            facts = CordonFacts(node_id=culprit, recent=recent, known_nodes=self.deps.compute.known_nodes())
-            leaving = run.proposal(RecoveryStep.PLACING, now=now, cordon=facts)
+            cordon = CordonFacts(node_id=culprit, recent=recent, known_nodes=self.deps.compute.known_nodes())
+            leaving = run.proposal(RecoveryStep.PLACING, now=now, cordon=cordon)
             answer = rules.decide(leaving, recovery_id=run.recovery_id)
             if answer.decision is Decision.ABORT:
                 return StepResult(isolated(), Then.STOP, answer.outcome, answer.detail)
-            await node_flows.cordon(self.deps, node_id=culprit, reason=incident.root_cause, by=by, job_id=run.job.id)
+            await node_flows.cordon(
+                self.deps, node_id=culprit, reason=incident.root_cause, by=by, job_id=run.job.id, incident_id=started_by
+            )
         return StepResult(isolated(cordoned=culprit))
 
     async def place(self, run: RecoveryRun) -> StepResult:
@@ -247,7 +178,7 @@ class RecoverySteps:
         """The newest validated checkpoint that passes the registry's re-check now (it skips any that failed to load
         and marks corrupt any whose files vanished or changed size), pinned for the recovery; after a numeric fault,
         the newest one before the fault's step."""
-        before = rules.restore_before(run.incident)
+        before = facts.restore_before(run.incident)
         try:
             pick = await self._registry(lambda: self.deps.registry.restore_point(run.job.id, before_step=before))
         except RegistryUnavailableError as exc:
@@ -261,15 +192,10 @@ class RecoverySteps:
             note = f"{note}: the job restarts from {start}"
             return StepResult(Restored(skipped=skipped, before_step=before, note=note))
         pinned = await self.deps.registry.pin(run.restore.checkpoint_id, holder=run.recovery_id, ttl_s=PIN_TTL_S)
-        checkpoint = CheckpointRef(id=run.restore.checkpoint_id, step=run.restore.step, path=run.restore.path)
+        ref = CheckpointRef(id=run.restore.checkpoint_id, step=run.restore.step, path=run.restore.path)
         checked = run.restore.digests_checked
         restored = Restored(
-            checkpoint=checkpoint,
-            pinned=pinned,
-            skipped=skipped,
-            digests_checked=checked,
-            before_step=before,
-            note=rollback,
+            checkpoint=ref, pinned=pinned, skipped=skipped, digests_checked=checked, before_step=before, note=rollback
         )
         return StepResult(restored)
 
@@ -313,13 +239,9 @@ class RecoverySteps:
             port_base=self.deps.settings.master_port_base,
             engine=self.deps.engine,
         )
-        restore = run.restore
-        if restore is not None and restore.files is None and not restore.digests_checked:  # resumed past restoring
-            try:
-                files = await self._registry(lambda: self.deps.registry.restore_files(restore.checkpoint_id))
-            except RegistryUnavailableError as exc:
-                return StepResult(Launched(restart_epoch=epoch, error=str(exc)), Then.RETRY, detail=str(exc))
-            run.restore = dataclasses.replace(restore, files=files)
+        unfetched = await self._fetch_restore_files(run, epoch)
+        if unfetched is not None:
+            return unfetched
         try:
             answers = await launch(
                 self.deps.bus,
@@ -331,7 +253,7 @@ class RecoverySteps:
                 ranks=run.ranks,
                 rendezvous=rendezvous,
                 restore=run.restore,
-                skip_steps=rules.skipped_steps(run.incident, run.policy),
+                skip_steps=facts.skipped_steps(run.incident, run.policy),
             )
         except BusError as exc:  # the placement could not be published, so nothing was launched: try again
             return StepResult(Launched(restart_epoch=epoch, error=str(exc)), Then.RETRY, detail=str(exc))
@@ -348,6 +270,23 @@ class RecoverySteps:
         )
         if not answers.all_done:
             return StepResult(data, Then.RETRY, detail="launch not confirmed by every node")
+        self._record_launch(run, epoch, rendezvous)
+        return StepResult(data)
+
+    async def _fetch_restore_files(self, run: RecoveryRun, epoch: int) -> StepResult | None:
+        """The restore's file list, fetched again when the recovery resumed past restoring; a retry when the registry
+        does not answer (None: the launch may go on)."""
+        restore = run.restore
+        if restore is not None and restore.files is None and not restore.digests_checked:  # resumed past restoring
+            try:
+                files = await self._registry(lambda: self.deps.registry.restore_files(restore.checkpoint_id))
+            except RegistryUnavailableError as exc:
+                return StepResult(Launched(restart_epoch=epoch, error=str(exc)), Then.RETRY, detail=str(exc))
+            run.restore = dataclasses.replace(restore, files=files)
+        return None
+
+    def _record_launch(self, run: RecoveryRun, epoch: int, rendezvous: Rendezvous) -> None:
+        """Write the new epoch, its rendezvous, placement and restart to the job (fenced), and to the run's copy."""
         launched: dict[str, Any] = {
             "restart_epoch": epoch,
             "master_port": rendezvous.master_port,
@@ -362,7 +301,6 @@ class RecoverySteps:
                 raise FencedOutError("job taken over during launch")
         for name, value in launched.items():  # the job as it now is, without reading it back
             setattr(run.job, name, value)
-        return StepResult(data)
 
     async def verify(self, run: RecoveryRun) -> StepResult:
         """Wait until the new epoch proves it trains (recoveries/verify.py): every rank past the restored step (a job

@@ -17,8 +17,8 @@ from enum import StrEnum
 
 from reprise_common.clock import Clock
 from reprise_common.report_view import STOPPED_STATES, RankSeen
+from reprise_orchestrator.inventory import Inventory
 from reprise_orchestrator.jobs.models import RecoveryPolicy, VerifyBy
-from reprise_orchestrator.nodes.inventory import Inventory
 from reprise_orchestrator.recoveries.records import Then, Verified, VerifyPath
 
 POLL_S = 0.25

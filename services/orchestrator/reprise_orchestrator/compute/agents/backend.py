@@ -24,7 +24,7 @@ from reprise_common.events import (
 )
 from reprise_common.logging import get_logger
 from reprise_orchestrator.compute.backend import Answers, InPlace, LaunchRequest, NodeAnswer, NodePool, SignalSink
-from reprise_orchestrator.nodes.inventory import Inventory
+from reprise_orchestrator.inventory import Inventory
 
 log = get_logger("reprise.orchestrator.compute")
 

@@ -16,7 +16,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 from reprise_common.events import ComputeSignal, ComputeSignalKind
-from reprise_orchestrator.compute.slurm_cli import SlurmJob, SlurmJobState, SlurmNode
+from reprise_orchestrator.compute.slurm.models import SlurmJob, SlurmJobState, SlurmNode
 
 ALLOCATION_PREFIX = "reprise-"
 SOURCE = "orchestrator"

@@ -2,10 +2,10 @@
 
 Launch and stop go to the agents (one per allocated node, started with `srun` inside the job's allocation), exactly
 as on the built-in backend, so rank supervision, GPU health and every detection path stay the same; agents' node ids
-are Slurm's node names. What Slurm owns goes to Slurm through the one adapter (compute/slurm_cli.py): a cordon drains
-the node with a reason that `sinfo -R` shows, an uncordon resumes it, nodes Slurm will not schedule on (drained by
-anyone, down, not responding) are never offered, a cancel ends the job's allocation, and Slurm's own failure signals
-(compute/slurm_signals.py) are reported by the poller that `watch` runs.
+are Slurm's node names. What Slurm owns goes to Slurm through the one adapter (cli.py): a cordon drains the node with
+a reason that `sinfo -R` shows, an uncordon resumes it, nodes Slurm will not schedule on (drained by anyone, down, not
+responding) are never offered, a cancel ends the job's allocation, and Slurm's own failure signals (signals.py) are
+reported by the poller that `watch` runs.
 
 `pool()` is synchronous (placement does not await), so it answers from the poller's last read of Slurm's nodes. A
 read that failed, or one older than two poll intervals plus three command timeouts (the poller is not running), is not
@@ -22,20 +22,13 @@ from pathlib import Path
 from reprise_common.clock import Clock
 from reprise_common.events import ComputeSignal
 from reprise_common.logging import get_logger
-from reprise_orchestrator.compute.agents import AgentsBackend
+from reprise_orchestrator.compute.agents.backend import AgentsBackend
 from reprise_orchestrator.compute.allocation import Allocation, AllocationRequest, AllocationState
 from reprise_orchestrator.compute.backend import Answers, InPlace, LaunchRequest, NodePool, SignalSink
-from reprise_orchestrator.compute.slurm_agents import AgentLaunch, batch_script
-from reprise_orchestrator.compute.slurm_cli import (
-    SlurmCli,
-    SlurmError,
-    SlurmJob,
-    SlurmJobState,
-    SlurmNode,
-    SlurmSubmission,
-    SlurmUnavailableError,
-)
-from reprise_orchestrator.compute.slurm_signals import (
+from reprise_orchestrator.compute.slurm.batch import AgentLaunch, batch_script
+from reprise_orchestrator.compute.slurm.cli import SlurmCli, SlurmError, SlurmUnavailableError
+from reprise_orchestrator.compute.slurm.models import SlurmJob, SlurmJobState, SlurmNode, SlurmSubmission
+from reprise_orchestrator.compute.slurm.signals import (
     ENDED,
     SlurmView,
     allocation_name,

@@ -4,7 +4,8 @@ Every call is an asyncio subprocess with a timeout, so a controller that does no
 (a dependency failure with a clear message), never a hang. Reads use Slurm's machine-readable output: Slurm 22.05 has
 `--json` on `sinfo` and `squeue` (both ignore their filters with it, so we filter here) but not on `scontrol` (added in
 23.02), so nodes come from `sinfo --json` and jobs from `squeue --json`. Every argument is one `--key=value` or
-`Key=value` token of a validated value, so no node name, reason or job name can smuggle in an option.
+`Key=value` token of a validated value, so no node name, reason or job name can smuggle in an option. The values and
+their checks are models.py's.
 """
 
 from __future__ import annotations
@@ -14,18 +15,21 @@ import contextlib
 import os
 import re
 from collections.abc import Callable, Sequence
-from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from reprise_common.errors import DependencyUnavailableError, RepriseError
+from reprise_orchestrator.compute.slurm.models import (
+    SlurmJob,
+    SlurmJobState,
+    SlurmNode,
+    SlurmSubmission,
+    plain_text,
+    slurm_name,
+)
 
 DEFAULT_TIMEOUT_S = 10.0  # a dead controller fails a command in ~4 s (connect retries); a frozen one never does
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # one node (partition, account): never a list or an option
-_TEXT_MAX = 255  # a reason or a job name: what `sinfo -R` and `squeue` can show
-_EXTRA_OPTION = re.compile(r"--[a-z][a-z0-9-]*(=.*)?", re.DOTALL)
 _UNREACHABLE = (
     "unable to contact slurm controller",
     "socket timed out",
@@ -35,20 +39,6 @@ _UNREACHABLE = (
     "munge",  # no munged, or a credential it refused: Slurm cannot authenticate us to anything
     "configuration source",  # no slurm.conf (SLURM_CONF unset, no /etc/slurm/slurm.conf) and no DNS record of one
 )
-_OWN_SBATCH_OPTIONS = {"--parsable", "--wrap", "--job-name", "--nodes", "--ntasks-per-node", "--output"} | {
-    "--partition",
-    "--account",
-    "--time",
-    "--exclude",
-    "--nodelist",
-    "--requeue",
-    "--no-requeue",
-    "--export",
-    "--ntasks",
-    "--array",
-    "--no-kill",
-    "--kill-command",
-}
 # What a batch submission's environment holds of the orchestrator's (sbatch passes its environment on to the job):
 # never the orchestrator's secrets or settings, which the agents and the ranks must not see.
 _SUBMIT_ENVIRONMENT = ("PATH", "HOME", "LANG", "LC_ALL", "USER", "LOGNAME", "TMPDIR")
@@ -63,166 +53,6 @@ class SlurmUnavailableError(SlurmError, DependencyUnavailableError):
     no Slurm configuration (the API answers 503, naming the Slurm controller)."""
 
     dependency = "the Slurm controller"
-
-
-def _name(value: str) -> str:
-    if not _NAME.fullmatch(value):
-        raise ValueError(f"not a Slurm name (node, partition, account): {value!r}")
-    return value
-
-
-def _plain_text(value: str) -> str:
-    if not value.strip() or len(value) > _TEXT_MAX or any(ord(char) < 32 or ord(char) == 127 for char in value):
-        raise ValueError(f"must be non-empty text on one line (at most {_TEXT_MAX} characters, no control characters)")
-    return value
-
-
-SlurmName = Annotated[str, AfterValidator(_name)]
-PlainText = Annotated[str, AfterValidator(_plain_text)]
-
-
-class SlurmJobState(StrEnum):
-    """A job's state as Slurm names it (22.05's job_state_string: the base states, then the flags it shows first)."""
-
-    PENDING = "PENDING"
-    RUNNING = "RUNNING"
-    SUSPENDED = "SUSPENDED"
-    COMPLETING = "COMPLETING"
-    COMPLETED = "COMPLETED"
-    CANCELLED = "CANCELLED"
-    FAILED = "FAILED"
-    TIMEOUT = "TIMEOUT"
-    NODE_FAIL = "NODE_FAIL"
-    PREEMPTED = "PREEMPTED"
-    BOOT_FAIL = "BOOT_FAIL"
-    DEADLINE = "DEADLINE"
-    OUT_OF_MEMORY = "OUT_OF_MEMORY"
-    CONFIGURING = "CONFIGURING"
-    RESIZING = "RESIZING"
-    REQUEUED = "REQUEUED"
-    REQUEUE_FED = "REQUEUE_FED"
-    REQUEUE_HOLD = "REQUEUE_HOLD"
-    SPECIAL_EXIT = "SPECIAL_EXIT"
-    STAGE_OUT = "STAGE_OUT"
-    STOPPED = "STOPPED"
-    REVOKED = "REVOKED"
-    RESV_DEL_HOLD = "RESV_DEL_HOLD"
-    SIGNALING = "SIGNALING"
-    UNKNOWN = "UNKNOWN"  # a state this adapter does not know (a newer Slurm)
-
-
-# A node in any of these states takes no new work: drained by anyone, down, not answering, or not there yet.
-UNSCHEDULABLE = frozenset(
-    {"DOWN", "DRAIN", "NOT_RESPONDING", "FAIL", "MAINTENANCE", "FUTURE", "POWERED_DOWN", "POWERING_DOWN"}
-    | {"REBOOT_REQUESTED"}
-)
-
-
-class SlurmNode(BaseModel):
-    """A node as Slurm sees it: its base state and flags in one set (upper case), and the reason set on it."""
-
-    model_config = ConfigDict(frozen=True)
-
-    name: str
-    state: frozenset[str] = Field(description='e.g. {"IDLE"}, {"ALLOCATED", "DRAIN"}, {"DOWN", "NOT_RESPONDING"}')
-    reason: str = ""
-    reason_set_by: str | None = None
-
-    @property
-    def drained(self) -> bool:
-        """Drained or draining (by us or by an admin): Slurm places no new job on it."""
-        return "DRAIN" in self.state
-
-    @property
-    def down(self) -> bool:
-        """Down, or its slurmd does not answer the controller."""
-        return bool(self.state & {"DOWN", "NOT_RESPONDING"})
-
-    @property
-    def schedulable(self) -> bool:
-        """True when Slurm may place work on the node."""
-        return not self.state & UNSCHEDULABLE
-
-
-class SlurmJob(BaseModel):
-    """A job as Slurm sees it: its state, the nodes allocated to it (none while pending) and the reason it waits."""
-
-    model_config = ConfigDict(frozen=True)
-
-    job_id: int
-    name: str
-    state: SlurmJobState
-    nodes: tuple[str, ...] = ()
-    reason: str = ""
-    partition: str = ""
-    restart_count: int = Field(0, description="how many times Slurm requeued it")
-    excluded_nodes: tuple[str, ...] = ()
-
-
-class SlurmSubmission(BaseModel):
-    """What `sbatch` is given for one allocation: the batch script and its options, every one validated."""
-
-    model_config = ConfigDict(frozen=True)
-
-    name: PlainText
-    nodes: int = Field(ge=1)
-    script: str = Field(description="the batch script, starting with #!; it runs on the allocation's first node")
-    partition: SlurmName | None = None
-    account: SlurmName | None = None
-    time_limit_min: int | None = Field(None, ge=1)
-    exclude: tuple[SlurmName, ...] = ()
-    requeue: bool = True
-    keep_on_node_failure: bool = Field(
-        False, description="--no-kill: a node that fails leaves the allocation, which runs on (Slurm's default ends it)"
-    )
-    output: Path | None = Field(None, description="the batch step's output file (%j: the job id); Slurm's default")
-    extra_args: tuple[str, ...] = Field((), description="further sbatch options from the job spec, each --name=value")
-
-    @field_validator("script")
-    @classmethod
-    def _shebang(cls, value: str) -> str:
-        if not value.startswith("#!"):
-            raise ValueError("a batch script starts with #! (sbatch refuses others)")
-        return value
-
-    @field_validator("extra_args")
-    @classmethod
-    def _options_only(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        for arg in value:
-            sbatch_option(arg)
-        return value
-
-    def argv(self) -> list[str]:
-        """sbatch's arguments (the script goes on its stdin)."""
-        args = ["--parsable", f"--job-name={self.name}", f"--nodes={self.nodes}", "--ntasks-per-node=1"]
-        args.append("--requeue" if self.requeue else "--no-requeue")
-        if self.keep_on_node_failure:
-            args.append("--no-kill")
-        if self.partition:
-            args.append(f"--partition={self.partition}")
-        if self.account:
-            args.append(f"--account={self.account}")
-        if self.time_limit_min:
-            args.append(f"--time={self.time_limit_min}")
-        if self.exclude:
-            args.append(f"--exclude={','.join(self.exclude)}")
-        if self.output:
-            args.append(f"--output={self.output}")
-        return [*args, *self.extra_args]
-
-
-def sbatch_option(arg: str) -> str:
-    """An extra sbatch option from a job spec: one --name[=value] token on one line, none Reprise sets itself."""
-    if not _EXTRA_OPTION.fullmatch(arg) or "\n" in arg:
-        raise ValueError(f"an extra sbatch argument must be one --name[=value] token: {arg!r}")
-    if arg.split("=", 1)[0] in _OWN_SBATCH_OPTIONS:
-        raise ValueError(f"{arg.split('=', 1)[0]} is set by Reprise, not by the job spec")
-    return arg
-
-
-def slurm_name(value: str) -> str:
-    """A node, partition or account name, or ValueError: never a list or an option."""
-    return _name(value)
 
 
 def expand_hostlist(expression: str) -> tuple[str, ...]:
@@ -315,7 +145,7 @@ class SlurmCli:
 
     async def node(self, name: str) -> SlurmNode:
         """One node; SlurmError when the cluster has none of that name."""
-        name = _checked(_name, name)
+        name = _checked(slurm_name, name)
         for node in await self.nodes():
             if node.name == name:
                 return node
@@ -340,12 +170,12 @@ class SlurmCli:
 
     async def drain(self, node: str, *, reason: str) -> None:
         """Drain a node with a reason (visible in `sinfo -R`): Slurm places no new job on it."""
-        node, reason = _checked(_name, node), _checked(_plain_text, reason)
+        node, reason = _checked(slurm_name, node), _checked(plain_text, reason)
         await self._run("scontrol", "update", f"NodeName={node}", "State=DRAIN", f"Reason={reason}")
 
     async def resume(self, node: str) -> None:
         """Resume a drained (or down) node."""
-        await self._run("scontrol", "update", f"NodeName={_checked(_name, node)}", "State=RESUME")
+        await self._run("scontrol", "update", f"NodeName={_checked(slurm_name, node)}", "State=RESUME")
 
     async def requeue(self, job_id: int, *, exclude: Sequence[str] = ()) -> None:
         """Requeue a job: its allocation ends and it waits to run again (after the cluster's cred_expire).
@@ -357,7 +187,7 @@ class SlurmCli:
         if not exclude:
             await self._run("scontrol", "requeue", job)
             return
-        names = ",".join(_checked(_name, node) for node in exclude)
+        names = ",".join(_checked(slurm_name, node) for node in exclude)
         await self._run("scontrol", "requeuehold", job)
         try:
             await self._run("scontrol", "update", f"JobId={job}", f"ExcNodeList={names}")
