@@ -15,7 +15,8 @@ import psycopg
 import pytest
 
 from reprise_cli.creds import Credentials
-from reprise_cli.servers import NatsServer, RedisServer
+from reprise_cli.redis_server import RedisServer
+from reprise_cli.servers import NatsServer
 from reprise_cli.slurm import SlurmCluster, slurm_unavailable_reason
 from reprise_orchestrator.settings import OrchestratorSettings
 

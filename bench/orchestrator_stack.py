@@ -23,7 +23,8 @@ import httpx
 
 from bench.common import latency_summary, process_cpu_s
 from bench.orchestrator_fleet import LaunchAcks, LaunchAcksQuery, acks_subject, shard_of
-from reprise_cli.servers import ManagedProcess, NatsServer, RedisServer, free_port, wait_until
+from reprise_cli.redis_server import RedisServer
+from reprise_cli.servers import ManagedProcess, NatsServer, free_port, wait_until
 from reprise_cli.topology import ROLE_COMMANDS
 from reprise_common import subjects
 from reprise_common.bus import Bus

@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from reprise_cli.servers import REDIS_ACL_FILE, redis_acl
+from reprise_cli.redis_server import REDIS_ACL_FILE, redis_acl
 from reprise_cli.topology import DEFAULT_PORTS, ServiceSpec, StackConfig, build_services
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -20,7 +20,8 @@ import redis
 
 from reprise_cli.client import poll
 from reprise_cli.creds import ensure_redis_password, read_admin_api_key
-from reprise_cli.servers import REDIS_USER, free_stack_ports
+from reprise_cli.redis_server import REDIS_USER
+from reprise_cli.servers import free_stack_ports
 from reprise_cli.stack import Stack
 from reprise_cli.topology import DEFAULT_PORTS
 from reprise_common.events import FaultKind, InjectFault

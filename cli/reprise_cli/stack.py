@@ -14,16 +14,8 @@ import httpx
 from reprise_cli.client import PlatformClient
 from reprise_cli.creds import ADMIN, ensure_redis_password, init_credentials, read_admin_api_key, seed_file
 from reprise_cli.ports import PortTaken, free_stack_ports, require_free_port, with_port_retries
-from reprise_cli.servers import (
-    ManagedProcess,
-    NatsServer,
-    RedisServer,
-    answers,
-    deploy_dir,
-    find_nats_server,
-    find_redis_server,
-    wait_until,
-)
+from reprise_cli.redis_server import RedisServer, find_redis_server
+from reprise_cli.servers import ManagedProcess, NatsServer, answers, deploy_dir, find_nats_server, wait_until
 from reprise_cli.slurm import SlurmCluster, slurm_unavailable_reason
 from reprise_cli.supervise import RestartPolicy, Supervisor
 from reprise_cli.topology import (

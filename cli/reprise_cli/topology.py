@@ -18,7 +18,7 @@ from reprise_cli.creds import (
     node_keys_file,
     seed_file,
 )
-from reprise_cli.servers import REDIS_USER
+from reprise_cli.redis_server import REDIS_USER
 
 DEFAULT_PORTS: dict[str, int] = {
     "nats": 14222,
@@ -107,87 +107,7 @@ def node_ids(config: StackConfig) -> list[tuple[str, bool]]:
 
 def build_services(config: StackConfig) -> list[ServiceSpec]:
     """Every service process, in start order (registry, detector, orchestrator, notifier, dashboard, then agents)."""
-    state = config.state_dir.resolve()
-
-    creds = config.creds_dir.resolve()
-
-    def base(role: str, port: int, identity: str | None = None) -> dict[str, str]:
-        return {
-            "REPRISE_NATS_URL": config.nats_url,
-            # Its own NATS identity (`reprise creds`): a service's is named after it, an agent's after its node.
-            "REPRISE_NATS_NKEY_SEED_FILE": str(seed_file(creds, identity or role)),
-            "REPRISE_HTTP_HOST": config.host,
-            "REPRISE_HTTP_PORT": str(port),
-            "REPRISE_STATE_DIR": str(state / role),
-            "REPRISE_LOG_FORMAT": "json",
-        }
-
-    ports = config.ports
-    registry_url = config.http_url(ports["checkpoint-registry"])
-    services = [
-        ServiceSpec(
-            name="checkpoint-registry",
-            role="checkpoint-registry",
-            command=ROLE_COMMANDS["checkpoint-registry"],
-            env={**base("checkpoint-registry", ports["checkpoint-registry"]),
-                 "REPRISE_DATABASE_URL": f"sqlite:///{state / 'registry.db'}"},
-            http_port=ports["checkpoint-registry"],
-        ),
-        ServiceSpec(
-            name="detector",
-            role="detector",
-            command=ROLE_COMMANDS["detector"],
-            env={
-                **base("detector", ports["detector"]),
-                "REPRISE_DATABASE_URL": f"sqlite:///{state / 'detector.db'}",
-                "REPRISE_NODE_KEYS_FILE": str(node_keys_file(creds)),  # agents' closed connections, seen at once
-            },
-            http_port=ports["detector"],
-        ),
-        ServiceSpec(
-            name="orchestrator",
-            role="orchestrator",
-            command=ROLE_COMMANDS["orchestrator"],
-            env={
-                **base("orchestrator", ports["orchestrator"]),
-                "REPRISE_DATABASE_URL": f"sqlite:///{state / 'orchestrator.db'}",
-                "REPRISE_REDIS_URL": config.redis_url,
-                "REPRISE_REDIS_USERNAME": REDIS_USER,  # the ACL user that reaches only reprise:* keys
-                "REPRISE_REDIS_PASSWORD": ensure_redis_password(config.state_dir),
-                "REPRISE_REGISTRY_URL": registry_url,
-                "REPRISE_ADMIN_API_KEY": ensure_admin_api_key(config.state_dir),  # created once in the state dir
-                "REPRISE_READ_API_KEY": ensure_read_api_key(config.state_dir),  # the dashboard's and viewers'
-            },
-            http_port=ports["orchestrator"],
-        ),
-        ServiceSpec(
-            name="notifier",
-            role="notifier",
-            command=ROLE_COMMANDS["notifier"],
-            env={
-                **base("notifier", ports["notifier"]),
-                "REPRISE_DATABASE_URL": f"sqlite:///{state / 'notifier.db'}",
-                "REPRISE_NOTIFIER_SLACK_URL": slack_receiver_url(config) + SLACK_RECEIVER_WEBHOOK,
-                "REPRISE_DASHBOARD_URL": config.http_url(ports["dashboard"]),  # alerts link to its incident pages
-            },
-            http_port=ports["notifier"],
-        ),
-        ServiceSpec(
-            name="dashboard",
-            role="dashboard",
-            command=ROLE_COMMANDS["dashboard"],
-            env={
-                **base("dashboard", ports["dashboard"]),
-                "REPRISE_ORCHESTRATOR_URL": config.http_url(ports["orchestrator"]),
-                "REPRISE_DETECTOR_URL": config.http_url(ports["detector"]),
-                "REPRISE_REGISTRY_URL": registry_url,
-                "REPRISE_NOTIFIER_URL": config.http_url(ports["notifier"]),
-                # The dashboard only reads: it gets the read key (viewers sign in with it too, or a key of their own).
-                "REPRISE_READ_API_KEY": ensure_read_api_key(config.state_dir),
-            },
-            http_port=ports["dashboard"],
-        ),
-    ]  # fmt: skip
+    services = _platform_services(config)
     agent_settings = {
         "REPRISE_GPU_BACKEND": "sim",
         "REPRISE_GPU_COUNT": str(config.gpus_per_node),
@@ -198,12 +118,72 @@ def build_services(config: StackConfig) -> list[ServiceSpec]:
         orchestrator = next(spec for spec in services if spec.role == "orchestrator")
         orchestrator.env.update(slurm_orchestrator_env(config, agent_settings))
         return services
+    return services + _agent_services(config, agent_settings)
+
+
+def _base_env(config: StackConfig, role: str, port: int, identity: str | None = None) -> dict[str, str]:
+    """What every process of the stack is told: NATS and its own identity there, its HTTP address, its state dir."""
+    return {
+        "REPRISE_NATS_URL": config.nats_url,
+        # Its own NATS identity (`reprise creds`): a service's is named after it, an agent's after its node.
+        "REPRISE_NATS_NKEY_SEED_FILE": str(seed_file(config.creds_dir.resolve(), identity or role)),
+        "REPRISE_HTTP_HOST": config.host,
+        "REPRISE_HTTP_PORT": str(port),
+        "REPRISE_STATE_DIR": str(config.state_dir.resolve() / role),
+        "REPRISE_LOG_FORMAT": "json",
+    }
+
+
+def _service(config: StackConfig, role: str, env: dict[str, str]) -> ServiceSpec:
+    """A platform service named after its role, on its own port, with `env` beside what every process is told."""
+    port = config.ports[role]
+    return ServiceSpec(role, role, ROLE_COMMANDS[role], {**_base_env(config, role, port), **env}, port)
+
+
+def _platform_services(config: StackConfig) -> list[ServiceSpec]:
+    """The platform's services, in start order: registry, detector, orchestrator, notifier, dashboard."""
+    state, ports = config.state_dir.resolve(), config.ports
+    registry_url = config.http_url(ports["checkpoint-registry"])
+    return [
+        _service(config, "checkpoint-registry", {"REPRISE_DATABASE_URL": f"sqlite:///{state / 'registry.db'}"}),
+        _service(config, "detector", {
+            "REPRISE_DATABASE_URL": f"sqlite:///{state / 'detector.db'}",
+            "REPRISE_NODE_KEYS_FILE": str(node_keys_file(config.creds_dir.resolve())),  # closed connections, at once
+        }),
+        _service(config, "orchestrator", {
+            "REPRISE_DATABASE_URL": f"sqlite:///{state / 'orchestrator.db'}",
+            "REPRISE_REDIS_URL": config.redis_url,
+            "REPRISE_REDIS_USERNAME": REDIS_USER,  # the ACL user that reaches only reprise:* keys
+            "REPRISE_REDIS_PASSWORD": ensure_redis_password(config.state_dir),
+            "REPRISE_REGISTRY_URL": registry_url,
+            "REPRISE_ADMIN_API_KEY": ensure_admin_api_key(config.state_dir),  # created once in the state dir
+            "REPRISE_READ_API_KEY": ensure_read_api_key(config.state_dir),  # the dashboard's and viewers'
+        }),
+        _service(config, "notifier", {
+            "REPRISE_DATABASE_URL": f"sqlite:///{state / 'notifier.db'}",
+            "REPRISE_NOTIFIER_SLACK_URL": slack_receiver_url(config) + SLACK_RECEIVER_WEBHOOK,
+            "REPRISE_DASHBOARD_URL": config.http_url(ports["dashboard"]),  # alerts link to its incident pages
+        }),
+        _service(config, "dashboard", {
+            "REPRISE_ORCHESTRATOR_URL": config.http_url(ports["orchestrator"]),
+            "REPRISE_DETECTOR_URL": config.http_url(ports["detector"]),
+            "REPRISE_REGISTRY_URL": registry_url,
+            "REPRISE_NOTIFIER_URL": config.http_url(ports["notifier"]),
+            # The dashboard only reads: it gets the read key (viewers sign in with it too, or a key of their own).
+            "REPRISE_READ_API_KEY": ensure_read_api_key(config.state_dir),
+        }),
+    ]  # fmt: skip
+
+
+def _agent_services(config: StackConfig, agent_settings: dict[str, str]) -> list[ServiceSpec]:
+    """One agent per node, workers then spares, on consecutive ports from the agents' base port."""
+    services = []
     for index, (node_id, spare) in enumerate(node_ids(config)):
-        port = ports["agent"] + index
+        port = config.ports["agent"] + index
         env = {
-            **base("agent", port, identity=node_id),
+            **_base_env(config, "agent", port, identity=node_id),
             **agent_settings,
-            "REPRISE_STATE_DIR": str(state / "agents" / node_id),
+            "REPRISE_STATE_DIR": str(config.state_dir.resolve() / "agents" / node_id),
             "REPRISE_NODE_ID": node_id,
             "REPRISE_SPARE": "true" if spare else "false",
         }

@@ -17,7 +17,8 @@ from reprise_cli.client import PlatformClient
 from reprise_cli.creds import admin_api_key_file, ensure_admin_api_key
 from reprise_cli.jobs_cli import resolve_target
 from reprise_cli.main import main
-from reprise_cli.servers import ManagedProcess, NatsServer, RedisServer, free_port, wait_until
+from reprise_cli.redis_server import RedisServer
+from reprise_cli.servers import ManagedProcess, NatsServer, free_port, wait_until
 from reprise_common.db import make_engine
 from reprise_common.events import Category, Culprit, IncidentChange, RecommendedAction, Severity
 from reprise_orchestrator.jobs.models import Job

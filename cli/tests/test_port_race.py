@@ -16,12 +16,12 @@ from threading import Thread
 import pytest
 import redis
 
-from reprise_cli import ports, servers
+from reprise_cli import ports, redis_server, servers
+from reprise_cli.redis_server import RedisServer
 from reprise_cli.servers import (
     ManagedProcess,
     NatsServer,
     PortTaken,
-    RedisServer,
     answers,
     free_port,
     free_stack_ports,
@@ -68,6 +68,7 @@ def taken(monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
 
         monkeypatch.setattr(ports, "free_port", first_taken)
         monkeypatch.setattr(servers, "free_port", first_taken)
+        monkeypatch.setattr(redis_server, "free_port", first_taken)
         yield port
 
 

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from reprise_cli.servers import REDIS_ACL_FILE, REDIS_USER, RedisServer, free_port
+from reprise_cli.redis_server import REDIS_ACL_FILE, REDIS_USER, RedisServer
+from reprise_cli.servers import free_port
 
 PASSWORD = "pw-" + "q7" * 20
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from reprise_cli.servers import REDIS_USER, ManagedProcess, RedisServer, free_port, wait_until
+from reprise_cli.redis_server import REDIS_USER, RedisServer
+from reprise_cli.servers import ManagedProcess, free_port, wait_until
 from reprise_cli.supervise import RestartPolicy, Supervisor, Verdict, WatchState
 
 QUICK = RestartPolicy(first_delay_s=0.05, max_delay_s=0.2, crash_limit=3)

@@ -6,6 +6,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
@@ -54,30 +55,8 @@ def draw(run: DemoRun, path: Path) -> Path:
     figure = Figure(figsize=(13, 5.5), dpi=100)
     FigureCanvasAgg(figure)
     axes = figure.add_subplot()
-    epochs = sorted({s.epoch for s in run.samples})
-    for epoch in epochs:
-        points = [(_x(s.at, origin), s.step) for s in run.samples if s.epoch == epoch and s.step is not None]
-        if points:
-            xs, ys = zip(*points, strict=True)
-            axes.plot(xs, ys, color="#264653", linewidth=1.8, label="rank 0's step" if epoch == epochs[0] else None)
-    labelled: set[int] = set()
-    for number, fault in enumerate(run.faults, start=1):
-        for index, start, end in _phase_spans(fault, origin):
-            label = PHASES[index][0] if index not in labelled else None
-            labelled.add(index)
-            axes.axvspan(start, max(end, start + 0.05), color=PHASES[index][2], alpha=0.35, label=label, linewidth=0)
-        at = _x(fault.injected_at, origin)
-        axes.axvline(at, color="#d62828", linewidth=1.2, linestyle="--")
-        axes.annotate(
-            f"{number}. {fault.plan.fault}\n{fault.node_id}",
-            xy=(at, 1.0),
-            xycoords=("data", "axes fraction"),
-            xytext=(3, -4),
-            textcoords="offset points",
-            va="top",
-            fontsize=8,
-            color="#d62828",
-        )
+    _draw_steps(axes, run, origin)
+    _draw_faults(axes, run.faults, origin)
     for number, recovery in enumerate(run.unplanned):
         start, end = _recovery_span(recovery, origin)
         label = "unplanned recovery (no injected fault)" if number == 0 else None
@@ -99,3 +78,35 @@ def draw(run: DemoRun, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path)
     return path
+
+
+def _draw_steps(axes: Axes, run: DemoRun, origin: datetime) -> None:
+    """Rank 0's step over time, one line per restart epoch."""
+    epochs = sorted({s.epoch for s in run.samples})
+    for epoch in epochs:
+        points = [(_x(s.at, origin), s.step) for s in run.samples if s.epoch == epoch and s.step is not None]
+        if points:
+            xs, ys = zip(*points, strict=True)
+            axes.plot(xs, ys, color="#264653", linewidth=1.8, label="rank 0's step" if epoch == epochs[0] else None)
+
+
+def _draw_faults(axes: Axes, faults: list[FaultRun], origin: datetime) -> None:
+    """Each injected fault: its detection and recovery phases, a dashed line where it struck, and its label."""
+    labelled: set[int] = set()
+    for number, fault in enumerate(faults, start=1):
+        for index, start, end in _phase_spans(fault, origin):
+            label = PHASES[index][0] if index not in labelled else None
+            labelled.add(index)
+            axes.axvspan(start, max(end, start + 0.05), color=PHASES[index][2], alpha=0.35, label=label, linewidth=0)
+        at = _x(fault.injected_at, origin)
+        axes.axvline(at, color="#d62828", linewidth=1.2, linestyle="--")
+        axes.annotate(
+            f"{number}. {fault.plan.fault}\n{fault.node_id}",
+            xy=(at, 1.0),
+            xycoords=("data", "axes fraction"),
+            xytext=(3, -4),
+            textcoords="offset points",
+            va="top",
+            fontsize=8,
+            color="#d62828",
+        )
