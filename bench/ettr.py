@@ -2,7 +2,7 @@
 
 Run from the repository root: ``make bench-ettr`` (or ``.venv/bin/python -m bench.ettr``) after ``make bench-recovery``;
 it reads bench/results/recovery.json (recovery-quick.json when there is no full run, and says so), prints the formulas
-and every input, saves bench/results/ettr.json and writes a table and a plot into docs/benchmarks.md.
+and every input, saves bench/results/ettr.json and writes its tables into docs/benchmarks.md (plots: printed only).
 
 The arithmetic is the checkpoint registry's advisor's (reprise_registry.advisor.formulas), not a copy of it:
 
@@ -175,7 +175,7 @@ def figures(source: str, document: dict[str, Any], save_cost: float | None = Non
     }
 
 
-def render(result: dict[str, Any]) -> str:
+def render(result: dict[str, Any], *, plots: bool = True) -> str:
     """The inputs, a table of ETTR per fleet size, rate and system, and a plot at the Llama 3 rate (Markdown)."""
     systems = [System(s) for s in result["projections"]]
     lines = [
@@ -194,10 +194,10 @@ def render(result: dict[str, Any]) -> str:
     default = result["projections_at_advisor_default"]
     lines += [
         "", f"At the measured save cost, δ = {result['save_cost_s']:.3f} s:", "",
-        _table(result["projections"], systems), "", "```", *_plot(result["projections"]), "```", "",
+        _table(result["projections"], systems), *_plot_block(result["projections"], plots), "",
         f"At the advisor's default save cost (what it assumes for a job with no measured checkpoint), "
         f"δ = {result['advisor_default_save_cost_s']:g} s:", "",
-        _table(default, systems), "", "```", *_plot(default), "```",
+        _table(default, systems), *_plot_block(default, plots),
     ]  # fmt: skip
     return "\n".join(lines)
 
@@ -214,6 +214,11 @@ def _table(projected: dict[str, list[dict[str, Any]]], systems: list[System]) ->
             f"{p['interval_s']:.1f} s | {ettrs} |"
         )
     return "\n".join(rows)
+
+
+def _plot_block(projected: dict[str, list[dict[str, Any]]], plots: bool) -> list[str]:
+    """The plot as a fenced block after its table (the terminal shows it; the doc keeps the table alone)."""
+    return ["", "```", *_plot(projected), "```"] if plots else []
 
 
 def _plot(projected: dict[str, list[dict[str, Any]]]) -> list[str]:
@@ -242,7 +247,7 @@ def main() -> None:
     text = render(result)
     print(text)
     print("saved", write_result("ettr", result))
-    if args.save_cost_s is None and replace_block(DOC, BEGIN, END, text):
+    if args.save_cost_s is None and replace_block(DOC, BEGIN, END, render(result, plots=False)):
         print("updated docs/benchmarks.md")
 
 
