@@ -87,6 +87,7 @@ class RankProcess:
             proc_state=state,
             proc_state_age_s=round(now - self.state_since, 3) if state else None,
             cpu_s=sample.cpu_s if sample else None,
+            io_bytes=self.handle.io_bytes() if self.alive else None,
         )
 
 

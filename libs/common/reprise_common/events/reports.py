@@ -71,6 +71,9 @@ class RankStatus(Wire):
         default=None, ge=0, description="seconds since the agent first saw the live rank in this state (in a row)"
     )
     cpu_s: float | None = Field(default=None, ge=0, description="CPU seconds the live rank used so far")
+    io_bytes: int | None = Field(
+        default=None, ge=0, description="bytes the live rank read and wrote through system calls so far (sockets too)"
+    )
     # A rank without the SDK reports no steps: its agent samples its main thread's stack now and then (stack_sampler).
     where: str = Field(
         default="", max_length=WHERE_MAX, description="its main thread's innermost frame at the last stack sample"

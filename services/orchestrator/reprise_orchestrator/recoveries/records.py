@@ -140,6 +140,9 @@ class Verified(StepData):
     cpu_s: dict[str, float | None] = Field(
         default_factory=dict, description="CPU seconds each rank used in the settle time's second half (none: unknown)"
     )
+    io_bytes: dict[str, int | None] = Field(
+        default_factory=dict, description="I/O bytes each rank moved in the settle time's 2nd half (none: unknown)"
+    )
 
 
 class Ended(StepData):

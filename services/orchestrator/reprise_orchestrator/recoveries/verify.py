@@ -2,7 +2,8 @@
 
 A job that reports steps through the SDK passes when every rank reports a step at or past the restored checkpoint's.
 A job that reports none (a plain torchrun script) passes when every rank stays alive, not stopped, for the policy's
-settle time, each using CPU in its second half (the agents' reports carry each live rank's CPU time): rendezvous,
+settle time, each using CPU or moving I/O in its second half (the agents' reports carry each live rank's CPU time
+and I/O bytes: a rank sleeping between small collectives uses little CPU, but its sockets move): rendezvous,
 restore and the first steps fail within that time when they fail at all. Either way, every rank exiting 0 is a
 finished job, never a failure; a rank exiting otherwise fails the attempt. `judge` decides on one look at the ranks;
 `watch` looks until it decides, the timeout passes, or the incident learned something.
@@ -78,9 +79,10 @@ class Settle:
         self.since = self.middle_at = None
         self.middle = {}
 
-    def evidence(self, running: Mapping[int, RankSeen], now: float) -> dict[str, float | None] | None:
-        """The CPU seconds each running rank used in the settle time's second half, once it passed with every rank
-        working; None until then."""
+    def evidence(self, running: Mapping[int, RankSeen], now: float) -> Evidence | None:
+        """The CPU seconds and I/O bytes each running rank used in the settle time's second half, once it passed with
+        every rank working (its CPU share at least `min_share`, or its I/O grew: a rank that sleeps between small
+        collectives uses little CPU, but its sockets move); None until then."""
         if self.since is None:
             self.since = now
         if self.middle_at is None:
@@ -90,17 +92,32 @@ class Settle:
         # A rank whose node has not reported since the middle is waited for: its CPU time has not been read again.
         if now - self.since < self.seconds or any(running[r] is self.middle.get(r) for r in running):
             return None
-        used = {r: _used(self.middle[r].cpu_s if r in self.middle else None, s.cpu_s) for r, s in running.items()}
+        before = {r: self.middle.get(r) for r in running}
+        used = {r: _used(b.cpu_s if b else None, running[r].cpu_s) for r, b in before.items()}
+        moved = {r: _moved(b.io_bytes if b else None, running[r].io_bytes) for r, b in before.items()}
         least = self.min_share * (now - self.middle_at)
-        self.idle = sorted(r for r, u in used.items() if u is not None and u < least)
+        self.idle = sorted(r for r, u in used.items() if u is not None and u < least and not moved[r])
         if self.idle:
             self.restart()
             return None
-        return {str(r): None if u is None else round(u, 3) for r, u in sorted(used.items())}
+        cpu = {str(r): None if u is None else round(u, 3) for r, u in sorted(used.items())}
+        return Evidence(cpu, {str(r): m for r, m in sorted(moved.items())})
 
 
 def _used(before: float | None, after: float | None) -> float | None:
     return None if before is None or after is None else max(0.0, after - before)
+
+
+def _moved(before: int | None, after: int | None) -> int | None:
+    return None if before is None or after is None else max(0, after - before)
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """What each rank used in the settle time's second half, by rank (None: not known)."""
+
+    cpu_s: dict[str, float | None]
+    io_bytes: dict[str, int | None]
 
 
 def by_steps(watch: Watch, ranks: Mapping[int, RankSeen]) -> bool:
@@ -141,10 +158,10 @@ def _judge_settle(ranks: Mapping[int, RankSeen], watch: Watch, settle: Settle, n
         settle.restart()
         missing = sorted(watch.wanted - set(running) - set(data.finished))
         return Judgement(Verdict.WAIT, data.model_copy(update={"missing": missing}))
-    cpu = settle.evidence(running, now)
-    if cpu is None:
+    used = settle.evidence(running, now)
+    if used is None:
         return Judgement(Verdict.WAIT, data.model_copy(update={"missing": list(settle.idle)}))
-    settled = {"path": VerifyPath.SETTLED, "settle_s": settle.seconds, "cpu_s": cpu}
+    settled = {"path": VerifyPath.SETTLED, "settle_s": settle.seconds, "cpu_s": used.cpu_s, "io_bytes": used.io_bytes}
     return Judgement(Verdict.PASSED, data.model_copy(update=settled))
 
 
