@@ -20,7 +20,8 @@ SCHEDULER ?= agents
 RESTART ?= auto
 
 .PHONY: venv slurm-deps netns-deps test lint typecheck pytest chaos soak up demo clean bench-agent bench-sdk bench-registry bench-detector bench-orchestrator \
-	bench-orchestrator-concurrent bench-vs-torchrun bench-hang-limits bench-standby bench-recovery bench-ettr bench-slurm
+	bench-orchestrator-concurrent bench-vs-torchrun bench-hang-limits bench-standby bench-recovery bench-ettr bench-slurm \
+	bench-checkpoint
 
 venv: $(STAMP)
 
@@ -125,6 +126,10 @@ clean:
 # A rank's start cold against warm (a standby that imported torch): medians side by side → bench/results/standby.json
 bench-standby: $(STAMP)
 	$(BIN)/python -m bench.bench_standby
+
+# A checkpoint's cost to training: a synchronous save against a background save of the same 1 GiB state
+bench-checkpoint: $(STAMP)
+	$(BIN)/python -m bench.bench_checkpoint
 
 # Recovery side by side: Reprise cold, Reprise's fast path (in place, warm standbys) and a torchrun shell loop, the
 # same faults (5 of each kind per cell) → bench/results/recovery.json and a table in docs/benchmarks.md

@@ -25,20 +25,47 @@ import errno
 import hashlib
 import io
 import os
+import threading
 import warnings
 from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, Literal, cast, overload
 
 import torch
 import torch.distributed as dist
 
+from ._background import (
+    BackgroundStats,
+    PendingSave,
+    Work,
+    background_stats,
+    begin,
+    checkpoint_group,
+    finished,
+    fits,
+    host_copy,
+    tensors_bytes,
+    wait_for_saves,
+)
 from ._client import checkpoint_saved, phase
 from ._resume import resume
 from ._verify import expected_files, verify_files, verify_share
 
 StrPath = str | os.PathLike[str]
 KEEP_ENV = "REPRISE_SDK_KEEP_BYTES"
+__all__ = [
+    "BackgroundStats",
+    "PendingSave",
+    "background_stats",
+    "load_checkpoint",
+    "load_distributed",
+    "rank_file",
+    "save_checkpoint",
+    "save_distributed",
+    "sha256_files",
+    "wait_for_saves",
+]
 
 
 class _Kept:
@@ -55,8 +82,9 @@ class _Kept:
         except ValueError:
             return 0
 
-    def keep(self, digest: str, data: bytes) -> None:
-        self.by_digest = {digest: data} if 0 < len(data) <= self.limit() else {}
+    def keep_file(self, digest: str, path: Path, size: int) -> None:
+        """Keep the bytes of the file just saved, when they fit the setting (read back from the page cache)."""
+        self.by_digest = {digest: path.read_bytes()} if 0 < size <= self.limit() else {}
 
 
 kept = _Kept()
@@ -67,35 +95,99 @@ def rank_file(directory: StrPath, rank: int) -> Path:
     return Path(directory).absolute() / f"rank-{rank:05d}.pt"
 
 
-def save_checkpoint(directory: StrPath, step: int, state: dict[str, Any], *, rank: int | None = None) -> list[str]:
-    """Write this rank's `state` into `directory` atomically, report it, and return the files written."""
+@overload
+def save_checkpoint(
+    directory: StrPath, step: int, state: dict[str, Any], *, rank: int | None = None, background: Literal[False] = False
+) -> list[str]: ...
+
+
+@overload
+def save_checkpoint(
+    directory: StrPath, step: int, state: dict[str, Any], *, rank: int | None = None, background: Literal[True]
+) -> PendingSave: ...
+
+
+def save_checkpoint(
+    directory: StrPath, step: int, state: dict[str, Any], *, rank: int | None = None, background: bool = False
+) -> list[str] | PendingSave:
+    """Write this rank's `state` into `directory` atomically, report it, and return the files written.
+
+    With ``background=True`` only a host copy of the state is taken here (after the previous background save
+    finished) and a PendingSave returned: the writing, the commit and the report happen on the SDK's writer thread.
+    """
     target = rank_file(directory, resume().rank if rank is None else rank)
+    if background:
+        nbytes = tensors_bytes(state)
+        if fits(nbytes):
+            return begin(str(target.parent), step, nbytes, lambda: _prepare_rank_file(target, step, state))
+        return finished(str(target.parent), step, save_checkpoint(directory, step, state, rank=rank))
     with phase("checkpointing"):
-        target.parent.mkdir(parents=True, exist_ok=True)
-        partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
-        buffer = io.BytesIO()
-        torch.save(state, buffer)
-        data = buffer.getbuffer()
-        try:
-            with partial.open("wb") as sink:
-                sink.write(data)
-                sink.flush()
-                os.fsync(sink.fileno())
-            os.replace(partial, target)
-        except (OSError, RuntimeError) as exc:
-            full = _out_of_space(exc)
-            if full is None:
-                raise
-            raise OSError(errno.ENOSPC, f"no space left on the device saving {target} (step {step})") from full
-        finally:
-            partial.unlink(missing_ok=True)
-        _fsync_directory(target.parent)
+        size, digest = _write_rank_file(target, step, state)
         _commit_when_all_saved(target.parent)
+    return _report_rank_file(target, step, size, digest)
+
+
+def _prepare_rank_file(target: Path, step: int, state: dict[str, Any]) -> Work:
+    """On the training thread: the checkpoints' group (a collective, made once) and the host copy to write."""
+    with phase("checkpointing"):
+        group = checkpoint_group()
+        snapshot = host_copy(state)
+
+    def work(pending: PendingSave) -> list[str]:
+        size, digest = _write_rank_file(target, step, snapshot)
+        if pending.abandoned:
+            return []
+        _commit_when_all_saved(target.parent, group)
+        return [] if pending.abandoned else _report_rank_file(target, step, size, digest)
+
+    return work
+
+
+def _write_rank_file(target: Path, step: int, state: dict[str, Any]) -> tuple[int, str]:
+    """Serialise `state` into `target` through a temporary file (fsync, rename, fsync of the directory); the size and
+    SHA-256 of the bytes written."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f".{target.name}.{os.getpid()}.{threading.get_ident()}.partial")
+    try:
+        with partial.open("wb") as sink:
+            hashing = _HashingSink(sink)
+            torch.save(state, cast(BinaryIO, hashing))  # it only ever writes and flushes
+            sink.flush()
+            os.fsync(sink.fileno())
+        os.replace(partial, target)
+    except (OSError, RuntimeError) as exc:
+        full = _out_of_space(exc)
+        if full is None:
+            raise
+        raise OSError(errno.ENOSPC, f"no space left on the device saving {target} (step {step})") from full
+    finally:
+        partial.unlink(missing_ok=True)
+    _fsync_directory(target.parent)
+    return hashing.size, hashing.sha256.hexdigest()
+
+
+def _report_rank_file(target: Path, step: int, size: int, digest: str) -> list[str]:
     files = [str(target)]
-    digest = hashlib.sha256(data).hexdigest()
-    kept.keep(digest, bytes(data))
-    checkpoint_saved(str(target.parent), step, files, sha256={str(target): (len(data), digest)})
+    kept.keep_file(digest, target, size)
+    checkpoint_saved(str(target.parent), step, files, sha256={str(target): (size, digest)})
     return files
+
+
+class _HashingSink:
+    """A file that torch.save writes through, digesting the bytes on their way (no second copy of them in memory)."""
+
+    def __init__(self, sink: BinaryIO) -> None:
+        self.sink = sink
+        self.sha256 = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: bytes | memoryview) -> int:
+        self.sha256.update(data)
+        self.size += len(data)
+        return self.sink.write(data)
+
+    def flush(self) -> None:
+        self.sink.flush()
 
 
 def _out_of_space(exc: BaseException) -> OSError | None:
@@ -125,17 +217,18 @@ def sha256_files(files: list[str]) -> dict[str, tuple[int, str]]:
 COMMIT_MARKER = "COMMITTED"
 
 
-def _commit_when_all_saved(directory: Path) -> None:
-    """Write the commit marker once every rank's file is durable: rank 0 after a barrier, or the only rank.
+def _commit_when_all_saved(directory: Path, group: Any = None) -> None:
+    """Write the commit marker once every rank's file is durable: rank 0 after a barrier (on `group`, the
+    checkpoints' own, from the writer thread), or the only rank.
 
     Without a process group, ranks of a larger world cannot know that the others finished, so none writes it and
     the registry keeps the checkpoint uncommitted (never restorable) rather than guess.
     """
     if _process_group_up():
-        dist.barrier()
+        dist.barrier(group=group)
         if dist.get_rank() == 0:
             _write_marker(directory)
-        dist.barrier()  # nobody reports the checkpoint before the marker is on storage
+        dist.barrier(group=group)  # nobody reports the checkpoint before the marker is on storage
     elif resume().world_size <= 1:
         _write_marker(directory)
 
@@ -170,15 +263,58 @@ def load_checkpoint(
     return state
 
 
-def save_distributed(directory: StrPath, step: int, state: dict[str, Any]) -> list[str]:
-    """Save `state` with torch.distributed.checkpoint (a collective under a process group); report this rank's files."""
+@overload
+def save_distributed(
+    directory: StrPath, step: int, state: dict[str, Any], *, background: Literal[False] = False
+) -> list[str]: ...
+
+
+@overload
+def save_distributed(
+    directory: StrPath, step: int, state: dict[str, Any], *, background: Literal[True]
+) -> PendingSave: ...
+
+
+def save_distributed(
+    directory: StrPath, step: int, state: dict[str, Any], *, background: bool = False
+) -> list[str] | PendingSave:
+    """Save `state` with torch.distributed.checkpoint (a collective under a process group); report this rank's files.
+
+    With ``background=True``, DCP's asynchronous save stages the state in host memory here and writes it on its own
+    thread, coordinating the ranks over the checkpoints' gloo group; the report follows its ``.metadata``.
+    """
     import torch.distributed.checkpoint as dcp  # noqa: PLC0415 - heavy, and only this pair of helpers needs it
 
     root = Path(directory).absolute()
     grouped = _process_group_up()
+    if background:
+        nbytes = tensors_bytes(state)
+        if fits(nbytes):
+            return begin(str(root), step, nbytes, lambda: _prepare_distributed(root, step, state))
+        return finished(str(root), step, save_distributed(directory, step, state))
     with phase("checkpointing"), _single_process_is_meant(not grouped):
         metadata = dcp.save(state, checkpoint_id=root, no_dist=not grouped)
-    rank = dist.get_rank() if grouped else 0
+    return _report_distributed(root, step, metadata)
+
+
+def _prepare_distributed(root: Path, step: int, state: dict[str, Any]) -> Work:
+    import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+
+    grouped = _process_group_up()
+    with phase("checkpointing"), _single_process_is_meant(not grouped):
+        group = checkpoint_group()
+        saving = dcp.async_save(state, checkpoint_id=root, process_group=group, no_dist=not grouped)
+        future = cast(Future[Any], saving)  # a Future unless an async stager is given, and none is
+
+    def work(pending: PendingSave) -> list[str]:
+        metadata = future.result()
+        return [] if pending.abandoned else _report_distributed(root, step, metadata)
+
+    return work
+
+
+def _report_distributed(root: Path, step: int, metadata: Any) -> list[str]:
+    rank = dist.get_rank() if _process_group_up() else 0
     prefix = f"__{rank}_"  # FileSystemWriter names a rank's files __<rank>_<n>.distcp
     names = {info.relative_path for info in metadata.storage_data.values() if info.relative_path.startswith(prefix)}
     if rank == 0:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -10,6 +11,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -282,3 +284,119 @@ def test_nothing_is_kept_without_the_setting_or_above_its_size(
         (directory / "rank-00002.pt").unlink()
         with pytest.raises(CheckpointCorruptError, match="is missing"):
             helpers.load_checkpoint(directory)
+
+
+# Background saves: the training thread copies, the SDK's writer thread writes, commits and reports.
+
+BACKGROUND_RANKS = """
+import json, os, sys, torch, torch.distributed as dist
+from reprise_sdk.torch import background_stats, load_checkpoint, load_distributed, save_checkpoint, save_distributed
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+root = sys.argv[1]
+state = {"w": torch.full((4,), float(rank)), "opt": {"step": 7, "m": [torch.ones(2)]}}
+per_rank = save_checkpoint(f"{root}/per-rank", 7, state, background=True)
+dcp = save_distributed(f"{root}/dcp", 7, {f"own{rank}": state["w"]}, background=True)  # waits for per_rank first
+first_done_before_second_began = per_rank.done()
+state["w"].add_(100.0)  # training goes on: the saves hold the state as it was
+dist.all_reduce(state["w"])  # the training group is free while the writer thread commits on its own group
+files = per_rank.wait(60) + dcp.wait(60)
+loaded = load_checkpoint(f"{root}/per-rank")
+back = {f"own{rank}": torch.zeros(4)}
+load_distributed(f"{root}/dcp", back)
+print(json.dumps({"rank": rank, "files": files, "w": loaded["w"].tolist(), "dcp": back[f"own{rank}"].tolist(),
+                  "first_done": first_done_before_second_began, "saves": background_stats().saves}))
+sys.stdout.flush()
+dist.barrier()
+dist.destroy_process_group()
+os._exit(0)
+"""
+
+
+def test_background_saves_hold_the_state_of_their_step_and_commit_on_their_own_group(tmp_path: Path) -> None:
+    outputs = [json.loads(out.strip().splitlines()[-1]) for out in run_gloo_ranks(BACKGROUND_RANKS, str(tmp_path))]
+    for rank, out in enumerate(outputs):
+        assert out["w"] == [float(rank)] * 4 and out["dcp"] == [float(rank)] * 4  # not the +100 made after the call
+        assert out["first_done"] and out["saves"] == 2
+    assert sorted(p.name for p in (tmp_path / "per-rank").iterdir()) == ["COMMITTED", "rank-00000.pt", "rank-00001.pt"]
+    assert [Path(f).name for f in outputs[0]["files"]] == ["rank-00000.pt", ".metadata", "__0_0.distcp"]
+
+
+def test_a_background_save_is_reported_with_the_digest_of_the_file(helpers: ModuleType, reports: Reports) -> None:
+    directory = reports.path.parent / "step-3"
+    pending = helpers.save_checkpoint(directory, 3, {"w": torch.arange(5.0)}, rank=2, background=True)
+    files = pending.wait(30)
+    kinds_then_ckpt = reports.receive(3)  # the copy's phase, in and out, then the writer thread's report
+    assert [m["k"] for m in kinds_then_ckpt] == ["phase", "phase", "ckpt"]
+    saved = kinds_then_ckpt[2]
+    data = Path(files[0]).read_bytes()
+    assert (saved["k"], saved["step"], saved["files"]) == ("ckpt", 3, files)
+    assert saved["sha256"] == {files[0]: [len(data), hashlib.sha256(data).hexdigest()]}
+    stats = helpers.background_stats()
+    assert stats.held_bytes == stats.peak_bytes == 20  # five float32: the host copy, kept for the next save
+
+
+def test_the_next_background_save_copies_into_the_same_host_buffers(helpers: ModuleType, tmp_path: Path) -> None:
+    from reprise_sdk import _background
+
+    state = {"w": torch.arange(4.0), "b": torch.zeros(2)}
+    helpers.save_checkpoint(tmp_path / "1", 1, state, rank=0, background=True).wait(30)
+    first = [t.data_ptr() for t in _background.writer.staging]
+    state["w"].add_(1.0)
+    helpers.save_checkpoint(tmp_path / "2", 2, state, rank=0, background=True).wait(30)
+    assert [t.data_ptr() for t in _background.writer.staging] == first
+    assert helpers.load_checkpoint(tmp_path / "2", rank=0)["w"].tolist() == [1.0, 2.0, 3.0, 4.0]
+    assert helpers.load_checkpoint(tmp_path / "1", rank=0)["w"].tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_a_state_over_the_bound_is_saved_synchronously(
+    helpers: ModuleType, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("REPRISE_SDK_BACKGROUND_MAX_BYTES", "16")
+    pending = helpers.save_checkpoint(tmp_path / "s", 1, {"w": torch.ones(8)}, rank=0, background=True)
+    assert pending.done() and pending.wait(0) == [str(tmp_path / "s" / "rank-00000.pt")]
+    assert "saved synchronously" in capfd.readouterr().err
+
+
+KILLED_MID_SAVE = """
+import os, sys, time, torch
+stall = sys.argv[2]
+if stall == "fsync":  # the bytes are written, not yet synced nor renamed
+    os.fsync = lambda fd: time.sleep(600)
+import reprise_sdk.torch as helpers
+if stall == "commit":  # the file is in place, the marker not yet written
+    helpers._write_marker = lambda directory: time.sleep(600)
+helpers.save_checkpoint(sys.argv[1], 5, {"w": torch.ones(1 << 20)}, rank=0, background=True)
+print("saving", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("stall", ["fsync", "commit"])
+def test_a_background_save_killed_mid_way_is_never_reported_nor_committed(
+    reports: Reports, tmp_path: Path, stall: str
+) -> None:
+    directory = tmp_path / "step-5"
+    env = {**os.environ, "WORLD_SIZE": "1", "RANK": "0"}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILLED_MID_SAVE, str(directory), stall], env=env, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "saving"
+        written = "rank-00000.pt" if stall == "commit" else ".partial"
+        for _ in range(3000):  # until the writer thread is stuck where the test put it
+            if directory.is_dir() and any(written in p.name for p in directory.iterdir()):
+                break
+            time.sleep(0.01)
+        else:
+            pytest.fail(f"the writer thread never reached its {stall}")
+    finally:
+        proc.kill()
+        proc.wait(30)
+    assert "COMMITTED" not in [p.name for p in directory.iterdir()]
+    reports.sock.settimeout(0.5)
+    kinds = []
+    with contextlib.suppress(TimeoutError):
+        while True:
+            kinds.append(json.loads(reports.sock.recv(65536))["k"])
+    assert "ckpt" not in kinds
