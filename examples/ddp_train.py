@@ -32,7 +32,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import reprise_sdk
-from reprise_sdk.torch import COMMIT_MARKER, kept, load_checkpoint, save_checkpoint
+from reprise_sdk.torch import COMMIT_MARKER, kept, load_checkpoint, replica, save_checkpoint
 
 FEATURES, HIDDEN, CLASSES, DROPOUT = 32, 128, 10, 0.1  # 22k parameters: ~20 steps/s with 4 ranks on 2 CPU cores
 COLLECTIVE_TIMEOUT = timedelta(minutes=5)  # a rank that died mid-step fails its peers in minutes, not gloo's 30
@@ -176,12 +176,14 @@ class Trainer:
 
     def train_step(self) -> float | None:
         """One optimizer step over the global batch; returns its mean loss (the same on every rank), or None for a
-        step whose data Reprise asked to skip (it led to a numeric fault): the schedule moves on, the model does not."""
-        self.step += 1
-        if self.skip is not None and self.skip[0] <= self.step <= self.skip[1]:
+        step whose data Reprise asked to skip (it led to a numeric fault): the schedule moves on, the model does not.
+        `self.step` moves on last: a step cut short by a peer's failure leaves the state of the step before it."""
+        step = self.step + 1
+        if self.skip is not None and self.skip[0] <= step <= self.skip[1]:
             self.scheduler.step()
+            self.step = step
             return None
-        rows = self._micro_batch_gradients()
+        rows = self._micro_batch_gradients(step)
         total = self.config.micro_batches
         gathered = [torch.empty_like(rows) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, rows)
@@ -197,9 +199,10 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.step = step
         return float(mean[-1])
 
-    def _micro_batch_gradients(self) -> torch.Tensor:
+    def _micro_batch_gradients(self, step: int) -> torch.Tensor:
         """This rank's micro-batches, one row each: the flat gradient then the loss (unused rows stay zero)."""
         config, params = self.config, self.params
         mine = my_micro_batches(dist.get_rank(), dist.get_world_size(), config.micro_batches)
@@ -207,16 +210,16 @@ class Trainer:
         rows = torch.zeros(-(-config.micro_batches // dist.get_world_size()), width)
         with self.ddp.no_sync():  # DDP must not all-reduce: the reduction below fixes the order of the sums
             for row, micro in zip(rows, mine, strict=False):
-                first = ((self.step - 1) * config.micro_batches + micro) * config.micro_batch
+                first = ((step - 1) * config.micro_batches + micro) * config.micro_batch
                 index = self.data.indices(first, config.micro_batch)
                 # Dropout draws from a stream keyed by (seed, step, micro-batch), not by which rank runs it; the
                 # global RNG is left as it was, so its saved state does not depend on the world size either.
                 inputs = self.data.inputs[index]
-                if self.step == self.bad_data_step and micro == 0:
+                if step == self.bad_data_step and micro == 0:
                     inputs = inputs * float("nan")  # a corrupt sample: what a NaN from bad data looks like
                 with torch.random.fork_rng(devices=[]):
                     # the CPU generator alone: torch.manual_seed would also queue a seed for CUDA, at a cost per call
-                    seed = ((config.seed * SEED_STRIDE + self.step) * SEED_STRIDE + micro) % SEED_LIMIT
+                    seed = ((config.seed * SEED_STRIDE + step) * SEED_STRIDE + micro) % SEED_LIMIT
                     torch.default_generator.manual_seed(seed)
                     loss = F.cross_entropy(self.ddp(inputs), self.data.labels[index])
                     loss.backward()
@@ -315,23 +318,17 @@ def init_process_group(world_size: int) -> None:
 def run(args: argparse.Namespace, info: reprise_sdk.ResumeInfo) -> str:
     """Train to --steps, checkpointing and heartbeating; returns the final parameters' digest."""
     config = TrainConfig(args.steps, args.global_batch, args.micro_batch, args.seed, args.lr, args.dataset_size)
-    checkpoint = resume_point(args, info.checkpoint)
-    state = None
-    from_memory = kept.restored
-    if checkpoint:
-        with reprise_sdk.phase("restoring"):  # a slow read from shared storage is not a hang
-            state = read_checkpoint(checkpoint, config)
-    from_memory = kept.restored > from_memory  # a rank restarted in place read its own validated copy
+    state, origin = starting_state(args, info, config)
     trainer = build_trainer(config, state)
     trainer.skip, trainer.bad_data_step = info.skip_steps, args.bad_data_step
     rank0 = dist.get_rank() == 0
     if rank0:
-        origin = f"from {checkpoint} (saved by {state['world_size']} ranks)" if state else "from scratch"
-        origin += ", read from memory" if from_memory else ""
         print(f"world {dist.get_world_size()}: starting at step {trainer.step + 1} {origin}", flush=True)
     began, first = time.perf_counter(), trainer.step
     while trainer.step < config.steps:
         loss = trainer.train_step()
+        if args.in_place:
+            replica.hold(trainer.step, trainer.state)  # complete: a peer that joins after a fault may take it
         report_step(trainer, loss, rank0=rank0)
         if args.log_steps and rank0:
             print(f"step {trainer.step} t={time.time():.6f}", flush=True)  # wall clock: other processes compare it
@@ -353,6 +350,29 @@ def run(args: argparse.Namespace, info: reprise_sdk.ResumeInfo) -> str:
             write_output(trainer.ddp.module, args.output)
         print(f"params-sha256 {digest}", flush=True)
     return digest
+
+
+def starting_state(
+    args: argparse.Namespace, info: reprise_sdk.ResumeInfo, config: TrainConfig
+) -> tuple[dict[str, Any] | None, str]:
+    """The state to start from and where it came from: a surviving peer's (--in-place, after a restart), else the
+    checkpoint Reprise hands over (or --resume-latest's), else none."""
+    if args.in_place:
+        restored = replica.restore()  # a collective: the vote, then the transfer (reprise_sdk.torch's docs)
+        if restored.state is not None and restored.state["config"] == asdict(config):
+            return restored.state, f"from rank {restored.source_rank}'s memory (0 steps redone)"
+        fallback = f" ({restored.reason})" if restored.reason and info.restart_epoch else ""
+    else:
+        fallback = ""
+    checkpoint = resume_point(args, info.checkpoint)
+    if not checkpoint:
+        return None, "from scratch" + fallback
+    from_memory = kept.restored
+    with reprise_sdk.phase("restoring"):  # a slow read from shared storage is not a hang
+        state = read_checkpoint(checkpoint, config)
+    origin = f"from {checkpoint} (saved by {state['world_size']} ranks)"
+    origin += ", read from memory" if kept.restored > from_memory else ""  # a rank restarted in place, its own copy
+    return state, origin + fallback
 
 
 def report_step(trainer: Trainer, loss: float | None, *, rank0: bool) -> None:

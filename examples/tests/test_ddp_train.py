@@ -23,7 +23,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="PyTorch is not installed: the DDP example is not tested")
 
 SCRIPT = Path(__file__).resolve().parents[1] / "ddp_train.py"
-SDK_TORCH_TESTS = Path(__file__).resolve().parents[2] / "sdk" / "tests" / "test_torch.py"
+SDK_TEST_FIXTURES = Path(__file__).resolve().parents[2] / "sdk" / "tests" / "conftest.py"
 # run_gloo_ranks runs `python -c CODE ARGS...`: this CODE runs the script file given as the first argument.
 RUN_FILE = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
 STEPS, EVERY, GLOBAL_BATCH = 24, 6, 64  # 8 micro-batches of 8 per step: 3 ranks get 3, 3 and 2
@@ -32,11 +32,11 @@ DIGEST = "params-sha256 "
 
 def _run_gloo_ranks() -> Callable[..., list[str]]:
     """The SDK tests' helper that runs a script as every rank of a gloo group (one way to launch ranks)."""
-    spec = importlib.util.spec_from_file_location("reprise_sdk_torch_tests", SDK_TORCH_TESTS)
+    spec = importlib.util.spec_from_file_location("reprise_sdk_test_fixtures", SDK_TEST_FIXTURES)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    helper: Callable[..., list[str]] = module.run_gloo_ranks
+    helper: Callable[..., list[str]] = module._run_gloo_ranks
     return helper
 
 

@@ -49,6 +49,7 @@ from ._background import (
     wait_for_saves,
 )
 from ._client import checkpoint_saved, phase
+from ._replica import Replica, Restored, replica
 from ._resume import resume
 from ._verify import expected_files, verify_files, verify_share
 
@@ -57,10 +58,13 @@ KEEP_ENV = "REPRISE_SDK_KEEP_BYTES"
 __all__ = [
     "BackgroundStats",
     "PendingSave",
+    "Replica",
+    "Restored",
     "background_stats",
     "load_checkpoint",
     "load_distributed",
     "rank_file",
+    "replica",
     "save_checkpoint",
     "save_distributed",
     "sha256_files",

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -21,6 +21,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed: the reprise_sdk.torch helpers are not tested")
 
+GlooRanks = Callable[..., list[str]]  # the conftest's gloo_ranks: a script run as every rank
 REPORTING_ENV = ["RANK", "REPRISE_JOB_ID", "REPRISE_RESTART_EPOCH", "REPRISE_SDK_SOCKET", "REPRISE_SDK_INTERVAL_S"]
 
 
@@ -79,31 +80,6 @@ def test_per_rank_checkpoint_round_trip_is_reported(helpers: ModuleType, reports
     assert saved["sha256"] == {str(target): [len(content), hashlib.sha256(content).hexdigest()]}
 
 
-def run_gloo_ranks(script: str, *args: str, world_size: int = 2) -> list[str]:
-    """Run `script` as every rank of a gloo process group on this machine; each rank's stdout, in rank order."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if k not in REPORTING_ENV}
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world_size))
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", script, *args],
-            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(world_size)
-    ]
-    outputs = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=90)
-        assert proc.returncode == 0, err
-        outputs.append(out)
-    return outputs
-
-
 PER_RANK = """
 import json, os, sys, torch, torch.distributed as dist
 from reprise_sdk.torch import save_checkpoint
@@ -117,8 +93,8 @@ os._exit(0)  # gloo's threads now and then abort the interpreter's exit (SIGABRT
 """
 
 
-def test_per_rank_checkpoint_is_committed_once_every_rank_saved(tmp_path: Path) -> None:
-    run_gloo_ranks(PER_RANK, str(tmp_path / "step-7"))
+def test_per_rank_checkpoint_is_committed_once_every_rank_saved(gloo_ranks: GlooRanks, tmp_path: Path) -> None:
+    gloo_ranks(PER_RANK, str(tmp_path / "step-7"))
     assert sorted(p.name for p in (tmp_path / "step-7").iterdir()) == ["COMMITTED", "rank-00000.pt", "rank-00001.pt"]
 
 
@@ -173,8 +149,8 @@ os._exit(0)  # gloo's threads now and then abort the interpreter's exit (SIGABRT
 """
 
 
-def test_distributed_checkpoint_reports_each_ranks_own_files(tmp_path: Path) -> None:
-    outputs = [json.loads(out.strip().splitlines()[-1]) for out in run_gloo_ranks(GLOO_RANK, str(tmp_path / "dcp"))]
+def test_distributed_checkpoint_reports_each_ranks_own_files(gloo_ranks: GlooRanks, tmp_path: Path) -> None:
+    outputs = [json.loads(out.strip().splitlines()[-1]) for out in gloo_ranks(GLOO_RANK, str(tmp_path / "dcp"))]
     by_rank = {o["rank"]: o for o in outputs}
     assert [Path(f).name for f in by_rank[0]["files"]] == [".metadata", "__0_0.distcp"]
     assert [Path(f).name for f in by_rank[1]["files"]] == ["__1_0.distcp"]
@@ -313,8 +289,10 @@ os._exit(0)
 """
 
 
-def test_background_saves_hold_the_state_of_their_step_and_commit_on_their_own_group(tmp_path: Path) -> None:
-    outputs = [json.loads(out.strip().splitlines()[-1]) for out in run_gloo_ranks(BACKGROUND_RANKS, str(tmp_path))]
+def test_background_saves_hold_the_state_of_their_step_and_commit_on_their_own_group(
+    gloo_ranks: GlooRanks, tmp_path: Path
+) -> None:
+    outputs = [json.loads(out.strip().splitlines()[-1]) for out in gloo_ranks(BACKGROUND_RANKS, str(tmp_path))]
     for rank, out in enumerate(outputs):
         assert out["w"] == [float(rank)] * 4 and out["dcp"] == [float(rank)] * 4  # not the +100 made after the call
         assert out["first_done"] and out["saves"] == 2
