@@ -84,6 +84,8 @@ def test_survivors_restart_in_place_after_a_crash_and_an_xid_and_the_result_is_b
         epoch = client.job(job["id"])["restart_epoch"]
         rank0 = next(stack.config.state_dir.glob(f"**/ranks/{job['id']}/epoch-{epoch}-rank-0.log")).read_text()
         assert "from rank 0's memory (0 steps redone)" in rank0, rank0[-2000:]
+        resumed = steps["verifying"]["resumed"]  # what the ranks told their agents, in the recovery's record
+        assert resumed["via"] == "peer" and resumed["step"] > steps["restoring"]["checkpoint"]["step"], resumed
 
         # An XID 79 on rank 1's GPU: its node is cordoned, the spare takes its ranks; the other node's stay.
         step = client.latest_checkpoint(job["id"]).json()["step"]

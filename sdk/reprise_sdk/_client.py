@@ -364,6 +364,19 @@ def say(kind: str, body: Mapping[str, str]) -> None:
     _send_patiently(channel, channel.sock, f'{channel.head}"{kind}","t_ns":{_time_ns()}{fields}}}'.encode(), 1.0)
 
 
+def resumed(via: str, step: int | None, why: str) -> None:
+    """Tell the agent where this rank's state came from after (re)joining: "peer" (at `step`) or "checkpoint"."""
+    channel = _channel or _open()
+    if channel.sock is None:
+        return
+    _flush(channel)
+    body = {"t_ns": _time_ns(), "via": str(via)[:16], "why": str(why)[:512]}
+    if step is not None:
+        body["step"] = int(step)
+    message = channel.head + '"resumed",' + json.dumps(body, separators=(",", ":"))[1:]
+    _send_patiently(channel, channel.sock, message.encode(), 1.0)
+
+
 def stats() -> SdkStats:
     """Messages this process sent to the agent and dropped (agent absent or behind, invalid arguments)."""
     channel = _channel or _open()

@@ -11,9 +11,8 @@ copy), and after (re)joining the process group asks for it (``replica.restore()`
    SHA-256; every rank checks the digest and loads the bytes (``weights_only``).
 3. **Agree again.** If any rank could not take the state, every rank falls back to the checkpoint.
 
-The result says which path was taken and why; the rank tells its agent (an SDK "resumed" message is a later protocol
-version: for now it is printed by the script and kept in ``replica.last``). ``REPRISE_PEER_RESTORE=0`` (the job's env)
-turns peer recovery off.
+The result says which path was taken and why, and the rank tells its agent (a "resumed" message), whose report carries
+it to the recovery's verifying step. ``REPRISE_PEER_RESTORE=0`` (the job's env) turns peer recovery off.
 """
 
 from __future__ import annotations
@@ -28,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import _client
 from ._resume import resume
 
 PEER_ENV = "REPRISE_PEER_RESTORE"
@@ -76,6 +76,7 @@ class Replica:
         else:
             result = self._transfer(source, step)
         self.last = result
+        _client.resumed(result.path, result.step, result.reason)
         if result.state is None:
             self.forget()  # the state held is not the one training goes on from
         return result

@@ -90,8 +90,17 @@ class FaultRun:
         return next((s for s in reversed(steps) if s["step"] == name), None)
 
     @property
+    def resumed(self) -> dict[str, Any]:
+        """Where the ranks took their state from, as they told the recovery's verifying step ({} when not said)."""
+        verifying = self.step("verifying") or {}
+        return (verifying.get("data") or {}).get("resumed") or {}
+
+    @property
     def restored_step(self) -> int | None:
-        """The checkpoint step the recovery restored (0: none was validated, the job started over)."""
+        """The step the job went on from: a surviving peer's (peer recovery), or the checkpoint the recovery restored
+        (0: none was validated, the job started over)."""
+        if self.resumed.get("via") == "peer" and self.resumed.get("step") is not None:
+            return int(self.resumed["step"])
         restoring = self.step("restoring")
         if restoring is None or restoring.get("ended_at") is None:
             return None

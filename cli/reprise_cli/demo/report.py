@@ -4,8 +4,8 @@ Definitions (docs/demo.md):
 - detection latency: fault injected → the detector opened the incident (its `opened_at`);
 - recovery time: fault injected → training progressing again, i.e. the end of the recovery's `verifying` step (every
   rank of the new launch reported a step past the restored checkpoint's);
-- steps recomputed: the last step rank 0 completed before the fault stopped training minus the restored
-  checkpoint's step;
+- steps recomputed: the last step rank 0 completed before the fault stopped training minus the step training went on
+  from (a surviving peer's state, said by the ranks, or else the restored checkpoint's);
 - time lost: fault injected → rank 0 back at the step where the fault hit (recovery plus recomputation);
 - goodput: the time in which rank 0 went past the furthest step it had reached ÷ the training wall time (rank 0's
   first step to its last): the share of the run spent making new progress.

@@ -261,8 +261,9 @@ class Scenario:
         verifying = fault.step("verifying") or {}
         steps = (verifying.get("data") or {}).get("steps") or {}
         resumed = min(steps.values()) if steps else "?"
+        source = "a peer's state at step" if fault.resumed.get("via") == "peer" else "checkpoint step"
         self.say(
-            f"training resumed at step {resumed} from checkpoint step {fault.restored_step} "
+            f"training resumed at step {resumed} from {source} {fault.restored_step} "
             f"(restart epoch {self.job['restart_epoch']}, world size {len(self.job['placement'])}, "
             f"nodes {', '.join(nodes_of(self.job))})"
         )

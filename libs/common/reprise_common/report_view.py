@@ -54,6 +54,9 @@ class RankSeen(msgspec.Struct, frozen=True, gc=False):
     proc_state_age_s: Annotated[float, msgspec.Meta(ge=0)] | None = None
     cpu_s: Annotated[float, msgspec.Meta(ge=0)] | None = None
     io_bytes: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    resumed_via: Annotated[str, msgspec.Meta(max_length=16)] = ""
+    resumed_step: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    resumed_why: Annotated[str, msgspec.Meta(max_length=512)] = ""
     where: Annotated[str, msgspec.Meta(max_length=WHERE_MAX)] = ""
     waits_in: Annotated[str, msgspec.Meta(max_length=64)] = ""
     still_s: Annotated[float, msgspec.Meta(ge=0)] | None = None

@@ -51,6 +51,9 @@ def test_a_rank_is_in_startup_until_its_first_heartbeat() -> None:
         "step_time_p50_s": None,
         "step_time_p99_s": None,
         "step_time_last_s": None,
+        "resumed_via": "",
+        "resumed_step": None,
+        "resumed_why": "",
     }
     book.record(beat(1, 42))
     clock.advance(3)
@@ -256,6 +259,19 @@ def test_parse_reads_what_the_sdk_writes_and_ignores_unknown_fields() -> None:
     assert (checkpoint.kind, checkpoint.path, checkpoint.files) == (MessageKind.CHECKPOINT, "/c", ("/c/a",))
 
 
+def test_where_a_rank_resumed_from_reaches_its_status() -> None:
+    book = ProgressBook(ManualClock())
+    book.record(parse_message(b'{"v":1,"job":"j","rank":1,"epoch":2,"k":"resumed","t_ns":5,"via":"peer","step":41,'
+                              b'"why":"state of step 41 from rank 0"}'))  # fmt: skip
+    fields = book.status_fields("j", 1)
+    assert (fields["resumed_via"], fields["resumed_step"], fields["resumed_why"]) == (
+        "peer", 41, "state of step 41 from rank 0"
+    )  # fmt: skip
+    RankStatus(job_id="j", rank=1, **fields)  # the report takes them as they are
+    fallback = parse_message(b'{"v":1,"job":"j","rank":0,"epoch":2,"k":"resumed","t_ns":5,"via":"checkpoint"}')
+    assert (fallback.via, fallback.step) == ("checkpoint", None)
+
+
 GARBAGE = [
     (b"", "not JSON"),
     (b"\xff\xfe", "not JSON"),
@@ -271,6 +287,8 @@ GARBAGE = [
     (b'{"v":1,"job":"j","rank":0,"epoch":0,"k":"hb","step":1,"t_ns":1,"m":{"a":1' + b"0" * 400 + b"}}", "range"),
     (b'{"v":1,"job":"j","rank":0,"epoch":0,"k":"ckpt","step":1,"t_ns":1,"path":"","files":[]}', "path"),
     (b'{"v":1,"job":"j","rank":0,"epoch":0,"k":"ckpt","step":1,"t_ns":1,"path":"/c","files":[1]}', "files"),
+    (b'{"v":1,"job":"j","rank":0,"epoch":0,"k":"resumed","t_ns":1,"via":"disk"}', "via is not one of"),
+    (b'{"v":1,"job":"j","rank":0,"epoch":0,"k":"resumed","t_ns":1,"via":"peer","step":-2}', "step"),
 ]
 
 

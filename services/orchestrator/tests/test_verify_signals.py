@@ -204,6 +204,15 @@ def test_steps_in_the_new_epoch_make_it_a_step_check(engine: Engine) -> None:
     assert done.data.steps == {"0": 5, "1": 4} and done.took_s < 1.0
 
 
+def test_where_the_ranks_took_their_state_from_is_kept_with_the_steps(engine: Engine) -> None:
+    said = {"resumed_via": "peer", "resumed_step": 4, "resumed_why": "state of step 4 from rank 1"}
+    done = verify(engine, lambda t: [rank(0, t, step=5, **said), rank(1, t, step=5, **said)])
+    assert done.data.path is VerifyPath.STEPS and done.data.resumed is not None
+    assert (done.data.resumed.via, done.data.resumed.step) == ("peer", 4)
+    quiet = verify(engine, lambda t: [rank(0, t, step=5), rank(1, t, step=5)])
+    assert quiet.data.path is VerifyPath.STEPS and quiet.data.resumed is None
+
+
 def test_the_policy_can_ask_for_settle_even_when_ranks_report_steps(engine: Engine) -> None:
     done = verify(engine, lambda t: [rank(0, t, step=1), rank(1, t, step=1)], sdk_seen=True, verify_by="settle")
     assert done.result.then is Then.NEXT and done.data.path is VerifyPath.SETTLED

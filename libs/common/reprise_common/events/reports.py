@@ -74,6 +74,11 @@ class RankStatus(Wire):
     io_bytes: int | None = Field(
         default=None, ge=0, description="bytes the live rank read and wrote through system calls so far (sockets too)"
     )
+    resumed_via: str = Field(
+        default="", max_length=16, description="where the rank's state came from at its start: peer, checkpoint; ''"
+    )
+    resumed_step: int | None = Field(default=None, ge=0, description="the step a peer's state was at (via peer)")
+    resumed_why: str = Field(default="", max_length=512, description="why that path (the SDK's words)")
     # A rank without the SDK reports no steps: its agent samples its main thread's stack now and then (stack_sampler).
     where: str = Field(
         default="", max_length=WHERE_MAX, description="its main thread's innermost frame at the last stack sample"

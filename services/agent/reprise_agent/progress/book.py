@@ -35,6 +35,7 @@ class RankProgress:
     step_base_at: float | None = None  # our time of the same moment, used when the sender's clock stepped back
     step_times: deque[float] = field(default_factory=lambda: deque(maxlen=STEP_WINDOW))
     metrics: dict[str, float] = field(default_factory=dict)
+    resumed: tuple[str, int | None, str] | None = None  # (via, step, why) of the rank's "resumed" message
     _ordered: list[float] | None = None
 
     def percentile(self, q: float) -> float | None:
@@ -56,6 +57,9 @@ STATUS_FIELDS = (
     "step_time_p50_s",
     "step_time_p99_s",
     "step_time_last_s",
+    "resumed_via",
+    "resumed_step",
+    "resumed_why",
 )
 
 
@@ -133,6 +137,8 @@ class ProgressBook:
         now = self.clock.monotonic()
         if message.kind is MessageKind.HEARTBEAT:
             self._heartbeat(progress, message, now)
+        elif message.kind is MessageKind.RESUMED:
+            progress.resumed = (message.via, message.step, message.why)
         elif message.kind is MessageKind.PHASE:
             self._phase(progress, message.phase or ("training" if progress.step is not None else "startup"), now)
             progress.step_base_ns = progress.step_base_at = None  # a step spanning a phase change is no step time
@@ -194,8 +200,9 @@ class ProgressBook:
         """This rank's RankStatus progress fields: ``RankStatus(..., **book.status_fields(job_id, rank))``."""
         progress = self._jobs.get(job_id, {}).get(rank)
         if progress is None:
-            return dict.fromkeys(STATUS_FIELDS) | {"phase": "startup"}
+            return dict.fromkeys(STATUS_FIELDS) | {"phase": "startup", "resumed_via": "", "resumed_why": ""}
         now = self.clock.monotonic()
+        via, step, why = progress.resumed or ("", None, "")
         return {
             "step": progress.step,
             "heartbeat_age_s": _seconds(now - progress.beat_at if progress.beat_at is not None else None),
@@ -204,6 +211,9 @@ class ProgressBook:
             "step_time_p50_s": _seconds(progress.percentile(0.50)),
             "step_time_p99_s": _seconds(progress.percentile(0.99)),
             "step_time_last_s": _seconds(progress.step_times[-1] if progress.step_times else None),
+            "resumed_via": via,
+            "resumed_step": step,
+            "resumed_why": why,
         }
 
     def metrics(self, job_id: str, rank: int) -> dict[str, float]:

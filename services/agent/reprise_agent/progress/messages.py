@@ -30,6 +30,7 @@ class MessageKind(StrEnum):
     CHECKPOINT = "ckpt"
     IN_PLACE = "inplace"  # the rank runs under reprise_sdk.run: it can restart in place
     PARKED = "parked"  # the rank left its training function and waits for the next epoch (`why`: what it caught)
+    RESUMED = "resumed"  # where the rank's state came from after it joined: `via` peer (at `step`) or checkpoint
 
 
 class MalformedSdkMessage(ValueError):
@@ -51,7 +52,8 @@ class SdkMessage:
     path: str = ""
     files: tuple[str, ...] = ()
     sha256: tuple[tuple[str, int, str], ...] = ()  # (file, size, SHA-256 hex) computed by the writer
-    why: str = ""  # a parked rank's reason
+    why: str = ""  # a parked rank's reason, or why a rank resumed the way it did
+    via: str = ""  # a resumed rank's source: "peer" or "checkpoint"
 
 
 def parse_message(data: bytes) -> SdkMessage:
@@ -76,6 +78,8 @@ def parse_message(data: bytes) -> SdkMessage:
         return SdkMessage(kind, job_id, rank, epoch, sent_ns, phase=_text(raw, "phase"))
     if kind is MessageKind.IN_PLACE or kind is MessageKind.PARKED:
         return SdkMessage(kind, job_id, rank, epoch, sent_ns, why=_text(raw, "why"))
+    if kind is MessageKind.RESUMED:
+        return _resumed(raw, job_id, rank, epoch, sent_ns)
     step = _count(raw, "step")
     if kind is MessageKind.HEARTBEAT:
         return SdkMessage(kind, job_id, rank, epoch, sent_ns, step, phase=_text(raw, "phase"), metrics=_metrics(raw))
@@ -85,6 +89,17 @@ def parse_message(data: bytes) -> SdkMessage:
     if type(files) is not list or not all(type(f) is str for f in files):
         raise MalformedSdkMessage("files is not a list of strings")
     return SdkMessage(kind, job_id, rank, epoch, sent_ns, step, path=path, files=tuple(files), sha256=_sha256(raw))
+
+
+RESUMED_VIA = ("peer", "checkpoint")
+
+
+def _resumed(raw: dict[str, Any], job_id: str, rank: int, epoch: int, sent_ns: int) -> SdkMessage:
+    via = _text(raw, "via")
+    if via not in RESUMED_VIA:
+        raise MalformedSdkMessage(f"via is not one of {', '.join(RESUMED_VIA)}: {via!r}")
+    step = _count(raw, "step") if "step" in raw else None
+    return SdkMessage(MessageKind.RESUMED, job_id, rank, epoch, sent_ns, step, why=_text(raw, "why")[:512], via=via)
 
 
 def _sha256(raw: dict[str, Any]) -> tuple[tuple[str, int, str], ...]:

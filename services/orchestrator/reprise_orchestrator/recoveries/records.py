@@ -125,6 +125,15 @@ class Launched(StepData):
     error: str = ""
 
 
+class Resumed(BaseModel):
+    """Where the new epoch's ranks took their state from, as their SDK said: a surviving peer (at `step`) or the
+    checkpoint, and why (docs/sdk.md, peer recovery)."""
+
+    via: str = Field(max_length=16)
+    step: int | None = Field(default=None, ge=0)
+    why: str = Field(default="", max_length=512)
+
+
 class Verified(StepData):
     """Whether the new epoch trains: every rank past the restored step, alive past the settle time, or finished."""
 
@@ -143,6 +152,7 @@ class Verified(StepData):
     io_bytes: dict[str, int | None] = Field(
         default_factory=dict, description="I/O bytes each rank moved in the settle time's 2nd half (none: unknown)"
     )
+    resumed: Resumed | None = Field(default=None, description="where the ranks' state came from (the SDK's replica)")
 
 
 class Ended(StepData):

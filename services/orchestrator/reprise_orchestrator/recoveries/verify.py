@@ -20,7 +20,7 @@ from reprise_common.clock import Clock
 from reprise_common.report_view import STOPPED_STATES, RankSeen
 from reprise_orchestrator.inventory import Inventory
 from reprise_orchestrator.jobs.models import RecoveryPolicy, VerifyBy
-from reprise_orchestrator.recoveries.records import Then, Verified, VerifyPath
+from reprise_orchestrator.recoveries.records import Resumed, Then, Verified, VerifyPath
 
 POLL_S = 0.25
 NEWS_EVERY_S = 1.0  # how often a long wait looks for what the incident learned meanwhile
@@ -148,8 +148,17 @@ def _judge_steps(ranks: Mapping[int, RankSeen], watch: Watch, data: Verified) ->
     ready = {r for r, s in ranks.items() if r in done or (s.step is not None and s.step >= watch.target)}
     if ready == watch.wanted:
         steps = {str(r): ranks[r].step for r in sorted(watch.wanted)}
-        return Judgement(Verdict.PASSED, data.model_copy(update={"path": VerifyPath.STEPS, "steps": steps}))
+        update = {"path": VerifyPath.STEPS, "steps": steps, "resumed": _resumed(ranks)}
+        return Judgement(Verdict.PASSED, data.model_copy(update=update))
     return Judgement(Verdict.WAIT, data.model_copy(update={"missing": sorted(watch.wanted - ready)}))
+
+
+def _resumed(ranks: Mapping[int, RankSeen]) -> Resumed | None:
+    """What the ranks said of their state's source (they decide together: the lowest rank that said it speaks)."""
+    said = next((ranks[r] for r in sorted(ranks) if ranks[r].resumed_via), None)
+    if said is None:
+        return None
+    return Resumed(via=said.resumed_via, step=said.resumed_step, why=said.resumed_why)
 
 
 def _judge_settle(ranks: Mapping[int, RankSeen], watch: Watch, settle: Settle, now: float, data: Verified) -> Judgement:
