@@ -20,7 +20,7 @@ from reprise_common.service import (
     nats_check,
     settle_garbage_collector,
 )
-from reprise_detector import schema
+from reprise_detector import kinds, schema
 from reprise_detector.classify import RuleBook, load_rules
 from reprise_detector.incidents import views as incident_views
 from reprise_detector.nodes import views as node_views
@@ -65,6 +65,7 @@ def build_runtime(settings: DetectorSettings, clock: Clock) -> Runtime:
         liveness=liveness,
         partition=partition,
         reputation_rules=_reputation_rules(settings),
+        producers=kinds.producers(clock=clock, rules=rules.derived),  # the derived kinds' own (kinds/)
     )
     book = ProgressBook(clock)
     watcher = Watcher(
@@ -83,6 +84,7 @@ def build_runtime(settings: DetectorSettings, clock: Clock) -> Runtime:
         bus=bus,
         peers=peers,
         clocks=detector.clocks,
+        producers=detector.producers,
     )
     watcher.hangs.unheard = liveness.unheard
     liveness.witness = Witnesses(
@@ -165,6 +167,7 @@ def create_app(settings: DetectorSettings, *, clock: Clock | None = None) -> Fas
     )
     served: node_views.NodesView = runtime  # the routes read it through their protocols (deps.py)
     app.state.runtime = served
+    app.state.engine = runtime.engine  # the shared library's SessionDep reads it
     add_error_handlers(app)
     add_ops_routes(app, checks={"nats": nats_check(runtime.background), "database": db_check(runtime.engine)})
     auth.install(app, auth.authority_keys(settings, runtime.bus))

@@ -9,10 +9,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 
 from reprise_common.errors import ConfigError
 from reprise_common.events import (
@@ -29,62 +29,15 @@ from reprise_common.events import (
     RecommendedAction,
     Severity,
 )
-from reprise_detector import stacks
-from reprise_detector.derived import (
-    DerivedSymptom,
-    JobHung,
-    NodeLost,
-    NodeUnreachable,
-    RankExitedEarly,
-    RankStraggling,
-)
-from reprise_detector.observe import SymptomEvent, numeric_summary
+from reprise_detector import kinds, stacks
+from reprise_detector.kinds.base import Classification, Derived, Facts, Rule, SymptomEvent, TemplateRule
+from reprise_detector.observe import numeric_summary
 
 BUILTIN_RULES = "rules.yaml"
 EXIT_RULE_CACHE = 4096  # distinct rank exits (by what the rules look at) whose rule is remembered
 
 
-@dataclass(frozen=True)
-class Classification:
-    """What a symptom means: where the fault lies, how bad it is, what to do, and whether it can be a root cause."""
-
-    category: Category
-    severity: Severity
-    action: RecommendedAction
-    root_cause_grade: bool
-    reason: str
-    evidence_only: bool = False  # never recorded as a symptom: it only feeds the detector's own evidence
-
-
-class _Rule(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    category: Category
-    severity: Severity
-    action: RecommendedAction
-    root_cause: bool
-
-
-class TemplateRule(_Rule):
-    """A rule whose reason is a template filled from the event's fields."""
-
-    reason: str = Field(min_length=1)
-
-    @field_validator("reason")
-    @classmethod
-    def _renders(cls, value: str) -> str:
-        try:
-            value.format_map(_Facts())
-        except (ValueError, IndexError) as exc:
-            raise ValueError(f"reason template {value!r} is not valid: {exc}") from exc
-        return value
-
-    def apply(self, facts: _Facts) -> Classification:
-        """The classification this rule gives, its reason filled in from facts."""
-        return Classification(self.category, self.severity, self.action, self.root_cause, self.reason.format_map(facts))
-
-
-class XidRule(_Rule):
+class XidRule(Rule):
     """The meaning of one or more XID codes."""
 
     xids: list[int] = Field(min_length=1)
@@ -135,8 +88,9 @@ class ExitRule(TemplateRule):
     )
 
 
-class RulesFile(BaseModel):
-    """The shape of rules.yaml and of an operator's rules file (every section optional in the latter)."""
+class FixedSections(BaseModel):
+    """The sections of rules.yaml for the symptoms agents and the compute backend send (RulesFile adds one per derived
+    kind, kinds/)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -147,27 +101,26 @@ class RulesFile(BaseModel):
     dependency_failed: TemplateRule | None = None
     rendezvous_unreachable: TemplateRule | None = None
     rank_exited: list[ExitRule] = Field(default_factory=list)
-    node_lost: TemplateRule | None = None
-    node_unreachable: TemplateRule | None = None
-    job_hung: TemplateRule | None = None
-    rank_straggling: TemplateRule | None = None
-    rank_exited_early: TemplateRule | None = None
     rank_stacks: TemplateRule | None = None
     rank_numeric: TemplateRule | None = None
     compute_signal: dict[ComputeSignalKind, TemplateRule] = Field(default_factory=dict)
 
 
-# The sections that hold one template rule each: RulesFile and RuleBook have a field of each name.
+# The shape of rules.yaml and of an operator's rules file (every section optional in the latter): the fixed sections
+# and one per derived kind, of its kind's rule shape.
+RulesFile = create_model(
+    "RulesFile",
+    __base__=FixedSections,
+    **{section: (rule | None, None) for section, rule in kinds.sections().items()},  # type: ignore[call-overload]
+)
+
+
+# The fixed sections that hold one template rule each: RulesFile and RuleBook have a field of each name.
 TEMPLATE_SECTIONS = (
     "unknown_xid",
     "gpu_lost",
     "dependency_failed",
     "rendezvous_unreachable",
-    "node_lost",
-    "node_unreachable",
-    "job_hung",
-    "rank_straggling",
-    "rank_exited_early",
     "rank_stacks",
     "rank_numeric",
 )
@@ -183,14 +136,10 @@ class RuleBook:
     dependency_failed: TemplateRule
     rendezvous_unreachable: TemplateRule
     rank_exited: tuple[ExitRule, ...]
-    node_lost: TemplateRule
-    node_unreachable: TemplateRule
-    job_hung: TemplateRule
-    rank_straggling: TemplateRule
-    rank_exited_early: TemplateRule
     rank_stacks: TemplateRule
     rank_numeric: TemplateRule
     compute_signals: Mapping[ComputeSignalKind, TemplateRule]
+    derived: Mapping[str, TemplateRule]  # each derived kind's rule, by symptom type (kinds/)
     # The rule each rank exit chose, by what the rules look at: a storm's peers fail alike, so they match once.
     _exit_rules: dict[tuple[bool, str | None, int | None, tuple[str, ...]], ExitRule | None] = field(
         default_factory=dict, init=False, repr=False, compare=False
@@ -215,48 +164,33 @@ class RuleBook:
             case GpuXid():
                 return self._xid(event)
             case GpuLost():
-                return self.gpu_lost.apply(_Facts.of(event, reason=event.reason or "no reason given"))
+                return self.gpu_lost.apply(Facts.of(event, reason=event.reason or "no reason given"))
             case DependencyFailed():  # a job's own (its rendezvous master), or the node's
                 rule = self.rendezvous_unreachable if event.job_id is not None else self.dependency_failed
-                return rule.apply(_Facts.of(event))
+                return rule.apply(Facts.of(event))
             case RankExited():
                 return self._rank_exited(event)
             case RankStacks() | RankNumeric() | ComputeSignal() | RankParked():
                 return self._reported(event)
-            case NodeLost() | NodeUnreachable() | JobHung() | RankStraggling() | RankExitedEarly():
-                return self._derived(event)
+            case Derived():
+                return event.classify(self.derived[event.type])
 
     def _reported(self, event: RankStacks | RankNumeric | ComputeSignal | RankParked) -> Classification:
         match event:
             case RankParked():
                 return parked(event)
             case RankStacks():
-                return self.rank_stacks.apply(_Facts.of(event, summary=stacks.summary(event)))
+                return self.rank_stacks.apply(Facts.of(event, summary=stacks.summary(event)))
             case RankNumeric():
-                return self.rank_numeric.apply(_Facts.of(event, summary=numeric_summary(event)))
+                return self.rank_numeric.apply(Facts.of(event, summary=numeric_summary(event)))
             case ComputeSignal():  # a whole job's signal names no node, a node's no job
-                facts = _Facts.of(event, node_id=event.node_id or "(not named)", job_id=event.job_id or "(not named)")
+                facts = Facts.of(event, node_id=event.node_id or "(not named)", job_id=event.job_id or "(not named)")
                 return self.compute_signals[event.kind].apply(facts)
-
-    def _derived(self, event: DerivedSymptom) -> Classification:
-        match event:
-            case NodeLost():
-                return self.node_lost.apply(_Facts.of(event, silent_s=f"{event.silent_s:.1f}"))
-            case NodeUnreachable():
-                return self.node_unreachable.apply(_Facts.of(event, silent_s=f"{event.silent_s:.1f}"))
-            case JobHung():
-                facts = _Facts.of(event, stalled_s=f"{event.stalled_s:.1f}", limit_s=f"{event.limit_s:.1f}")
-                return self.job_hung.apply(facts)
-            case RankStraggling():
-                ratio = f"{event.step_time_s / event.median_s:.1f}" if event.median_s > 0 else "?"
-                return self.rank_straggling.apply(_Facts.of(event, ratio=ratio))
-            case RankExitedEarly():
-                return self.rank_exited_early.apply(_Facts.of(event, grace_s=f"{event.grace_s:g}"))
 
     def _xid(self, event: GpuXid) -> Classification:
         rule = self.xids.get(event.xid)
         if rule is None:
-            return self.unknown_xid.apply(_Facts.of(event))
+            return self.unknown_xid.apply(Facts.of(event))
         reason = f"XID {event.xid} on GPU {event.gpu}: {rule.meaning}"
         return Classification(rule.category, rule.severity, rule.action, rule.root_cause, reason)
 
@@ -277,7 +211,7 @@ class RuleBook:
             return Classification(
                 Category.UNKNOWN, Severity.WARNING, RecommendedAction.NONE, False, f"rank exit: {how}"
             )
-        return rule.apply(_Facts.of(event, signal=sig, how=how))
+        return rule.apply(Facts.of(event, signal=sig, how=how))
 
     def _exit_rule(
         self, oom_killed: bool, signal: str | None, exit_code: int | None, log_tail: tuple[str, ...]
@@ -342,18 +276,24 @@ def load_rules(path: Path | None = None) -> RuleBook:
     xids = {code: rule for rule in (*builtin.xid, *operator.xid) for code in rule.xids}
     templates: dict[str, TemplateRule] = {}
     for section in TEMPLATE_SECTIONS:  # an operator's rule replaces the built-in one of its section
-        rule = getattr(operator, section) or getattr(builtin, section)
-        if not isinstance(rule, TemplateRule):
-            raise ConfigError(f"built-in {BUILTIN_RULES} lacks the section {section}")
-        templates[section] = rule
+        templates[section] = _section(builtin, operator, section)
+    derived = {type_: _section(builtin, operator, kind.section) for type_, kind in kinds.kinds().items()}
     signals = {**builtin.compute_signal, **operator.compute_signal}
     if missing := sorted(set(ComputeSignalKind) - set(signals)):
         raise ConfigError(f"built-in {BUILTIN_RULES} lacks compute_signal rules for {', '.join(missing)}")
     exits = (*operator.rank_exited, *builtin.rank_exited)
-    return RuleBook(xids=xids, rank_exited=exits, compute_signals=signals, **templates)
+    return RuleBook(xids=xids, rank_exited=exits, compute_signals=signals, derived=derived, **templates)
 
 
-def _read(text: str, where: str) -> RulesFile:
+def _section(builtin: BaseModel, operator: BaseModel, section: str) -> TemplateRule:
+    """A section's rule: the operator's, else the built-in one (which every section has)."""
+    rule = getattr(operator, section) or getattr(builtin, section)
+    if not isinstance(rule, TemplateRule):
+        raise ConfigError(f"built-in {BUILTIN_RULES} lacks the section {section}")
+    return rule
+
+
+def _read(text: str, where: str) -> FixedSections:
     try:
         return RulesFile.model_validate(yaml.safe_load(text) or {})
     except yaml.YAMLError as exc:
@@ -362,21 +302,3 @@ def _read(text: str, where: str) -> RulesFile:
         first = exc.errors()[0]
         at = ".".join(str(p) for p in first["loc"]) or "(root)"
         raise ConfigError(f"rules file {where}: {at}: {first['msg']}") from exc
-
-
-class _Facts(dict[str, Any]):
-    """Template values; a field a template names but the event lacks renders as '?' instead of failing."""
-
-    event: BaseModel | None = None
-
-    @classmethod
-    def of(cls, event: BaseModel, **extra: Any) -> _Facts:
-        """The event's fields (read when a template names them: dumping them all costs more) and extra values."""
-        facts = cls(extra)
-        facts.event = event
-        return facts
-
-    def __missing__(self, key: str) -> Any:
-        if self.event is not None and key in type(self.event).model_fields:
-            return getattr(self.event, key)
-        return "?"

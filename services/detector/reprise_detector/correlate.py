@@ -8,12 +8,9 @@ from enum import StrEnum
 
 from reprise_common.events import CAUSE_DEPTH, ComputeSignal, Culprit, RankExited, RankNumeric, Severity
 from reprise_detector.classify import Classification
-from reprise_detector.derived import RankExitedEarly
 from reprise_detector.incidents.models import Incident
-from reprise_detector.observe import Observation
+from reprise_detector.kinds.base import Derived, Observation, SymptomEvent
 from reprise_detector.placements import PlacementMap
-
-RANK_EVENTS_WITH_EPOCH = (RankExited, RankExitedEarly, RankNumeric)
 
 
 class Decision(StrEnum):
@@ -70,9 +67,7 @@ def targets(observation: Observation, placements: PlacementMap) -> list[Target]:
             gpu=gpu,
             rank=observation.rank,
             exit_code=event.exit_code if isinstance(event, RankExited) else None,
-            restart_epoch=event.restart_epoch
-            if isinstance(event, RankExited | RankExitedEarly | RankNumeric)
-            else None,
+            restart_epoch=_restart_epoch(event),
             fault_step=event.step if isinstance(event, RankNumeric) else None,
         )
         return [Target(observation.job_id, culprit)]
@@ -92,6 +87,13 @@ def targets(observation: Observation, placements: PlacementMap) -> list[Target]:
         )
         for job_id in placements.jobs_on(node_id)
     ]
+
+
+def _restart_epoch(event: SymptomEvent) -> int | None:
+    """The launch a rank's symptom belongs to (a derived kind says so itself), for its culprit."""
+    if isinstance(event, Derived):
+        return event.culprit_epoch()
+    return event.restart_epoch if isinstance(event, RankExited | RankNumeric) else None
 
 
 def decide(classification: Classification, at: datetime, incident: Incident | None) -> Decision:

@@ -1,4 +1,5 @@
-"""The routes' FastAPI dependencies: the running detector as every route reads it, and a database session.
+"""The routes' FastAPI dependencies: the running detector as every route reads it (a database session is the shared
+library's, reprise_common.db.SessionDep).
 
 A route reads the detector through the RuntimeView protocol, never through runtime.Runtime: the runtime wires every
 stage, and the routes' own packages (incidents, nodes) sit below it.
@@ -6,16 +7,13 @@ stage, and the routes' own packages (incidents, nodes) sit below it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Annotated, Protocol
 
 from fastapi import Depends, Request
 from sqlalchemy.engine import Engine
-from sqlmodel import Session
 
 from reprise_common.bus import Bus
 from reprise_common.clock import Clock
-from reprise_common.db import REQUEST_SESSIONS, session_scope
 from reprise_detector.placements import PlacementMap
 
 
@@ -42,14 +40,3 @@ def get_runtime(request: Request) -> RuntimeView:
 
 
 RuntimeDep = Annotated[RuntimeView, Depends(get_runtime)]
-
-
-def get_session(runtime: RuntimeDep) -> Iterator[Session]:
-    """A database session for one request."""
-    with session_scope(runtime.engine) as session:
-        yield session
-
-
-# The session closes when the handler returns, before the answer is sent (sending waits for the event loop, which must
-# never wait for a connection a finished handler still holds), and at most REQUEST_SESSIONS handlers hold one at once.
-SessionDep = Annotated[Session, Depends(get_session, scope="function", max_concurrency=REQUEST_SESSIONS)]

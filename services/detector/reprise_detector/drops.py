@@ -10,7 +10,7 @@ from prometheus_client import Counter
 from reprise_common.clock import Clock
 from reprise_common.logging import get_logger
 from reprise_detector.correlate import OutOfPlacement
-from reprise_detector.observe import Observation
+from reprise_detector.kinds.base import Observation
 
 log = get_logger("reprise.detector.drops")
 LOG_EVERY_S = 60.0

@@ -7,11 +7,14 @@ the first clean exit becomes a derived symptom, `rank.exited_early`, that opens 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 
 from reprise_common.clock import Clock
-from reprise_detector.derived import RankExitedEarly
+from reprise_common.events import RankExited
+from reprise_detector.kinds.base import Classification, Derived, Observation, Quiet
+from reprise_detector.kinds.rank_exited_early import RankExitedEarly
 from reprise_detector.placements import PlacementMap
 
 
@@ -24,8 +27,9 @@ class _CleanExits:
     ranks: dict[int, tuple[str, datetime]] = field(default_factory=dict)  # rank -> (node, exit time)
 
 
-class EarlyExits:
-    """Notes clean rank exits per job; check() names the jobs whose other ranks did not follow within the grace."""
+class EarlyExits(Quiet):
+    """Producer: notes clean rank exits per job; check() names the jobs whose other ranks did not follow within the
+    grace."""
 
     def __init__(self, *, clock: Clock, placements: PlacementMap, grace_s: float) -> None:
         self.clock = clock
@@ -43,6 +47,16 @@ class EarlyExits:
         if exits is None or exits.epoch != epoch:
             exits = self._jobs[job_id] = _CleanExits(epoch=epoch, first_noted=self.clock.monotonic())
         exits.ranks.setdefault(rank, (node_id, time))
+
+    def on_symptom(self, observation: Observation, classification: Classification) -> None:
+        """A rank of an owned job that exited 0 is noted."""
+        event = observation.event
+        if isinstance(event, RankExited) and event.exit_code == 0 and observation.job_id is not None:
+            self.note(job_id=observation.job_id, rank=event.rank, node_id=observation.node_id, time=observation.time)
+
+    def tick(self, now: float) -> Sequence[Derived]:
+        """The early exits whose grace has passed."""
+        return self.check()
 
     def check(self) -> list[RankExitedEarly]:
         """The jobs whose grace has passed with some ranks not exited cleanly: one symptom each, at most once."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import random
 import zlib
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Annotated
 
@@ -24,7 +25,7 @@ from reprise_common.clock import Clock
 from reprise_common.errors import MalformedEventError
 from reprise_common.logging import get_logger
 from reprise_common.report_view import EMPTY_ARRAY, RankSeen, ReportSeen
-from reprise_detector.derived import DerivedSymptom
+from reprise_detector.kinds.base import Derived, Producer
 from reprise_detector.node_clocks import NodeClocks
 from reprise_detector.nodes.liveness import Liveness
 from reprise_detector.partition import Partition
@@ -103,6 +104,7 @@ class ReportReader:
         stragglers: StragglerWatch,
         clock: Clock,
         clocks: NodeClocks | None = None,
+        producers: Sequence[Producer] = (),
     ) -> None:
         self.clocks = clocks or NodeClocks()  # each node's clock offset, from its reports' send times
         self.placements = placements
@@ -110,8 +112,10 @@ class ReportReader:
         self.liveness = liveness
         self.book = book
         self.stragglers = stragglers
+        self.producers = tuple(producers)  # ticked by the watch
+        self._readers = tuple(p for p in producers if p.reads_reports)  # fed every report read
         self.clock = clock
-        self.pending: list[DerivedSymptom] = []
+        self.pending: list[Derived] = []
         self.reports_seen = 0
         self.reports_parsed = 0
         self.reports_malformed = 0
@@ -124,14 +128,14 @@ class ReportReader:
         self._tracks: dict[str, NodeRanks] = {}  # node -> the tracks its reports go to, and its latest not yet folded
         self._node_of: dict[str, str] = {}  # report subject -> its node (as many as liveness keeps nodes)
 
-    def read_reports(self, reports: dict[str, bytes]) -> list[DerivedSymptom]:
+    def read_reports(self, reports: dict[str, bytes]) -> list[Derived]:
         """Note every node's liveness and the progress of owned jobs from a batch of reports (subject -> payload); the
         symptoms found.
 
         The hot path of ingest: what one report costs beyond its decoding is kept to lookups in what the placement
         map last said (per node, then per job) and the in-place update of its ranks' tracks.
         """
-        found: list[DerivedSymptom] = []
+        found: list[Derived] = []
         if self.placements.version != self._here_version:  # each node's tracks are looked up again at its next report
             self._here, self._here_version = {}, self.placements.version
         record = self.decided  # a benchmark's: the reports' times are collected only for it
@@ -159,6 +163,8 @@ class ReportReader:
                 continue
             parsed += 1
             clocks.saw(node_id, report.time, wall, now=now)
+            for producer in self._readers:
+                found.extend(producer.on_report(node_id, report, now))
             if here:
                 found.extend(self._progress(node_id, report.ranks, here, now))
             elif report.ranks != EMPTY_ARRAY:  # no job of this replica's runs there: its ranks are only checked
@@ -217,9 +223,7 @@ class ReportReader:
             self._malformed_logged[node] = now
             log.warning("ignoring malformed node reports", extra={"node_id": node, "reason": reason[:200]})
 
-    def _progress(
-        self, node_id: str, ranks: msgspec.Raw, here: dict[str, frozenset[int]], now: float
-    ) -> list[DerivedSymptom]:
+    def _progress(self, node_id: str, ranks: msgspec.Raw, here: dict[str, frozenset[int]], now: float) -> list[Derived]:
         """Keep a report's ranks for the node's next fold (FOLD_EVERY_S), or fold them now: into the tracks its
         earlier reports went to (NodeRanks) while it lists the same ranks, else looked up (and remembered)."""
         known = self._tracks.get(node_id)
@@ -231,7 +235,7 @@ class ReportReader:
             if now < known.fold_at:
                 return []
             return self._fold(node_id, known)
-        found: list[DerivedSymptom] = []
+        found: list[Derived] = []
         if known is not None:  # looked up under an earlier placement: its unread report is folded as it was read
             found = self._fold(node_id, known, look_up=False)
             self._tracks.pop(node_id, None)
@@ -240,7 +244,7 @@ class ReportReader:
             return found
         return found + self._look_up(node_id, statuses, here, now, remember=True)
 
-    def _fold(self, node_id: str, known: NodeRanks, *, look_up: bool = True) -> list[DerivedSymptom]:
+    def _fold(self, node_id: str, known: NodeRanks, *, look_up: bool = True) -> list[Derived]:
         """Fold the node's unread report into its tracks and judge each rank's speed. Ranks it lists beyond them (its
         ranks changed) are looked up, unless `look_up` is False: then the node's tracks are dropped and its next
         report looks them up."""
@@ -252,7 +256,7 @@ class ReportReader:
         statuses = self._read_ranks(node_id, raw)
         if statuses is None:
             return []
-        found: list[DerivedSymptom] = []
+        found: list[Derived] = []
         folded = 0
         if len(known.tracks) == len(statuses):
             job = known.job
@@ -299,10 +303,10 @@ class ReportReader:
 
     def _look_up(
         self, node_id: str, ranks: tuple[RankSeen, ...], here: dict[str, frozenset[int]], now: float, *, remember: bool
-    ) -> list[DerivedSymptom]:
+    ) -> list[Derived]:
         """Fold ranks looked up in the placement and the book; `remember`: keep their tracks for the node's next
         report when they are the whole report and all of one placed job."""
-        found: list[DerivedSymptom] = []
+        found: list[Derived] = []
         update, judge = self.book.update, self.stragglers.judge
         jobs: set[int] = set()
         tracks: list[RankTrack] = []

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 from prometheus_client import Counter
@@ -22,21 +21,11 @@ from reprise_common.events import (
 )
 from reprise_common.logging import get_logger
 from reprise_detector import stacks
-from reprise_detector.derived import (
-    DerivedSymptom,
-    JobHung,
-    NodeLost,
-    NodeUnreachable,
-    RankExitedEarly,
-    RankStraggling,
-)
+from reprise_detector.kinds.base import AgentSymptom, Derived, Observation
 from reprise_detector.node_clocks import NodeClocks
 
 log = get_logger("reprise.detector.observe")
 
-# RankParked is evidence only: a survivor's error feeds the peers' errors (nodes/peers.py), never an incident.
-AgentSymptom = GpuXid | GpuLost | RankExited | DependencyFailed | RankStacks | RankNumeric | RankParked
-SymptomEvent = AgentSymptom | ComputeSignal | DerivedSymptom
 _LOG_TAIL_LINES = 5
 EVENT_TIMES_BOUNDED = Counter(
     "reprise_detector_event_times_bounded_total",
@@ -48,25 +37,6 @@ EVENT_TIMES_BOUNDED = Counter(
 
 class IngestError(ValueError):
     """An event that can never be used (bad subject or ids); it is dead-lettered, not retried."""
-
-
-@dataclass(frozen=True)
-class Observation:
-    """One symptom as the detector sees it: who reported it (from the subject), what, and when."""
-
-    event: SymptomEvent
-    node_id: str
-    kind: str
-    time: datetime
-    detail: str
-    gpu: int | None = None
-    job_id: str | None = None
-    rank: int | None = None
-
-    @property
-    def event_id(self) -> str:
-        """The id of the event this observation came from (the idempotency key)."""
-        return self.event.event_id
 
 
 def bounded_time(sent: datetime, *, stored_ns: int, skew_s: float) -> datetime:
@@ -98,7 +68,7 @@ def observe(
     """
     if isinstance(event, ComputeSignal):
         return compute_signal(event, subject, stored_ns=stored_ns, skew_s=skew_s)
-    if not isinstance(event, GpuXid | GpuLost | RankExited | DependencyFailed | RankStacks | RankNumeric | RankParked):
+    if not isinstance(event, AgentSymptom):
         return None
     try:
         node_id = subjects.node_from_agent_subject(subject)
@@ -165,43 +135,20 @@ def numeric_summary(event: RankNumeric) -> str:
     return f"{event.metric} {what} at step {event.step}{last}"
 
 
-def derived(symptom: DerivedSymptom) -> Observation:
-    """The observation for a symptom the detector derived itself (the node id is already trusted)."""
-    if isinstance(symptom, NodeLost | NodeUnreachable):
-        return Observation(
-            event=symptom,
-            node_id=symptom.node_id,
-            kind=symptom.type,
-            time=symptom.time,
-            detail=f"{symptom.how} (limit {symptom.limit_s:g} s)",
-        )
+def derived(symptom: Derived) -> Observation:
+    """The observation for a symptom the detector derived itself (the node id is already trusted), as its kind words
+    it and with what it names (kinds/)."""
+    scope = symptom.scope()
     return Observation(
         event=symptom,
         node_id=symptom.node_id,
         kind=symptom.type,
         time=symptom.time,
-        detail=_rank_detail(symptom),
-        job_id=symptom.job_id,
-        rank=symptom.rank,
+        detail=symptom.detail(),
+        gpu=scope.gpu,
+        job_id=scope.job_id,
+        rank=scope.rank,
     )
-
-
-def _rank_detail(symptom: JobHung | RankExitedEarly | RankStraggling) -> str:
-    match symptom:
-        case JobHung():
-            return (
-                f"no step progress for {symptom.stalled_s:.1f} s "
-                f"(limit {symptom.limit_s:.1f} s, {symptom.limit_reason}); "
-                f"stopped together: ranks {symptom.stalled_ranks}; lagging: ranks {symptom.lagging_ranks}; "
-                f"blamed: rank {symptom.rank} ({symptom.culprit_reason})"
-            )
-        case RankExitedEarly():
-            return (
-                f"exited 0 in epoch {symptom.restart_epoch}; {symptom.exited} of {symptom.world_size} ranks "
-                f"exited 0 within {symptom.grace_s:g} s"
-            )
-        case RankStraggling():
-            return f"step time {symptom.step_time_s:.3f} s vs job median {symptom.median_s:.3f} s"
 
 
 def _job_token(job_id: str) -> str:

@@ -25,8 +25,8 @@ from reprise_detector.correlate import Decision, OutOfPlacement, Target, decide,
 from reprise_detector.incidents import service
 from reprise_detector.incidents.flows import PendingChange, pending_change
 from reprise_detector.incidents.models import Incident, IncidentChangeKind, Symptom
+from reprise_detector.kinds.base import Observation
 from reprise_detector.nodes import reputation
-from reprise_detector.observe import Observation
 from reprise_detector.placements import PlacementMap
 
 log = get_logger("reprise.detector.pipeline")

@@ -21,19 +21,19 @@ from reprise_common.bus import Bus, Delivery, Outcome
 from reprise_common.clock import Clock
 from reprise_common.consumer import ACK, Item, Verdict
 from reprise_common.errors import BusError, MalformedEventError
-from reprise_common.events import Event, RankExited, RankParked
+from reprise_common.events import Event, RankExited
 from reprise_common.logging import get_logger
 from reprise_detector.classify import RuleBook
 from reprise_detector.correlate import out_of_placement, targets
-from reprise_detector.derived import DerivedSymptom
 from reprise_detector.drops import Drops
 from reprise_detector.early_exit import EarlyExits
 from reprise_detector.incidents.flows import PendingChange, publish_changes
+from reprise_detector.kinds.base import Derived, Observation, Producer
 from reprise_detector.node_clocks import NodeClocks
 from reprise_detector.nodes import reputation
 from reprise_detector.nodes.liveness import Liveness
 from reprise_detector.nodes.peers import PeerErrors
-from reprise_detector.observe import IngestError, Observation, derived, observe
+from reprise_detector.observe import IngestError, derived, observe
 from reprise_detector.partition import Partition
 from reprise_detector.persist import Recorder, Work
 from reprise_detector.placements import PlacementMap
@@ -62,6 +62,7 @@ class Detector:
         early_exit_grace_s: float = DEFAULT_EARLY_EXIT_GRACE_S,
         peers: PeerErrors | None = None,
         liveness: Liveness | None = None,
+        producers: Sequence[Producer] = (),
     ) -> None:
         self.engine = engine
         self.bus = bus
@@ -79,6 +80,9 @@ class Detector:
         self.drops = Drops(clock)
         self.early_exits = EarlyExits(clock=clock, placements=placements, grace_s=early_exit_grace_s)
         self.peers = peers  # where the ranks' errors that name a failed peer go (early evidence of node loss)
+        # What derives symptoms from what the pipeline takes in and the watch ticks: peers' errors, early exits, and
+        # the derived kinds' own producers (kinds/).
+        self.producers: list[Producer] = [*([peers] if peers is not None else []), self.early_exits, *producers]
         self.liveness = liveness  # told of nodes the compute scheduler released (their ranks' exits say so)
 
     # --- ingest -----------------------------------------------------------------------------------------------
@@ -153,7 +157,7 @@ class Detector:
         mine = [t for t in hit if self.partition.owns_job(t.job_id)]
         return Work(observation, classification, mine, owned=bool(mine))
 
-    async def process_derived(self, symptoms: Sequence[DerivedSymptom]) -> Outcome:
+    async def process_derived(self, symptoms: Sequence[Derived]) -> Outcome:
         """Persist symptoms the detector derived itself (node loss, hangs, stragglers)."""
         return await self.process([self.prepare(derived(s)) for s in symptoms])
 
@@ -165,8 +169,8 @@ class Detector:
                 if job_id is not None and self.partition.owns_job(job_id) and not w.classification.evidence_only:
                     self.drops.note(w.dropped, w.observation)
             elif w.owned and job_id is not None:
-                self._note_clean_exit(w.observation)
-                self._note_peer_error(w)
+                for producer in self.producers:  # early exits, peers' errors, and the kinds' own
+                    producer.on_symptom(w.observation, w.classification)
                 self._note_step_end(w.observation)
         work = [w for w in work if w.owned and not w.classification.evidence_only]  # a parked rank: noted, not kept
         if not work:
@@ -186,31 +190,6 @@ class Detector:
                 log.warning("could not publish; will retry", extra={"error": str(exc)})
                 return Outcome.RETRY
         return Outcome.ACK
-
-    def _note_clean_exit(self, observation: Observation) -> None:
-        event = observation.event
-        if isinstance(event, RankExited) and event.exit_code == 0 and observation.job_id is not None:
-            self.early_exits.note(
-                job_id=observation.job_id, rank=event.rank, node_id=observation.node_id, time=observation.time
-            )
-
-    def _note_peer_error(self, work: Work) -> None:
-        """A rank of the job's current launch that failed or parked because of a peer (a secondary exit, a survivor
-        of a restart in place) is evidence against the job's silent nodes (nodes/peers.py); one whose exit is a cause
-        of its own (a crash) explains its peers'."""
-        observation, event = work.observation, work.observation.event
-        if self.peers is None or not isinstance(event, RankExited | RankParked):
-            return
-        if isinstance(event, RankExited) and event.scheduler_ended:
-            return  # its peers' step ended with it: their errors are the scheduler's doing, no node's
-        job_id = observation.job_id
-        if job_id is None or event.restart_epoch not in (None, self.placements.epoch_of(job_id)):
-            return  # a replaced launch's rank, stopped by the recovery that replaced it
-        if work.classification.root_cause_grade:
-            self.peers.crashed(job_id=job_id)
-            return
-        text = "\n".join(event.log_tail) if isinstance(event, RankExited) else event.why
-        self.peers.note(job_id=job_id, node_id=observation.node_id, rank=event.rank, text=text, time=observation.time)
 
     def _note_step_end(self, observation: Observation) -> None:
         """A rank of the job's placement that the scheduler ended with its node's step: the node is released, its

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 
 from sqlalchemy.engine import Engine
@@ -18,6 +19,7 @@ from sqlmodel import Session, select
 from reprise_common.bus import Bus, Outcome
 from reprise_common.clock import Clock
 from reprise_common.logging import get_logger
+from reprise_detector.kinds.base import Producer
 from reprise_detector.node_clocks import NodeClocks
 from reprise_detector.node_reports import ReportReader
 from reprise_detector.nodes.liveness import Liveness
@@ -67,6 +69,7 @@ class Watcher(ReportReader):
         bus: Bus | None = None,
         peers: PeerErrors | None = None,
         clocks: NodeClocks | None = None,
+        producers: Sequence[Producer] = (),
     ) -> None:
         super().__init__(
             placements=placements,
@@ -76,6 +79,7 @@ class Watcher(ReportReader):
             stragglers=stragglers,
             clock=clock,
             clocks=clocks,
+            producers=producers,
         )
         self.detector = detector
         self.hangs = hangs
@@ -123,10 +127,9 @@ class Watcher(ReportReader):
                 return
             if nodes:
                 self.pending.extend(self.liveness.check())
-            if self.peers is not None:
-                self.pending.extend(self.peers.check())
-            self.pending.extend(self.detector.early_exits.check())
             now = self.clock.monotonic()
+            for producer in self.producers:  # peers' errors, early exits, the derived kinds' own (Detector.producers)
+                self.pending.extend(producer.tick(now))
             if now >= self._hangs_due():
                 self._hangs_checked_at = now
                 began = time.perf_counter()

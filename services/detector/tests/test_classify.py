@@ -240,8 +240,12 @@ def test_only_errors_that_name_a_failed_peer_are_evidence_against_a_silent_node(
 def test_every_template_section_of_the_rules_file_is_loaded_into_the_rule_book() -> None:
     from dataclasses import fields
 
+    from reprise_detector import kinds
     from reprise_detector.classify import TEMPLATE_SECTIONS, RuleBook, RulesFile, TemplateRule
 
     in_book = {f.name for f in fields(RuleBook) if f.type in ("TemplateRule", TemplateRule)}
     in_file = {name for name, f in RulesFile.model_fields.items() if f.annotation == TemplateRule | None}
-    assert set(TEMPLATE_SECTIONS) == in_book == in_file
+    derived = {kind.section for kind in kinds.kinds().values()}
+    assert set(TEMPLATE_SECTIONS) == in_book == in_file - derived
+    assert derived <= set(RulesFile.model_fields)  # each derived kind's section, of its own rule shape
+    assert set(load_rules().derived) == set(kinds.kinds())

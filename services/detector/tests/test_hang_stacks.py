@@ -6,7 +6,7 @@ from typing import Any
 
 from reprise_common.clock import utcnow
 from reprise_common.events import RankStacks, StackFrame, ThreadStack
-from reprise_detector.derived import JobHung
+from reprise_detector.kinds.job_hung import JobHung
 from reprise_detector.stacks import StackView, culprit, waits_in
 
 # `Harness` (tests/conftest.py) is passed in as a fixture; conftest is not importable here.

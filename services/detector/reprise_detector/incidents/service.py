@@ -14,7 +14,7 @@ from reprise_common.events import Category, Culprit, RankStacks, Severity, new_i
 from reprise_detector import stacks
 from reprise_detector.classify import Classification
 from reprise_detector.incidents.models import ACTIVE_STATES, Incident, IncidentState, RankStack, Symptom
-from reprise_detector.observe import Observation
+from reprise_detector.kinds.base import Observation
 
 
 def get(session: Session, *, incident_id: str) -> Incident:

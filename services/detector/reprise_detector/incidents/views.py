@@ -7,11 +7,11 @@ from typing import Annotated
 from fastapi import APIRouter, HTTPException, Query
 from fastapi.exceptions import RequestValidationError
 
-from reprise_common.db import SQL_INT_MAX
+from reprise_common.db import SQL_INT_MAX, SessionDep
 from reprise_common.errors import BusError
 from reprise_common.events import Category
 from reprise_common.service import IsoDateTime
-from reprise_detector.deps import RuntimeDep, SessionDep
+from reprise_detector.deps import RuntimeDep
 from reprise_detector.incidents import flows, service
 from reprise_detector.incidents.models import (
     IncidentDetail,

@@ -24,7 +24,8 @@ import msgspec
 
 from reprise_common.clock import Clock
 from reprise_common.report_view import EMPTY_ARRAY, GpuSeen, read_gpus
-from reprise_detector.derived import NodeLost, NodeUnreachable
+from reprise_detector.kinds.node_lost import NodeLost
+from reprise_detector.kinds.node_unreachable import NodeUnreachable
 
 REPORT_IN_FLIGHT_S = 0.1  # a report arriving this soon after a dropped connection may have been sent before it
 RELEASE_IN_FLIGHT_S = 2.0  # a report this soon after the scheduler ended the node's step was sent before that

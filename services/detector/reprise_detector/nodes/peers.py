@@ -17,14 +17,16 @@ that survived its peer's failure to restart in place does not exit, so its error
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
 from reprise_common.clock import Clock
+from reprise_common.events import RankExited, RankParked
 from reprise_common.logging import get_logger
 from reprise_detector.classify import RuleBook
-from reprise_detector.derived import NodeLost
+from reprise_detector.kinds.base import Classification, Derived, Observation, Quiet
+from reprise_detector.kinds.node_lost import NodeLost
 from reprise_detector.nodes.liveness import Liveness
 from reprise_detector.placements import PlacementMap
 
@@ -48,7 +50,7 @@ class PeerError:
         return f"its peers' collectives failed (rank {self.rank} on {self.node_id}: {self.line[:LINE_CHARS]})"
 
 
-class PeerErrors:
+class PeerErrors(Quiet):
     """Stage: note() keeps the peer errors of each job for a while; check() returns a NodeLost for each node of such
     a job's placement that has been silent longer than `factor` of its report intervals meanwhile.
 
@@ -97,6 +99,28 @@ class PeerErrors:
         """A rank of the job failed on its own: for `keep_s` its peers' errors are explained by that, not evidence."""
         self.crashed_until[job_id] = self.clock.monotonic() + self.keep_s
         self.jobs.pop(job_id, None)
+
+    def on_symptom(self, observation: Observation, classification: Classification) -> None:
+        """A rank of the job's current launch that failed or parked because of a peer (a secondary exit, a survivor
+        of a restart in place) is evidence against the job's silent nodes; one whose exit is a cause of its own (a
+        crash) explains its peers'."""
+        event = observation.event
+        if not isinstance(event, RankExited | RankParked):
+            return
+        if isinstance(event, RankExited) and event.scheduler_ended:
+            return  # its peers' step ended with it: their errors are the scheduler's doing, no node's
+        job_id = observation.job_id
+        if job_id is None or event.restart_epoch not in (None, self.placements.epoch_of(job_id)):
+            return  # a replaced launch's rank, stopped by the recovery that replaced it
+        if classification.root_cause_grade:
+            self.crashed(job_id=job_id)
+            return
+        text = "\n".join(event.log_tail) if isinstance(event, RankExited) else event.why
+        self.note(job_id=job_id, node_id=observation.node_id, rank=event.rank, text=text, time=observation.time)
+
+    def tick(self, now: float) -> Sequence[Derived]:
+        """The silent nodes that their peers' errors show lost."""
+        return self.check()
 
     def check(self) -> list[NodeLost]:
         """The silent nodes of the jobs with peer errors that just passed the factor (each loss once)."""

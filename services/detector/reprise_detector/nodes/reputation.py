@@ -17,8 +17,8 @@ from reprise_common.db import session_scope
 from reprise_common.events import Category, GpuXid, NodeQuarantineRecommended, QuarantineReason
 from reprise_common.logging import get_logger
 from reprise_detector.classify import Classification
+from reprise_detector.kinds.base import Observation
 from reprise_detector.nodes.models import NodeFault, NodeFaultBase, Quarantine
-from reprise_detector.observe import Observation
 
 log = get_logger("reprise.detector.reputation")
 HARDWARE = (Category.GPU_HARDWARE, Category.INTERCONNECT)

@@ -8,9 +8,9 @@ from typing import Annotated, Protocol
 from fastapi import APIRouter, Depends, Request
 from sqlmodel import Session, col, select
 
-from reprise_common.db import session_scope
+from reprise_common.db import SessionDep, session_scope
 from reprise_common.errors import NotFoundError
-from reprise_detector.deps import RuntimeDep, RuntimeView, SessionDep
+from reprise_detector.deps import RuntimeDep, RuntimeView
 from reprise_detector.nodes import reputation
 from reprise_detector.nodes.liveness import Liveness
 from reprise_detector.nodes.models import (

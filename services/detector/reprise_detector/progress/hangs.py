@@ -13,7 +13,7 @@ from datetime import timedelta
 from typing import Protocol
 
 from reprise_common.clock import Clock
-from reprise_detector.derived import JobHung
+from reprise_detector.kinds.job_hung import JobHung
 from reprise_detector.progress.book import JobTrack, ProgressBook, RankTrack
 from reprise_detector.progress.limits import PHASE_LIMITS, HangLimits, LimitReason
 from reprise_detector.progress.stalls import Stall, StallSeen, hang_culprit, stall_order, stopped_at

@@ -7,7 +7,7 @@ import statistics
 from enum import StrEnum
 
 from reprise_common.clock import Clock
-from reprise_detector.derived import RankStraggling
+from reprise_detector.kinds.rank_straggling import RankStraggling
 from reprise_detector.progress.book import JobTrack, ProgressBook, RankTrack
 
 
