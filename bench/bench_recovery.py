@@ -10,7 +10,10 @@ per cell, a cell being a system and a fault kind:
 
   cold   Reprise, policy ``restart_mode: "cold"``, no standbys: every recovery restarts every rank as a new process
   fast   Reprise, policy ``restart_mode: "auto"``, the script with ``--in-place`` (surviving ranks restart in their
-         processes), 2 warm standbys per node; skipped, with the reason, while the script has no ``--in-place``
+         processes), 2 warm standbys per node, every rank restoring the checkpoint (``REPRISE_PEER_RESTORE=0``);
+         skipped, with the reason, while the script has no ``--in-place``
+  peer   the fast path with peer recovery: the ranks go on from the survivors' state (``reprise_sdk.torch.replica``),
+         the checkpoint only when they cannot agree on it
   loop   ``until torchrun --max-restarts 0 ...; do :; done`` (bench/recovery_loop.py): every failure restarts it all
 
 Faults, each on rank 3: a rank crash (SIGKILL), XID 79 (Reprise: the agent's simulated GPU falls off the bus and the
@@ -20,7 +23,8 @@ a node loss (Reprise: the agent and its ranks vanish; the loop: one of two node 
 Several faults hit one run (5 per cell; --quick 1): the first when rank 0 prints step 25, each next one at the first
 step past the last fault's that is 5 past a checkpoint (35, 45, ...), and only once training has moved again after
 the last fault at the full world size (the fast path also waits for a ready standby on every node; the loop's node
-loss for its replacement node). Every fault therefore redoes 5 steps, and no fault hits a recovery still under way.
+loss for its replacement node). Every fault therefore redoes 5 steps from the checkpoint (none on the peer path), and
+no fault hits a recovery still under way.
 
 Per cell (bench/results/recovery.json, ``figures.cells.<system>.<fault>``): fault → the first step completed after
 the restart (the script's own ``step N t=`` line), its median and range over the faults, detection (Reprise: the
@@ -154,12 +158,12 @@ def main() -> None:
     if not chosen:
         raise SystemExit(f"no cell is named by --only {' '.join(args.only)}: systems {[s.value for s in System]}")
     root = Path(tempfile.mkdtemp(prefix="bench-recovery-"))
-    missing = fast_path_missing() if any(system is System.FAST for system, _ in chosen) else ""
+    missing = fast_path_missing() if any(system.in_place for system, _ in chosen) else ""
     reference = reference_digest(settings, root)
     print(f"{len(chosen)} cells under {root}; reference {reference}", flush=True)
     cells = []
     for system, fault in chosen:
-        if system is System.FAST and missing:
+        if system.in_place and missing:
             cells.append(CellRun(system, fault, launched_at=time.time(), skipped=missing))
         else:
             cells.append(run_cell(system, fault, settings, root / f"{system.value}-{fault.value}"))

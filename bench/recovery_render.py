@@ -11,7 +11,12 @@ from bench.vs_torchrun_common import REPO, Fault
 DOC = REPO / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- bench-recovery:begin -->", "<!-- bench-recovery:end -->"
 FAULT_NAMES = {Fault.RANK_CRASH: "rank crash", Fault.XID79: "XID 79", Fault.HANG: "hang", Fault.NODE_LOSS: "node loss"}
-SYSTEM_NAMES = {System.COLD: "Reprise cold", System.FAST: "Reprise fast path", System.LOOP: "torchrun loop"}
+SYSTEM_NAMES = {
+    System.COLD: "Reprise cold",
+    System.FAST: "Reprise fast path, checkpoint",
+    System.PEER: "Reprise fast path, peer state",
+    System.LOOP: "torchrun loop",
+}
 
 
 def seconds(value: float | None, missing: str = "—") -> str:

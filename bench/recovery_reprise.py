@@ -113,14 +113,14 @@ def policy(system: System, settings: RecoverySettings) -> dict[str, Any]:
         "max_restarts": allowance,
         "max_same_error": allowance,  # the same fault five times in a row is the bench, not a broken job
         "max_cordon_share": 1.0,  # one node cordoned per XID 79: the circuit breaker would stop the third
-        "restart_mode": "auto" if system is System.FAST else "cold",
+        "restart_mode": "auto" if system.in_place else "cold",
     }
 
 
 def run_cell(system: System, fault: Fault, settings: RecoverySettings, root: Path) -> CellRun:
     """One run of the job with `settings.faults` faults of one kind on a fresh stack."""
     root.mkdir(parents=True)
-    standbys = settings.standbys if system is System.FAST else 0
+    standbys = settings.standbys if system.in_place else 0
     with (
         _agents_environment(REPRISE_STANDBY_REFILL_DELAY_S=f"{settings.standby_refill_delay_s:g}"),
         platform(root, settings, spares=settings.spares(fault), standbys=standbys) as (stack, client),
@@ -184,14 +184,15 @@ class _Run:
     def submit(self, root: Path) -> dict[str, Any] | None:
         """Submit the job; None (with the reason in the cell) when it is refused or does not start."""
         system, cell = self.cell.system, self.cell
-        in_place = ["--in-place"] if system is System.FAST else []
+        in_place = ["--in-place"] if system.in_place else []
+        env = {"REPRISE_PEER_RESTORE": "0"} if system is System.FAST else {}  # the checkpoint, on every rank
         body = job_body(f"recovery-{system.value}-{cell.fault.value}", self.settings, root,
-                        policy=policy(system, self.settings), script_args=in_place, env={})  # fmt: skip
+                        policy=policy(system, self.settings), script_args=in_place, env=env)  # fmt: skip
         try:
             job = self.client.submit(body)
         except httpx.HTTPStatusError as exc:
             refused = exc.response.text[:300]
-            if system is System.FAST or "restart_mode" not in refused:
+            if system.in_place or "restart_mode" not in refused:
                 cell.skipped = f"the orchestrator refused the job: {refused}"
                 return None
             # An orchestrator without the field has one path, the cold one: the cell measures it all the same.

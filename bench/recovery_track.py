@@ -25,8 +25,14 @@ class System(StrEnum):
     """The three ways of running the same script through the same faults."""
 
     COLD = "cold"  # Reprise, restart_mode cold, no standbys
-    FAST = "fast"  # Reprise, restart_mode auto, --in-place, warm standbys
+    FAST = "fast"  # Reprise, restart_mode auto, --in-place, warm standbys; every rank restores the checkpoint
+    PEER = "peer"  # as fast, and the ranks go on from the survivors' state (reprise_sdk.torch.replica)
     LOOP = "loop"  # `until torchrun ...; do :; done`
+
+    @property
+    def in_place(self) -> bool:
+        """Reprise's fast path: surviving ranks restart in their processes, warm standbys take the others."""
+        return self in (System.FAST, System.PEER)
 
 
 FAULTS = (Fault.RANK_CRASH, Fault.XID79, Fault.HANG, Fault.NODE_LOSS)
