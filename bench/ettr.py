@@ -17,6 +17,20 @@ benchmark's job, the same for every system (the same script writes the same chec
 recovered (the torchrun loop's hang) gets an estimate, printed as one: the script's collective timeout, after which the
 loop restarts, plus that system's rank-crash recovery.
 
+No step lost (issue 41): a failure that the ranks recover from a surviving peer's state redoes no step, so only the
+share f of failures that fall back to a checkpoint loses T/2 on average; a background save holds training for its
+blocking time δb only. With M' = M / f (the time between failures that need the checkpoint):
+
+  T    = Daly's interval at δb and M'
+  ETTR = [1 - u0/M - f·T/(2M)] / (1 + δb/T)   (the formula above with δ = δb, M = M' and u0 = u0/f)
+
+Inputs: a 60 s synchronous save (the model the issue names: a large model's checkpoint to shared storage); δb = 60 s
+times the blocking ratio bench-checkpoint measured (a background save of 1 GiB against a synchronous one, side by side);
+u0 the peer cells' mean fault → training again (the fast path's when the peer cells are missing, said so); and f,
+an assumption, not a measurement: 0.15, for the faults whose survivors' state cannot be trusted or that leave no
+survivor (a software bug that fails every rank at once, silent data corruption, a numeric fault, a job-wide outage),
+with f = 0.05, 0.3 and 1 beside it to show how much rests on it.
+
 Failure rates, with 8 GPUs per node: Llama 3's (419 unexpected interruptions in 54 days on 16,384 GPUs, "The Llama 3
 Herd of Models", 2024), and the ends of the range issue 15 cites for large clusters, 2.3 and 6.5 per 1,000 node-days.
 """
@@ -39,6 +53,9 @@ from reprise_registry.advisor.views import DEFAULT_SAVE_COST_S
 GPU_COUNTS = (1_024, 16_384, 131_072)
 GPUS_PER_NODE = 8
 BEGIN, END = "<!-- bench-ettr:begin -->", "<!-- bench-ettr:end -->"
+SYNC_SAVE_MODEL_S = 60.0  # the synchronous save the no-step-lost projection assumes (a large model, shared storage)
+FALLBACK_SHARE = 0.15  # assumed share of failures that still need the checkpoint (module docstring)
+FALLBACK_SHARES = (0.05, FALLBACK_SHARE, 0.3, 1.0)
 PLOT_WIDTH = 50  # characters of the widest bar
 
 
@@ -133,6 +150,55 @@ def project(*, gpus: int, rate: FailureRate, save_cost: float, restart_overhead:
     return Projection(gpus, nodes, rate.name, nodes * rate.per_node_day, mtbf, interval, ettr)
 
 
+def project_no_step_lost(
+    *, gpus: int, rate: FailureRate, blocking_save_s: float, fallback_share: float, restart_overhead: float
+) -> Projection:
+    """The advisor's arithmetic when only `fallback_share` of the failures lose the work since the checkpoint."""
+    nodes = gpus // GPUS_PER_NODE
+    mtbf = formulas.job_mtbf_s(node_count=nodes, failures_per_node_day=rate.per_node_day)
+    needing = mtbf / fallback_share
+    interval = formulas.daly_interval_s(save_cost_s=blocking_save_s, mtbf_s=needing)
+    ettr = formulas.expected_ettr(
+        interval_s=interval, save_cost_s=blocking_save_s, mtbf_s=needing,
+        restart_overhead_s=restart_overhead / fallback_share,
+    )  # fmt: skip
+    return Projection(gpus, nodes, rate.name, nodes * rate.per_node_day, mtbf, interval, ettr)
+
+
+def no_step_lost(measured: dict[System, Overhead]) -> dict[str, Any] | None:
+    """The no-step-lost projection at the Llama 3 rate from bench-checkpoint's blocking ratio; None without it."""
+    path = RESULTS_DIR / "checkpoint.json"
+    peer = measured.get(System.PEER) or measured.get(System.FAST)
+    fast = measured.get(System.FAST) or peer
+    if not path.exists() or peer is None or fast is None:
+        return None
+    saved = json.loads(path.read_text(encoding="utf-8"))
+    ratio = float(saved["figures"]["blocking_ratio"])
+    blocking = SYNC_SAVE_MODEL_S * ratio
+    llama = next(r for r in RATES if r.name == "Llama 3")
+
+    def row(name: str, save: float, share: float, u0: float) -> dict[str, Any]:
+        cells = [project_no_step_lost(gpus=g, rate=llama, blocking_save_s=save, fallback_share=share,
+                                      restart_overhead=u0) for g in GPU_COUNTS]  # fmt: skip
+        return {"name": name, "save_s": save, "fallback_share": share, "u0_s": u0, "cells": [asdict(c) for c in cells]}
+
+    rows = [
+        row("synchronous save, every failure from the checkpoint", SYNC_SAVE_MODEL_S, 1.0, fast.restart_overhead_s),
+        row("background save, every failure from the checkpoint", blocking, 1.0, fast.restart_overhead_s),
+        *(row(f"background save + peer recovery, f = {f:g}", blocking, f, peer.restart_overhead_s)
+          for f in FALLBACK_SHARES if f < 1),
+    ]  # fmt: skip
+    return {
+        "checkpoint_measured": saved["machine"]["date"],
+        "blocking_ratio": ratio,
+        "sync_save_model_s": SYNC_SAVE_MODEL_S,
+        "blocking_save_s": round(blocking, 3),
+        "u0_from": "peer" if System.PEER in measured else "fast (no peer cells yet)",
+        "assumed_fallback_share": FALLBACK_SHARE,
+        "rows": rows,
+    }
+
+
 def load(name: str | None = None) -> tuple[str, dict[str, Any]]:
     """The recovery results: the full run's, else the smoke run's."""
     for candidate in [name] if name else ["recovery", "recovery-quick"]:
@@ -172,6 +238,7 @@ def figures(source: str, document: dict[str, Any], save_cost: float | None = Non
         "projections": projections(measured, delta),
         "advisor_default_save_cost_s": DEFAULT_SAVE_COST_S,
         "projections_at_advisor_default": projections(measured, DEFAULT_SAVE_COST_S),
+        "no_step_lost": no_step_lost(measured),
     }
 
 
@@ -198,8 +265,29 @@ def render(result: dict[str, Any], *, plots: bool = True) -> str:
         f"At the advisor's default save cost (what it assumes for a job with no measured checkpoint), "
         f"δ = {result['advisor_default_save_cost_s']:g} s:", "",
         _table(default, systems), *_plot_block(default, plots),
+        *_no_step_lost_block(result.get("no_step_lost")),
     ]  # fmt: skip
     return "\n".join(lines)
+
+
+def _no_step_lost_block(found: dict[str, Any] | None) -> list[str]:
+    if not found:
+        return ["", "No step lost: not projected (run make bench-checkpoint and make bench-recovery first)."]
+    lines = [
+        "",
+        f"No step lost, at the Llama 3 rate, with a {found['sync_save_model_s']:g} s synchronous save: a background "
+        f"save blocks {found['blocking_ratio']:.1%} of it (bench-checkpoint, {found['checkpoint_measured']}), "
+        f"δb = {found['blocking_save_s']:.2f} s; u0 from the {found['u0_from']} cells; f is assumed "
+        f"({found['assumed_fallback_share']:g}; the module docstring says why).", "",
+        "| model | δ | f | u0 | " + " | ".join(f"ETTR {g:,} GPUs" for g in GPU_COUNTS) + " |",
+        "|---|---|---|---|" + "---|" * len(GPU_COUNTS),
+    ]  # fmt: skip
+    for row in found["rows"]:
+        ettrs = " | ".join(f"{c['ettr']:.2%}" for c in row["cells"])
+        lines.append(
+            f"| {row['name']} | {row['save_s']:.2f} s | {row['fallback_share']:g} | {row['u0_s']:.2f} s | {ettrs} |"
+        )
+    return lines
 
 
 def _table(projected: dict[str, list[dict[str, Any]]], systems: list[System]) -> str:

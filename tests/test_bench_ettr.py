@@ -74,3 +74,27 @@ def test_a_faster_restart_never_projects_a_lower_ettr() -> None:
             fast = ettr.project(gpus=gpus, rate=rate, save_cost=0.05, restart_overhead=1.0)
             assert fast.interval_s == slow.interval_s  # the advisor's interval does not depend on u0
             assert fast.ettr > slow.ettr
+
+
+def test_no_step_lost_projection_at_16k_gpus_and_the_llama3_rate() -> None:
+    # By hand: M = 11,135.08 s as above; f = 0.1 of the failures need the checkpoint, so M' = M / f = 111,350.84 s.
+    # Daly, δb = 6 s: √(2·6·111,350.84) = 1,155.95; δb/2M' = 2.6942e-5, √ = 0.0051906;
+    # T = 1,155.95 x (1 + 0.0017302 + 0.0000030) - 6 = 1,151.95 s.
+    # ETTR, u0 = 1 s: (1 - 1/11,135.08 - 0.1 x 1,151.95/(2 x 11,135.08)) / (1 + 6/1,151.95) = 0.994738 / 1.005209
+    # = 0.98958.
+    rate = next(r for r in ettr.RATES if r.name == "Llama 3")
+    projection = ettr.project_no_step_lost(
+        gpus=16_384, rate=rate, blocking_save_s=6.0, fallback_share=0.1, restart_overhead=1.0
+    )
+    assert projection.mtbf_s == pytest.approx(11_135.08, abs=0.01)
+    assert projection.interval_s == pytest.approx(1_151.95, abs=0.01)
+    assert projection.ettr == pytest.approx(0.98958, abs=1e-5)
+
+
+def test_every_failure_falling_back_is_the_plain_projection() -> None:
+    rate = next(r for r in ettr.RATES if r.name == "Llama 3")
+    plain = ettr.project(gpus=131_072, rate=rate, save_cost=60.0, restart_overhead=1.3)
+    same = ettr.project_no_step_lost(
+        gpus=131_072, rate=rate, blocking_save_s=60.0, fallback_share=1.0, restart_overhead=1.3
+    )
+    assert same.ettr == pytest.approx(plain.ettr, rel=1e-12) and same.interval_s == pytest.approx(plain.interval_s)
