@@ -259,15 +259,16 @@ def render(result: dict[str, Any], *, plots: bool = True) -> str:
         lines += [f"  - {kind}: estimated, {why}" for kind, why in o["estimated"].items()]
     lines += [f"- not measured: {SYSTEM_NAMES[System(s)]}" for s in result["missing_systems"]]
     default = result["projections_at_advisor_default"]
-    lines += [
-        "", f"At the measured save cost, δ = {result['save_cost_s']:.3f} s:", "",
-        _table(result["projections"], systems), *_plot_block(result["projections"], plots), "",
-        f"At the advisor's default save cost (what it assumes for a job with no measured checkpoint), "
-        f"δ = {result['advisor_default_save_cost_s']:g} s:", "",
-        _table(default, systems), *_plot_block(default, plots),
-        *_no_step_lost_block(result.get("no_step_lost")),
-    ]  # fmt: skip
-    return "\n".join(lines)
+    only = None if plots else "Llama 3"  # the doc keeps one rate; the terminal and ettr.json have all three
+    lines += ["", f"At the measured save cost, δ = {result['save_cost_s']:.3f} s:", "",
+              _table(result["projections"], systems, only), *_plot_block(result["projections"], plots)]  # fmt: skip
+    if plots:
+        lines += [
+            "", f"At the advisor's default save cost (what it assumes for a job with no measured checkpoint), "
+            f"δ = {result['advisor_default_save_cost_s']:g} s:", "",
+            _table(default, systems), *_plot_block(default, plots),
+        ]  # fmt: skip
+    return "\n".join([*lines, *_no_step_lost_block(result.get("no_step_lost"))])
 
 
 def _no_step_lost_block(found: dict[str, Any] | None) -> list[str]:
@@ -290,12 +291,14 @@ def _no_step_lost_block(found: dict[str, Any] | None) -> list[str]:
     return lines
 
 
-def _table(projected: dict[str, list[dict[str, Any]]], systems: list[System]) -> str:
+def _table(projected: dict[str, list[dict[str, Any]]], systems: list[System], rate: str | None = None) -> str:
     header = "| GPUs | failure rate | failures/day | job MTBF | advisor's interval | " + " | ".join(
         f"ETTR {SYSTEM_NAMES[s]}" for s in systems
     )
     rows = [header + " |", "|---" * (5 + len(systems)) + "|"]
     for index, p in enumerate(projected[systems[0].value]):
+        if rate is not None and p["rate"] != rate:
+            continue
         ettrs = " | ".join(f"{projected[s.value][index]['ettr']:.2%}" for s in systems)
         rows.append(
             f"| {p['gpus']:,} | {p['rate']} | {p['failures_per_day']:.1f} | {p['mtbf_s'] / 60:.1f} min | "

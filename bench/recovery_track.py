@@ -85,7 +85,7 @@ class FaultRecord:
             "time_to_progress_s": _since(self.injected_at, self.progressed_at),
             "resumed_from_step": self.resumed_from_step,
             "resumed_world_size": self.resumed_world_size,
-            "steps_redone": None if self.resumed_from_step is None else self.step - self.resumed_from_step,
+            "steps_redone": None if self.resumed_from_step is None else max(0, self.step - self.resumed_from_step),
             "injected": self.detail,
             "detected_by": self.detected_by,
             **self.extra,
