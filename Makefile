@@ -19,7 +19,7 @@ SCHEDULER ?= agents
 # every rank as a new process, with no standbys (make demo RESTART=cold)
 RESTART ?= auto
 
-.PHONY: venv slurm-deps netns-deps test lint typecheck pytest chaos soak up demo clean bench-agent bench-sdk bench-registry bench-detector bench-orchestrator \
+.PHONY: venv slurm-deps netns-deps docker-deps test lint typecheck pytest chaos soak up demo clean bench-agent bench-sdk bench-registry bench-detector bench-orchestrator \
 	bench-orchestrator-concurrent bench-vs-torchrun bench-hang-limits bench-standby bench-recovery bench-ettr bench-slurm \
 	bench-checkpoint
 
@@ -70,7 +70,24 @@ netns-deps:
 			|| echo "netns-deps: apt-get could not install iptables and iproute2: the partition tests will be skipped"; \
 	fi
 
-pytest: $(STAMP) slurm-deps netns-deps
+# A Docker Engine for the container launcher's tests (docs/containers.md): Debian's docker.io and debootstrap, installed
+# with apt-get when dockerd is missing and we are root. The tests start a dockerd of their own and build the ranks' base
+# image from Debian's packages once (cached under ~/.cache/reprise). Like slurm-deps it never fails: where it cannot
+# install, the container tests are skipped with the reason.
+docker-deps:
+	@if command -v dockerd >/dev/null 2>&1 && command -v debootstrap >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" != 0 ]; then \
+		echo "docker-deps: dockerd is not installed and this is not root: the container tests will be skipped"; \
+	elif ! command -v apt-get >/dev/null 2>&1; then \
+		echo "docker-deps: dockerd is not installed and there is no apt-get: the container tests will be skipped"; \
+	else \
+		echo "docker-deps: installing docker.io and debootstrap with apt-get"; \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+			docker.io debootstrap >/dev/null; } \
+			|| echo "docker-deps: apt-get could not install docker.io: the container tests will be skipped"; \
+	fi
+
+pytest: $(STAMP) slurm-deps netns-deps docker-deps
 	$(BIN)/pytest
 
 test: lint typecheck pytest

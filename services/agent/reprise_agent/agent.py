@@ -19,7 +19,8 @@ from reprise_agent.faults import FaultInjector
 from reprise_agent.foreign_checkpoints import ForeignCheckpoints
 from reprise_agent.gpu.base import GpuBackend
 from reprise_agent.gpu.factory import open_backend
-from reprise_agent.launch.base import Launcher
+from reprise_agent.launch.base import ImageLaunchers, Launcher
+from reprise_agent.launch.container_policy import ContainerPolicy
 from reprise_agent.launch.processes import ProcessLauncher
 from reprise_agent.launch.standby import StandbyPool
 from reprise_agent.numeric import NumericWatcher
@@ -107,6 +108,22 @@ class Agent:
             on_exit=self._on_rank_exit,
             on_parked=self._on_rank_parked,
             tail_lines=settings.log_tail_lines,
+            containers=self._containers(settings),
+        )
+
+    def _containers(self, settings: AgentSettings) -> ImageLaunchers | None:
+        """This node's Docker daemon for the jobs whose ranks run in an image; None when the agent has none."""
+        if settings.docker_url is None:
+            return None
+        from reprise_agent.launch.containers import ContainerEngine  # noqa: PLC0415 - the SDK only where it is used
+
+        policy = ContainerPolicy(
+            mount_roots=tuple(settings.container_mount_roots),
+            images=frozenset(settings.container_images) if settings.container_images is not None else None,
+        )
+        inbox_dir = default_inbox_dir(settings.state_dir)
+        return ContainerEngine(
+            base_url=settings.docker_url, policy=policy, inbox_dir=inbox_dir, gpus=self.gpus.name == "nvml"
         )
 
     def _executor(self, py_spy: Path | None) -> CommandExecutor:

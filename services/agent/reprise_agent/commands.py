@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
 
-from reprise_common.events import AgentCommand, CommandReply, CommandResult
+from reprise_common.events import AgentCommand, AgentReply, CommandResult, ReplyData, ReplyEnvelope
 from reprise_common.logging import get_logger
 
 log = get_logger("reprise.agent.commands")
@@ -25,7 +25,7 @@ class CommandBook:
         self.state_file = state_file
         self.remember = remember
         self._fences: dict[str, int] = self._load()
-        self._answers: OrderedDict[str, asyncio.Future[CommandReply]] = OrderedDict()
+        self._answers: OrderedDict[str, asyncio.Future[ReplyEnvelope]] = OrderedDict()
         self.executed = 0
 
     def _load(self) -> dict[str, int]:
@@ -44,7 +44,7 @@ class CommandBook:
         """The highest fencing token accepted for a job (-1 if none)."""
         return self._fences.get(job_id, -1)
 
-    async def run(self, command: C, execute: Callable[[C], Awaitable[CommandReply]]) -> CommandReply:
+    async def run(self, command: C, execute: Callable[[C], Awaitable[ReplyEnvelope]]) -> ReplyEnvelope:
         """Execute a command once; a repeat (even while the first is running) gets the first answer.
 
         The fence is checked first, repeats included: an owner that lost the job gets "stale" even for a command id
@@ -56,7 +56,7 @@ class CommandBook:
         if known is not None:
             first = await asyncio.shield(known)
             return first.model_copy(update={"duplicate": True})
-        future: asyncio.Future[CommandReply] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[ReplyEnvelope] = asyncio.get_running_loop().create_future()
         self._answers[command.command_id] = future
         while len(self._answers) > self.remember:
             self._answers.popitem(last=False)
@@ -64,21 +64,21 @@ class CommandBook:
         future.set_result(reply)
         return reply
 
-    def _stale(self, command: AgentCommand) -> CommandReply:
+    def _stale(self, command: AgentCommand) -> AgentReply:
         highest = self.highest_fence(command.job_id)
         log.warning(
             "stale fence refused",
             extra={"job_id": command.job_id, "fence": command.fence, "highest": highest, "cmd": command.command_id},
         )
-        return CommandReply(
+        return AgentReply(
             command_id=command.command_id,
             node_id=self.node_id,
             result=CommandResult.REJECTED_STALE_FENCE,
             detail=f"stale fencing token {command.fence} for job {command.job_id}: highest seen is {highest}",
-            data={"highest_fence": highest},
+            data=ReplyData(highest_fence=highest),
         )
 
-    async def _fenced(self, command: C, execute: Callable[[C], Awaitable[CommandReply]]) -> CommandReply:
+    async def _fenced(self, command: C, execute: Callable[[C], Awaitable[ReplyEnvelope]]) -> ReplyEnvelope:
         highest = self.highest_fence(command.job_id)
         if command.fence < highest:  # a newer owner got in while this command waited its turn
             return self._stale(command)
@@ -90,7 +90,7 @@ class CommandBook:
             return await execute(command)
         except Exception as exc:  # the answer says what went wrong; the agent keeps serving
             log.exception("command failed", extra={"cmd": command.command_id})
-            return CommandReply(
+            return AgentReply(
                 command_id=command.command_id,
                 node_id=self.node_id,
                 result=CommandResult.FAILED,

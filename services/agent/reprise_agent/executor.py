@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Any
 
 from reprise_agent import foreign_restore, node_events
 from reprise_agent.commands import CommandBook
@@ -19,13 +18,19 @@ from reprise_agent.stacks import capture
 from reprise_common import subjects
 from reprise_common.errors import MalformedEventError
 from reprise_common.events import (
-    RESTORE_REFUSED,
-    CommandReply,
+    AgentReply,
     CommandResult,
     LaunchCommand,
+    LaunchData,
+    LaunchReply,
     PingCommand,
+    PingData,
+    PingReply,
+    RankStopped,
     StackCapture,
     StopCommand,
+    StopData,
+    StopReply,
     Wire,
     parse_command,
 )
@@ -70,31 +75,29 @@ class CommandExecutor:
         try:
             command = parse_command(data)
         except MalformedEventError as exc:
-            return CommandReply(
+            return AgentReply(
                 command_id="", node_id=self.node_id, result=CommandResult.FAILED, detail=f"bad command: {exc}"
             )
         return await self.book.run(command, self._execute)
 
-    async def _execute(self, command: PingCommand | LaunchCommand | StopCommand) -> CommandReply:
-        data: dict[str, Any]
+    async def _execute(self, command: PingCommand | LaunchCommand | StopCommand) -> AgentReply:
+        done = {"command_id": command.command_id, "node_id": self.node_id, "result": CommandResult.DONE}
         if isinstance(command, PingCommand):
-            data = {"ranks": len(self.supervisor.ranks()), "spare": self.spare}
-        elif isinstance(command, LaunchCommand):
-            try:
-                data = await self._launch(command)
-            except foreign_restore.RestoreRefusedError as exc:  # no rank starts on it: the recovery falls back
-                return CommandReply(
-                    command_id=command.command_id,
-                    node_id=self.node_id,
-                    result=CommandResult.FAILED,
-                    detail=str(exc),
-                    data={RESTORE_REFUSED: exc.problem},
-                )
-        else:
-            data = await self._stop(command)
-        return CommandReply(command_id=command.command_id, node_id=self.node_id, result=CommandResult.DONE, data=data)
+            return PingReply(**done, data=PingData(ranks=len(self.supervisor.ranks()), spare=self.spare))
+        if isinstance(command, StopCommand):
+            return StopReply(**done, data=await self._stop(command))
+        try:
+            return LaunchReply(**done, data=await self._launch(command))
+        except foreign_restore.RestoreRefusedError as exc:  # no rank starts on it: the recovery falls back
+            return LaunchReply(
+                command_id=command.command_id,
+                node_id=self.node_id,
+                result=CommandResult.FAILED,
+                detail=str(exc),
+                data=LaunchData(restore_refused=exc.problem),
+            )
 
-    async def _launch(self, command: LaunchCommand) -> dict[str, Any]:
+    async def _launch(self, command: LaunchCommand) -> LaunchData:
         """Start the job's ranks here; a script's own restored checkpoint is re-hashed first and handed to it
         (RestoreRefusedError when it differs)."""
         spec = ready = command.args
@@ -104,9 +107,9 @@ class CommandExecutor:
         self.foreign.launched(command.job_id, spec)
         for assignment in spec.ranks:  # startup begins now; a no-op for a rank that already reported
             self.progress.begin(command.job_id, assignment.rank, restart_epoch=spec.restart_epoch)
-        return {"pids": pids, "in_place": in_place}
+        return LaunchData(pids=pids, in_place=in_place)
 
-    async def _stop(self, command: StopCommand) -> dict[str, Any]:
+    async def _stop(self, command: StopCommand) -> StopData:
         """Stop the job's ranks here (a hang's stacks first); for a restart in place, the culprits first, then park
         whoever can. Ranks that park meanwhile were parked by the recovery: their peer errors are no evidence of a
         lost node, so no rank.parked is published for them."""
@@ -130,8 +133,8 @@ class CommandExecutor:
             self.stopping_jobs.discard(job_id)
         self.progress.forget(job_id)
         self.numeric.forget(job_id)
-        outcomes = {r.rank: {"rank": r.rank, "exit_code": r.exit_code, "signal": r.exit_signal} for r in stopped}
-        return {"stopped": list(outcomes.values()), "parked": sorted(kept)}
+        outcomes = {r.rank: RankStopped(rank=r.rank, exit_code=r.exit_code, signal=r.exit_signal) for r in stopped}
+        return StopData(stopped=list(outcomes.values()), parked=sorted(kept))
 
     async def _capture_stacks(self, job_id: str, order: StackCapture) -> None:
         """Publish the Python stacks of the job's live ranks here, once per incident, within the order's bound."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -14,9 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from reprise_agent.launch.base import Launcher, RankHandle
+from reprise_agent.launch.base import ImageLaunchers, Launcher, RankHandle
+from reprise_agent.launch.container_policy import LaunchRefusedError
 from reprise_agent.progress.messages import MessageKind, SdkMessage
 from reprise_agent.rank_env import rank_env, write_resume_files
+from reprise_common.errors import RepriseError
 from reprise_common.events import LaunchArgs, RankAssignment, RankStatus
 from reprise_common.logging import get_logger
 from reprise_common.procs import describe_exit
@@ -110,9 +113,11 @@ class RankSupervisor:
         tail_lines: int = 50,
         sdk_socket: Path | None = None,
         inbox_dir: Path | None = None,
+        containers: ImageLaunchers | None = None,
     ) -> None:
         self.node_id = node_id
         self.launcher = launcher
+        self.containers = containers  # the launchers of jobs whose ranks run in an image; None: this node runs none
         self.sdk_socket = sdk_socket
         self.inbox_dir = inbox_dir
         if inbox_dir is not None:
@@ -145,6 +150,7 @@ class RankSupervisor:
         parked = [r for r in self._ranks.values() if r.job_id == job_id and r.alive and r.parked.is_set()]
         if any(r.alive and not r.parked.is_set() for r in self._ranks.values() if r.job_id == job_id):
             raise RuntimeError(f"job {job_id} already has live ranks on {self.node_id}: stop it first")
+        launcher = self._launcher(spec)  # a refused container spec or a missing image fails before anything changes
         self._forget(job_id)
         for rank in parked:  # they are re-keyed by their new rank below
             del self._ranks[(job_id, rank.rank)]
@@ -161,13 +167,21 @@ class RankSupervisor:
                     in_place.append(assignment.rank)
                     continue
                 self._discard(taken)
-            rank = await self._start(job_id, spec, assignment, resume_files)
+            rank = await self._start(launcher, job_id, spec, assignment, resume_files)
             self._ranks[(job_id, assignment.rank)] = rank
             pids.append(rank.handle.pid)
         for rank in parked:  # more parked ranks than this node's share of the new epoch
             self._discard(rank)
         self._record()
         return pids, in_place
+
+    def _launcher(self, spec: LaunchArgs) -> Launcher:
+        """The job's launcher: processes, or containers of its image when its spec names one."""
+        if spec.container is None:
+            return self.launcher
+        if self.containers is None:
+            raise LaunchRefusedError("container: this node runs no containers (its agent has no REPRISE_DOCKER_URL)")
+        return self.containers.for_job(spec)
 
     def _assign(
         self, rank: RankProcess, job_id: str, spec: LaunchArgs, assignment: RankAssignment, resume_files: Path | None
@@ -254,19 +268,24 @@ class RankSupervisor:
             entries = []
         lost = []
         for entry in entries:
-            self.launcher.kill_lost(entry)
+            containers = self.containers if "container_id" in entry else None
+            with contextlib.suppress(RepriseError):  # a daemon that is down: its containers are its to end
+                (containers or self.launcher).kill_lost(entry)
             lost.append(LostRank(entry["job_id"], int(entry["rank"]), int(entry["restart_epoch"]), Path(entry["log"])))
+        if self.containers is not None:
+            with contextlib.suppress(RepriseError):
+                self.containers.remove_strays(self.node_id)  # containers of this node the ledger did not name
         self._record()
         return lost
 
     async def _start(
-        self, job_id: str, spec: LaunchArgs, assignment: RankAssignment, resume_files: Path | None
+        self, launcher: Launcher, job_id: str, spec: LaunchArgs, assignment: RankAssignment, resume_files: Path | None
     ) -> RankProcess:
         env = self._env(job_id, spec, assignment, resume_files)
         log_path = self._log_path(job_id, spec.restart_epoch, assignment.rank)
         # Standbys serve relaunches: a job's first start is on no recovery's critical path, and taking them then would
         # leave none for its first fault.
-        handle = await self.launcher.start(spec.command, env=env, cwd=spec.cwd, warm=spec.restart_epoch > 0)
+        handle = await launcher.start(spec.command, env=env, cwd=spec.cwd, warm=spec.restart_epoch > 0)
         rank = RankProcess(
             job_id=job_id,
             rank=assignment.rank,

@@ -68,6 +68,17 @@ class AgentSettings(ServiceSettings):
         le=3600,
         description="how long after ranks took standbys new ones start importing (not beside the ranks' own start)",
     )
+    docker_url: str | None = Field(
+        default=None,
+        description="the Docker daemon that runs the ranks of jobs with a container image (e.g. "
+        "unix:///var/run/docker.sock); None: such jobs are refused here (docs/containers.md)",
+    )
+    container_mount_roots: list[Path] = Field(
+        default_factory=list, max_length=64, description="host paths a job's containers may mount from (JSON list)"
+    )
+    container_images: list[str] | None = Field(
+        default=None, max_length=1024, description="the images a job may name (JSON list); None: any local image"
+    )
     standby_preload: list[str] = Field(
         default_factory=lambda: ["torch", "torch.distributed", "torch._dynamo"],
         max_length=64,

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from reprise_cli.slack_receiver import SlackReceiver
+from reprise_common.events import Culprit
 from reprise_notifier.signing import SIGNATURE_HEADER, TIMESTAMP_HEADER, check_secret, sign, verify
 
 SECRET = "whsec-0123456789abcdef"
@@ -64,7 +65,8 @@ routes:
 """
     )
     notifier = await start_notifier(notifier_routes_file=routes, environ={"PAGER_URL": f"{receiver.url}/hooks/pager"})
-    opened = make_incident("job-9")
+    culprit = Culprit(node_id="node-2", gpu=1, rank=3, exit_code=-9, restart_epoch=2, fault_step=1200)
+    opened = make_incident("job-9", culprit=culprit)
     await notifier.publish(opened)
     await notifier.publish(make_recovery(opened, "failed", step="launching", detail="launch not confirmed"))
     await wait_for(lambda: sum(len(json.loads(m.body)["alerts"]) for m in receiver.messages()) == 2)
@@ -81,6 +83,7 @@ routes:
     assert [a["kind"] for a in alerts] == ["opened", "failed"]
     failed = alerts[1]
     assert (failed["root_cause"], failed["culprit"]["node_id"]) == ("XID 79: GPU fell off the bus", "node-2")
+    assert failed["culprit"] == culprit.model_dump(mode="json")  # the recovery alert names the whole culprit
     assert "failed at launching: launch not confirmed" in failed["action_taken"]
 
     async def both_recorded() -> bool:

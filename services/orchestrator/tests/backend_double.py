@@ -15,15 +15,24 @@ from dataclasses import dataclass, field
 from reprise_common import subjects
 from reprise_common.bus import Bus
 from reprise_common.events import (
-    CommandReply,
     CommandResult,
     ComputeSignal,
     ComputeSignalKind,
     GpuStatus,
+    LaunchReply,
     NodeReport,
     RankStatus,
+    StopReply,
 )
-from reprise_orchestrator.compute.backend import Answers, InPlace, LaunchRequest, NodeAnswer, NodePool, SignalSink
+from reprise_orchestrator.compute.backend import (
+    Answers,
+    InPlace,
+    LaunchRequest,
+    NodeAnswer,
+    NodePool,
+    ReplyT,
+    SignalSink,
+)
 from reprise_orchestrator.compute.choose import BackendContext
 
 WORKERS = ("d-1", "d-2", "d-3")
@@ -65,7 +74,7 @@ class SchedulerDouble:
         """Every node it owns."""
         return len(WORKERS) + len(SPARES)
 
-    async def launch(self, request: LaunchRequest, *, operation_id: str, fence: int) -> Answers:
+    async def launch(self, request: LaunchRequest, *, operation_id: str, fence: int) -> Answers[LaunchReply]:
         """Start the ranks (as reported progress) and answer for each node."""
         self._report_forever()
         epoch = request.args.restart_epoch
@@ -77,7 +86,7 @@ class SchedulerDouble:
                 if r.node_id == node
             ]
         await self._report()
-        return self._done(request.nodes(), f"{operation_id}:launch")
+        return self._done(request.nodes(), f"{operation_id}:launch", LaunchReply)
 
     async def stop(
         self,
@@ -88,13 +97,13 @@ class SchedulerDouble:
         fence: int,
         stacks_for: str | None = None,
         in_place: InPlace | None = None,
-    ) -> Answers:
+    ) -> Answers[StopReply]:
         """Forget the job's ranks on these nodes."""
         CALLS.stops.append(list(node_ids))
         CALLS.stacks_for.append(stacks_for)
         for node in node_ids:
             self.ranks[node] = [r for r in self.ranks.get(node, []) if r.job_id != job_id]
-        return self._done(node_ids, f"{operation_id}:stop")
+        return self._done(node_ids, f"{operation_id}:stop", StopReply)
 
     async def cordon(self, node_id: str, *, reason: str) -> None:
         """Record it (a scheduler would drain the node with the reason)."""
@@ -115,12 +124,12 @@ class SchedulerDouble:
         if self._reporter is not None:
             self._reporter.cancel()
 
-    def _done(self, node_ids: Sequence[str], command_id: str) -> Answers:
+    def _done(self, node_ids: Sequence[str], command_id: str, reply_type: type[ReplyT]) -> Answers[ReplyT]:
         return Answers(
             tuple(
                 NodeAnswer(
                     node_id=node,
-                    reply=CommandReply(command_id=f"{command_id}:{node}", node_id=node, result=CommandResult.DONE),
+                    reply=reply_type(command_id=f"{command_id}:{node}", node_id=node, result=CommandResult.DONE),
                 )
                 for node in node_ids
             )

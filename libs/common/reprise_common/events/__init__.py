@@ -1,8 +1,9 @@
 """Every message type Reprise sends, as a versioned schema: the one public surface of the schemas.
 
 The schemas live in one module per domain (`base`: the envelope; `reports` and `symptoms`: what agents send;
-`checkpoints`; `incidents`; `jobs`: placements, recoveries, compute signals; `commands`; `faults`; `catalogue`: every
-event type by name). Import them from here: ``from reprise_common.events import NodeReport``.
+`checkpoints`; `incidents`; `jobs`: placements, recoveries, compute signals; `commands`; `replies`: the agent's answers
+to commands; `faults`; `catalogue`: every event type by name). Import them from here:
+``from reprise_common.events import NodeReport``.
 """
 
 from __future__ import annotations
@@ -20,18 +21,16 @@ from reprise_common.events.catalogue import EVENT_TYPES, AnyEvent, parse_event
 from reprise_common.events.checkpoints import (
     RESUME_FILES_MAX,
     CheckpointChange,
+    CheckpointChangeKind,
     CheckpointSaved,
     CheckpointWatch,
     FileDigest,
     ResumeFile,
 )
 from reprise_common.events.commands import (
-    RESTORE_REFUSED,
     AgentCommand,
     AnyCommand,
     CommandAction,
-    CommandReply,
-    CommandResult,
     LaunchArgs,
     LaunchCommand,
     PingCommand,
@@ -41,12 +40,19 @@ from reprise_common.events.commands import (
     StopCommand,
     parse_command,
 )
+from reprise_common.events.containers import (
+    CAPABILITIES_ALLOWED,
+    ContainerMount,
+    ContainerSpec,
+    mount_refusal,
+)
 from reprise_common.events.faults import PROCESS_FAULTS, FaultKind, InjectFault, InjectReply
 from reprise_common.events.incidents import (
     CAUSE_DEPTH,
     Category,
     Culprit,
     IncidentChange,
+    IncidentChangeKind,
     NodeQuarantineRecommended,
     QuarantineReason,
     RecommendedAction,
@@ -56,8 +62,28 @@ from reprise_common.events.jobs import (
     ComputeSignal,
     ComputeSignalKind,
     JobPlacement,
+    OutcomeOrBlank,
     RankAssignment,
     RecoveryChange,
+    RecoveryChangeKind,
+    RecoveryOutcome,
+    RecoveryStep,
+    StepOrBlank,
+)
+from reprise_common.events.replies import (
+    RESTORE_REFUSED,
+    AgentReply,
+    CommandReply,
+    CommandResult,
+    LaunchData,
+    LaunchReply,
+    PingData,
+    PingReply,
+    RankStopped,
+    ReplyData,
+    ReplyEnvelope,
+    StopData,
+    StopReply,
 )
 from reprise_common.events.reports import (
     WHERE_MAX,
@@ -88,6 +114,7 @@ from reprise_common.events.symptoms import (
 )
 
 __all__ = [
+    "CAPABILITIES_ALLOWED",
     "CAUSE_DEPTH",
     "EVENT_TYPES",
     "METRIC_NAME_MAX",
@@ -102,10 +129,12 @@ __all__ = [
     "WHERE_MAX",
     "AgentCommand",
     "AgentLifecycle",
+    "AgentReply",
     "AnyCommand",
     "AnyEvent",
     "Category",
     "CheckpointChange",
+    "CheckpointChangeKind",
     "CheckpointSaved",
     "CheckpointWatch",
     "CommandAction",
@@ -113,6 +142,8 @@ __all__ = [
     "CommandResult",
     "ComputeSignal",
     "ComputeSignalKind",
+    "ContainerMount",
+    "ContainerSpec",
     "Culprit",
     "DeadLetter",
     "DependencyFailed",
@@ -124,16 +155,22 @@ __all__ = [
     "GpuStatus",
     "GpuXid",
     "IncidentChange",
+    "IncidentChangeKind",
     "InjectFault",
     "InjectReply",
     "JobPlacement",
     "LaunchArgs",
     "LaunchCommand",
+    "LaunchData",
+    "LaunchReply",
     "NodeQuarantineRecommended",
     "NodeReport",
     "NumericKind",
     "NumericWatch",
+    "OutcomeOrBlank",
     "PingCommand",
+    "PingData",
+    "PingReply",
     "QuarantineReason",
     "RankAssignment",
     "RankExited",
@@ -141,20 +178,30 @@ __all__ = [
     "RankParked",
     "RankStacks",
     "RankStatus",
+    "RankStopped",
     "RecommendedAction",
     "RecoveryChange",
+    "RecoveryChangeKind",
+    "RecoveryOutcome",
+    "RecoveryStep",
+    "ReplyData",
+    "ReplyEnvelope",
     "ResumeFile",
     "Severity",
     "StackCapture",
     "StackFrame",
     "StandbyStatus",
+    "StepOrBlank",
     "StepSpan",
     "StopArgs",
     "StopCommand",
+    "StopData",
+    "StopReply",
     "ThreadStack",
     "Wire",
     "event_timestamp",
     "malformed",
+    "mount_refusal",
     "new_id",
     "parse_command",
     "parse_event",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Annotated, Literal
 
 from pydantic import Field
@@ -43,11 +44,19 @@ class CheckpointSaved(Event):
     )
 
 
+class CheckpointChangeKind(StrEnum):
+    """What happened to a checkpoint in the registry."""
+
+    VALIDATED = "validated"
+    CORRUPT = "corrupt"
+    DELETED = "deleted"
+
+
 class CheckpointChange(Event):
     """A checkpoint was validated, found corrupt, or deleted by retention."""
 
     type: Literal["checkpoint.change"] = "checkpoint.change"
-    change: Literal["validated", "corrupt", "deleted"]
+    change: CheckpointChangeKind
     checkpoint_id: int = Field(ge=0)
     job_id: str
     step: int = Field(ge=0)

@@ -1,4 +1,4 @@
-"""Commands to one agent (request/reply, not events): ping, launch, stop, and the agent's reply."""
+"""Commands to one agent (request/reply, not events): ping, launch, stop; the agent's replies are in replies.py."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pydantic import AwareDatetime, Field, NonNegativeInt, TypeAdapter, Validati
 from reprise_common.clock import utcnow
 from reprise_common.events.base import Wire, malformed
 from reprise_common.events.checkpoints import RESUME_FILES_MAX, CheckpointWatch, ResumeFile
+from reprise_common.events.containers import ContainerSpec
 from reprise_common.events.jobs import RankAssignment
 from reprise_common.events.symptoms import NumericWatch
 
@@ -62,6 +63,9 @@ class LaunchArgs(Wire):
     )
     checkpoints: CheckpointWatch | None = Field(
         default=None, description="where the script saves checkpoints of its own; None: it reports them (the SDK)"
+    )
+    container: ContainerSpec | None = Field(
+        default=None, description="run each rank in a container of this image (docs/containers.md); None: as processes"
     )
 
 
@@ -129,26 +133,3 @@ def parse_command(data: bytes) -> PingCommand | LaunchCommand | StopCommand:
         return _ANY_COMMAND.validate_json(data)
     except ValidationError as exc:
         raise malformed(exc, "command") from exc
-
-
-class CommandResult(StrEnum):
-    """How an agent answered a command."""
-
-    DONE = "done"
-    REJECTED_STALE_FENCE = "rejected_stale_fence"
-    FAILED = "failed"
-
-
-# In a failed launch's reply data: why the agent refused the restored checkpoint (a file differs from the manifest).
-RESTORE_REFUSED = "restore_refused"
-
-
-class CommandReply(Wire):
-    """The agent's answer to a command; a repeated command id gets the first answer again."""
-
-    command_id: str
-    node_id: str
-    result: CommandResult
-    detail: str = ""
-    data: dict[str, Any] = Field(default_factory=dict)
-    duplicate: bool = False

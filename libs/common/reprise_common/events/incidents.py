@@ -76,11 +76,19 @@ class Culprit(Wire):
     )
 
 
+class IncidentChangeKind(StrEnum):
+    """What happened to an incident."""
+
+    OPENED = "opened"
+    UPDATED = "updated"
+    RESOLVED = "resolved"
+
+
 class IncidentChange(Event):
     """An incident was opened, updated or resolved."""
 
     type: Literal["incident.change"] = "incident.change"
-    change: Literal["opened", "updated", "resolved"]
+    change: IncidentChangeKind
     incident_id: str
     job_id: str
     category: Category

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import AwareDatetime, Field
+from pydantic import AwareDatetime, BeforeValidator, Field, PlainSerializer
 
 from reprise_common.events.base import Event, Wire
 
@@ -36,19 +36,74 @@ class JobPlacement(Event):
         return list(dict.fromkeys(r.node_id for r in self.ranks))
 
 
+class RecoveryStep(StrEnum):
+    """The steps of a recovery, in order; a recovery ends in RUNNING or FAILED (or HELD, waiting for a human)."""
+
+    DETECTED = "detected"
+    LOCKED = "locked"
+    STOPPING_RANKS = "stopping_ranks"
+    ISOLATING = "isolating"
+    PLACING = "placing"
+    RESTORING = "restoring"
+    LAUNCHING = "launching"
+    VERIFYING = "verifying"
+    RUNNING = "running"
+    FAILED = "failed"
+    HELD = "held"
+
+
+class RecoveryOutcome(StrEnum):
+    """Why a recovery ended as it did."""
+
+    RECOVERED = "recovered"
+    BUDGET_SPENT = "restart_budget_spent"
+    NON_RETRYABLE = "non_retryable_exit_code"
+    SAME_ERROR = "same_error_repeated"
+    NO_PROGRESS = "no_checkpoint_progress"
+    CIRCUIT_BREAKER = "circuit_breaker_open"
+    HUMAN_ASKED = "detector_asked_for_a_human"
+    NO_CAPACITY = "no_capacity"
+    ATTEMPTS_SPENT = "attempts_spent"
+    REGISTRY_UNAVAILABLE = "registry_unavailable"
+    CANCELLED = "cancelled"
+    TRANSITION_REFUSED = "transition_refused"
+
+
+def _blank_is_none(value: object) -> object:
+    return None if value == "" else value
+
+
+def _none_is_blank(value: StrEnum | None) -> str:
+    return "" if value is None else value.value
+
+
+# A step or an outcome that may be absent: None in the code, "" on the wire and in stored JSON (as it always was).
+StepOrBlank = Annotated[RecoveryStep | None, BeforeValidator(_blank_is_none), PlainSerializer(_none_is_blank)]
+OutcomeOrBlank = Annotated[RecoveryOutcome | None, BeforeValidator(_blank_is_none), PlainSerializer(_none_is_blank)]
+
+
+class RecoveryChangeKind(StrEnum):
+    """What happened to a recovery."""
+
+    STARTED = "started"
+    STEP = "step"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+
+
 class RecoveryChange(Event):
     """A recovery started, moved to a new step, succeeded or failed."""
 
     type: Literal["recovery.change"] = "recovery.change"
-    change: Literal["started", "step", "succeeded", "failed"]
+    change: RecoveryChangeKind
     recovery_id: str
     job_id: str
     incident_id: str | None = None
-    step: str
+    step: RecoveryStep
     fence: int = Field(ge=0)
     detail: str = ""
     attempt: int = Field(default=1, ge=1, description="which attempt of the recovery the step belongs to")
-    outcome: str = Field(default="", description="why it ended (succeeded/failed only): a reason code")
+    outcome: OutcomeOrBlank = Field(default=None, description="why it ended (succeeded/failed only)")
     step_started_at: AwareDatetime | None = Field(default=None, description="when the step began")
     labels: dict[str, str] = Field(default_factory=dict, description="the job's labels, from its spec")
 

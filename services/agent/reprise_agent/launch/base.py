@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
+from reprise_common.events import LaunchArgs
 from reprise_common.procs import ProcessSample
 
 
@@ -76,4 +77,20 @@ class Launcher(Protocol):
 
     def kill_lost(self, record: Mapping[str, Any]) -> None:
         """Kill what is left of a rank an earlier process of this agent started (its handle's `record`)."""
+        ...
+
+
+class ImageLaunchers(Protocol):
+    """Launchers for the jobs whose ranks run in a container image (launch/containers.py)."""
+
+    def for_job(self, spec: LaunchArgs) -> Launcher:
+        """A launcher for the job's ranks; raises when this node refuses its container spec or lacks its image."""
+        ...
+
+    def kill_lost(self, record: Mapping[str, Any]) -> None:
+        """Remove what is left of a containerized rank an earlier process of this agent started."""
+        ...
+
+    def remove_strays(self, node_id: str) -> list[str]:
+        """Remove what is labelled with this node and left after the ledger's ranks were removed; what went."""
         ...

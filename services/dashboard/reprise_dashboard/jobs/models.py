@@ -10,7 +10,10 @@ from typing import Any
 
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
 
+from reprise_common.events import RecoveryOutcome, RecoveryStep
+
 ENDED_STATES = frozenset({"failed", "cancelled"})  # a job in one of these trains no more: its wall time stops
+FINISHED_STEPS = frozenset({RecoveryStep.RUNNING, RecoveryStep.FAILED, RecoveryStep.HELD})
 
 
 class Record(BaseModel):
@@ -22,7 +25,7 @@ class Record(BaseModel):
 class StepRecord(Record):
     """One step of a recovery with its start and end."""
 
-    step: str
+    step: RecoveryStep
     attempt: int = 1
     started_at: AwareDatetime
     ended_at: AwareDatetime | None = None
@@ -41,28 +44,28 @@ class RecoveryRecord(Record):
     incident_id: str | None = None
     attached_incidents: list[str] = Field(default_factory=list)
     fence: int = 0
-    step: str
+    step: RecoveryStep
     steps: list[StepRecord] = Field(default_factory=list)
     attempt: int = 1
-    outcome: str | None = None
+    outcome: RecoveryOutcome | None = None
     detail: str = ""
     started_at: AwareDatetime
     finished_at: AwareDatetime | None = None
 
     def restart_path(self) -> dict[str, Any] | None:
         """The latest stop's choice of path (restart_mode, parked, why), when the orchestrator recorded one."""
-        stops = [s.data for s in self.steps if s.step == "stopping_ranks" and "restart_mode" in s.data]
+        stops = [s.data for s in self.steps if s.step is RecoveryStep.STOPPING_RANKS and "restart_mode" in s.data]
         return stops[-1] if stops else None
 
     @property
     def recovered(self) -> bool:
         """True when the recovery got training going again."""
-        return self.step == "running"
+        return self.step is RecoveryStep.RUNNING
 
     @property
     def finished(self) -> bool:
         """True once the recovery ended, whatever the outcome."""
-        return self.finished_at is not None or self.step in {"running", "failed", "held"}
+        return self.finished_at is not None or self.step in FINISHED_STEPS
 
     def concerns(self, incident_id: str) -> bool:
         """True when this recovery was started by, or attached, the incident."""

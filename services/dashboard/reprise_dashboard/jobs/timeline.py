@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
+from reprise_common.events import RecoveryStep
 from reprise_dashboard.jobs.models import RecoveryRecord
 
 NICE_STEPS_S = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200)
@@ -34,7 +35,7 @@ class Frame:
 class Bar:
     """One step drawn as a rectangle."""
 
-    step: str
+    step: RecoveryStep
     attempt: int
     row: int
     x: float
@@ -46,7 +47,7 @@ class Bar:
     @property
     def label(self) -> str:
         """The row's label: the step, and its attempt when it is a retry."""
-        return self.step.replace("_", " ") + (f" (attempt {self.attempt})" if self.attempt > 1 else "")
+        return self.step.value.replace("_", " ") + (f" (attempt {self.attempt})" if self.attempt > 1 else "")
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from reprise_common.events import Category, IncidentChange, RecommendedAction, RecoveryChange, Severity
+from reprise_common.events import (
+    Category,
+    IncidentChange,
+    RecommendedAction,
+    RecoveryChange,
+    RecoveryChangeKind,
+    Severity,
+)
 from reprise_notifier.alerts.models import INCIDENT_KINDS, RECOVERY_KINDS, Alert, AlertKind, IncidentRecord
 
 STACKS_ANCHOR = "stacks"  # the id of the incident page's section that shows the ranks' Python stacks
@@ -81,11 +88,11 @@ def from_recovery(event: RecoveryChange, record: IncidentRecord | None, *, dashb
 def action_taken(event: RecoveryChange) -> str:
     """What the orchestrator did, in one line."""
     where = f"recovery {event.recovery_id} (fence {event.fence})"
-    if event.change == "succeeded":
+    if event.change is RecoveryChangeKind.SUCCEEDED:
         return f"{where}: {event.detail or 'training relaunched'}"
-    if event.change == "failed":
-        return f"{where} failed at {event.step}: {event.detail or 'no detail'}"
-    return f"{where}: {event.step}" + (f" ({event.detail})" if event.detail else "")
+    if event.change is RecoveryChangeKind.FAILED:
+        return f"{where} failed at {event.step.value}: {event.detail or 'no detail'}"
+    return f"{where}: {event.step.value}" + (f" ({event.detail})" if event.detail else "")
 
 
 def time_to_recover(event: RecoveryChange, record: IncidentRecord) -> float:

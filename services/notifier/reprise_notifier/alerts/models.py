@@ -6,12 +6,20 @@ from datetime import datetime
 from enum import StrEnum
 
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
-from sqlalchemy import String, Text
+from sqlalchemy import BigInteger, String, Text
 from sqlmodel import Field as SQLField
 from sqlmodel import SQLModel
 
 from reprise_common.db import UTCDateTime
-from reprise_common.events import Category, Culprit, RecommendedAction, Severity
+from reprise_common.events import (
+    Category,
+    Culprit,
+    IncidentChangeKind,
+    RecommendedAction,
+    RecoveryChangeKind,
+    Severity,
+    StepOrBlank,
+)
 
 
 class AlertKind(StrEnum):
@@ -28,16 +36,16 @@ class AlertKind(StrEnum):
 
 LOUD_KINDS: tuple[AlertKind, ...] = (AlertKind.OPENED, AlertKind.RECOVERED, AlertKind.FAILED)
 
-INCIDENT_KINDS: dict[str, AlertKind] = {
-    "opened": AlertKind.OPENED,
-    "updated": AlertKind.UPDATED,
-    "resolved": AlertKind.RESOLVED,
+INCIDENT_KINDS: dict[IncidentChangeKind, AlertKind] = {
+    IncidentChangeKind.OPENED: AlertKind.OPENED,
+    IncidentChangeKind.UPDATED: AlertKind.UPDATED,
+    IncidentChangeKind.RESOLVED: AlertKind.RESOLVED,
 }
-RECOVERY_KINDS: dict[str, AlertKind] = {
-    "started": AlertKind.RECOVERY_STARTED,
-    "step": AlertKind.RECOVERY_STEP,
-    "succeeded": AlertKind.RECOVERED,
-    "failed": AlertKind.FAILED,
+RECOVERY_KINDS: dict[RecoveryChangeKind, AlertKind] = {
+    RecoveryChangeKind.STARTED: AlertKind.RECOVERY_STARTED,
+    RecoveryChangeKind.STEP: AlertKind.RECOVERY_STEP,
+    RecoveryChangeKind.SUCCEEDED: AlertKind.RECOVERED,
+    RecoveryChangeKind.FAILED: AlertKind.FAILED,
 }
 
 
@@ -58,7 +66,7 @@ class Alert(BaseModel):
     culprit: Culprit = Field(default_factory=Culprit)
     recommended_action: RecommendedAction | None = None
     action_taken: str = ""
-    step: str = ""
+    step: StepOrBlank = Field(default=None, description="the recovery's step, for a recovery alert")
     symptom_count: int | None = None
     first_symptom_at: AwareDatetime | None = None
     time_to_recover_s: float | None = None
@@ -84,6 +92,9 @@ class IncidentRecord(SQLModel, table=True):
     culprit_node_id: str | None = SQLField(default=None, max_length=64)
     culprit_gpu: int | None = None
     culprit_rank: int | None = None
+    culprit_exit_code: int | None = None
+    culprit_restart_epoch: int | None = None
+    culprit_fault_step: int | None = SQLField(default=None, sa_type=BigInteger)
     recommended_action: RecommendedAction = SQLField(sa_type=String(32))
     symptom_count: int = 0
     first_symptom_at: datetime = SQLField(sa_type=UTCDateTime)
@@ -91,4 +102,20 @@ class IncidentRecord(SQLModel, table=True):
 
     def culprit(self) -> Culprit:
         """The culprit as the events carry it."""
-        return Culprit(node_id=self.culprit_node_id, gpu=self.culprit_gpu, rank=self.culprit_rank)
+        return Culprit(
+            node_id=self.culprit_node_id,
+            gpu=self.culprit_gpu,
+            rank=self.culprit_rank,
+            exit_code=self.culprit_exit_code,
+            restart_epoch=self.culprit_restart_epoch,
+            fault_step=self.culprit_fault_step,
+        )
+
+    def remember_culprit(self, culprit: Culprit) -> None:
+        """Keep every field of the incident's culprit."""
+        self.culprit_node_id = culprit.node_id
+        self.culprit_gpu = culprit.gpu
+        self.culprit_rank = culprit.rank
+        self.culprit_exit_code = culprit.exit_code
+        self.culprit_restart_epoch = culprit.restart_epoch
+        self.culprit_fault_step = culprit.fault_step

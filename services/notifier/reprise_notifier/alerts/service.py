@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from sqlmodel import Session
 
-from reprise_common.events import IncidentChange
+from reprise_common.events import IncidentChange, IncidentChangeKind
 from reprise_notifier.alerts.models import IncidentRecord
 
 
@@ -20,7 +20,7 @@ def remember(session: Session, *, event: IncidentChange) -> IncidentRecord:
         record = IncidentRecord(
             id=event.incident_id,
             job_id=event.job_id,
-            state=event.change,
+            state=event.change.value,
             category=event.category,
             severity=event.severity,
             root_cause=event.root_cause,
@@ -30,14 +30,12 @@ def remember(session: Session, *, event: IncidentChange) -> IncidentRecord:
         )
     elif event.time < record.updated_at:
         return record
-    record.state = "resolved" if event.change == "resolved" else "open"
+    record.state = "resolved" if event.change is IncidentChangeKind.RESOLVED else "open"
     record.category = event.category
     record.severity = event.severity
     record.root_cause = event.root_cause
     record.recommended_action = event.recommended_action
-    record.culprit_node_id = event.culprit.node_id
-    record.culprit_gpu = event.culprit.gpu
-    record.culprit_rank = event.culprit.rank
+    record.remember_culprit(event.culprit)
     record.symptom_count = event.symptom_count
     record.first_symptom_at = min(record.first_symptom_at, event.first_symptom_at)
     record.updated_at = event.time

@@ -12,20 +12,22 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence, Set
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 from pydantic import BaseModel, Field
 
 from reprise_common.errors import BusError, NoRespondersError
-from reprise_common.events import CommandReply, CommandResult, ComputeSignal, LaunchArgs
+from reprise_common.events import AgentReply, CommandResult, ComputeSignal, LaunchArgs, LaunchReply, StopReply
+
+ReplyT = TypeVar("ReplyT", bound=AgentReply)
 
 
 @dataclass(frozen=True)
-class NodeAnswer:
-    """One node's answer to a command: a reply, or the bus error that says why there was none."""
+class NodeAnswer(Generic[ReplyT]):
+    """One node's answer to a command: its typed reply, or the bus error that says why there was none."""
 
     node_id: str
-    reply: CommandReply | None
+    reply: ReplyT | None
     error: BusError | None = None
 
     @property
@@ -72,10 +74,10 @@ class CommandRecord(BaseModel):
 
 
 @dataclass(frozen=True)
-class Answers:
+class Answers(Generic[ReplyT]):
     """Every node's answer to one command sent to many nodes."""
 
-    items: tuple[NodeAnswer, ...] = ()
+    items: tuple[NodeAnswer[ReplyT], ...] = ()
 
     @property
     def stale(self) -> bool:
@@ -134,12 +136,12 @@ class InPlace:
     cold_nodes: frozenset[str] = frozenset()
 
 
-def parked_ranks(answers: Answers) -> list[int]:
+def parked_ranks(answers: Answers[StopReply]) -> list[int]:
     """The ranks the nodes parked for a restart in place (their answers' `parked`), sorted."""
     found: list[int] = []
     for answer in answers.items:
         if answer.reply is not None and answer.ok:
-            found.extend(int(rank) for rank in answer.reply.data.get("parked", ()))
+            found.extend(answer.reply.data.parked)
     return sorted(found)
 
 
@@ -160,7 +162,7 @@ class ComputeBackend(Protocol):
         """How many nodes the backend knows (the circuit breaker's denominator)."""
         ...
 
-    async def launch(self, request: LaunchRequest, *, operation_id: str, fence: int) -> Answers:
+    async def launch(self, request: LaunchRequest, *, operation_id: str, fence: int) -> Answers[LaunchReply]:
         """Start the job's ranks of a new epoch on every node of the request, under `fence`; each node's answer.
 
         The same operation id repeated is executed once per node; a node that saw a higher fence refuses (stale).
@@ -176,7 +178,7 @@ class ComputeBackend(Protocol):
         fence: int,
         stacks_for: str | None = None,
         in_place: InPlace | None = None,
-    ) -> Answers:
+    ) -> Answers[StopReply]:
         """Stop the job's ranks on these nodes (graceful, then killed), under `fence`; silence counts as stopped.
 
         With `stacks_for` (an incident id: a hang), first capture the ranks' Python stacks as evidence for it (within

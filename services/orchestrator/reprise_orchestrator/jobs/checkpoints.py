@@ -16,7 +16,7 @@ from pydantic import ValidationInfo, field_validator, model_validator
 
 from reprise_common.checkpoint_names import HF_PREFIX, STEP, CheckpointLayout, compile_pattern
 from reprise_common.errors import RepriseError
-from reprise_common.events import RESTORE_REFUSED, CheckpointWatch
+from reprise_common.events import CheckpointWatch, LaunchReply
 from reprise_orchestrator.compute.backend import Answers
 
 RESTORE_TOKENS = ("{restore_path}", "{restore_step}")
@@ -86,10 +86,10 @@ def confine(spec: CheckpointSpec, roots: Sequence[Path]) -> None:
     raise OutsideRootsError("directory", f"{spec.directory} resolves outside the checkpoint roots ({roots_text})")
 
 
-def refused_restore(answers: Answers) -> str | None:
+def refused_restore(answers: Answers[LaunchReply]) -> str | None:
     """Why an agent refused to start ranks on the restored checkpoint (a file differs from what the registry
     validated), naming the node; None when none did."""
     for answer in answers.items:
-        if answer.reply is not None and RESTORE_REFUSED in answer.reply.data:
-            return f"{answer.node_id}: {answer.reply.data[RESTORE_REFUSED]}"[:1024]
+        if answer.reply is not None and answer.reply.data.restore_refused is not None:
+            return f"{answer.node_id}: {answer.reply.data.restore_refused}"[:1024]
     return None

@@ -12,7 +12,7 @@ from sqlmodel import Session
 from reprise_common import subjects
 from reprise_common.bus import Bus
 from reprise_common.errors import BusError, ConflictError
-from reprise_common.events import JobPlacement, LaunchArgs, RankAssignment, StepSpan
+from reprise_common.events import JobPlacement, LaunchArgs, LaunchReply, RankAssignment, StepSpan
 from reprise_common.logging import get_logger
 from reprise_orchestrator.compute.backend import Answers, ComputeBackend, LaunchRequest
 from reprise_orchestrator.deps import Deps
@@ -95,7 +95,7 @@ async def launch(
     rendezvous: Rendezvous,
     restore: RestorePoint | None,
     skip_steps: StepSpan | None = None,
-) -> Answers:
+) -> Answers[LaunchReply]:
     """Publish the placement for the detector, then have the backend launch every rank; each node's answer."""
     placement = placement_event(job_id, spec, ranks, restart_epoch=rendezvous.restart_epoch)
     await bus.publish(subjects.placement(job_id), placement, msg_id=f"{operation_id}:placement")
@@ -113,6 +113,7 @@ async def launch(
         numeric=spec.policy.numeric.watch() if spec.policy.numeric else None,
         skip_steps=skip_steps,
         checkpoints=spec.checkpoints.watch() if spec.checkpoints else None,
+        container=spec.container,
     )
     return await backend.launch(LaunchRequest(job_id=job_id, args=args), operation_id=operation_id, fence=fence)
 

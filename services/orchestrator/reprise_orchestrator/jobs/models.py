@@ -18,6 +18,7 @@ from reprise_common.labels import MAX_LABELS, MAX_NAME, MAX_PREFIX, MAX_VALUE, L
 from reprise_common.settings import IdStr
 from reprise_orchestrator.compute.slurm.models import sbatch_option, slurm_name
 from reprise_orchestrator.jobs.checkpoints import CheckpointSpec
+from reprise_orchestrator.jobs.containers import ContainerRequest
 
 
 class JobState(StrEnum):
@@ -208,6 +209,9 @@ class JobCreate(JobBase):
     checkpoints: CheckpointSpec | None = Field(
         default=None, description="where the script saves checkpoints of its own, without the SDK (docs/registry.md)"
     )
+    container: ContainerRequest | None = Field(
+        default=None, description="run the ranks in an image (docs/containers.md)"
+    )
 
     @model_validator(mode="after")
     def _nodes_or_count(self) -> JobCreate:
@@ -226,6 +230,9 @@ class JobCreate(JobBase):
         if bounds.elastic_min_nodes is not None and count < bounds.elastic_min_nodes:
             raise ValueError(f"policy.elastic_min_nodes ({bounds.elastic_min_nodes}) is above the job's {count} nodes")
         return self
+
+
+_SPEC_CACHE = "_job_spec"  # where a Job row keeps its validated spec (not a column, not a field)
 
 
 class Job(JobBase, table=True):
@@ -268,13 +275,17 @@ class Job(JobBase, table=True):
     updated_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
 
     def job_spec(self) -> JobCreate:
-        """The spec the job was submitted with."""
-        return JobCreate.model_validate(self.spec)
+        """The spec the job was submitted with, validated once per row instance (again only when `spec` is replaced)."""
+        cached: tuple[dict[str, Any], JobCreate] | None = self.__dict__.get(_SPEC_CACHE)
+        if cached is None or cached[0] is not self.spec:
+            cached = (self.spec, JobCreate.model_validate(self.spec))
+            self.__dict__[_SPEC_CACHE] = cached
+        return cached[1]
 
     @property
     def labels(self) -> dict[str, str]:
         """The labels of the spec (checked when the job was submitted); none for a job from before labels."""
-        return dict(self.spec.get("labels") or {})
+        return dict(self.job_spec().labels)
 
     def nodes(self) -> list[str]:
         """The distinct nodes of the job's placement, in rank order."""

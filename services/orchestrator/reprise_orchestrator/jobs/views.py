@@ -12,17 +12,17 @@ from reprise_common.auth import REDACTED, may_see_secrets
 from reprise_common.labels import check_selector, parse_selector
 from reprise_orchestrator.deps import DepsDep, SessionDep
 from reprise_orchestrator.jobs import checkpoints, flows, service
-from reprise_orchestrator.jobs.models import JobCreate, JobPublic, JobsPublic, JobState
+from reprise_orchestrator.jobs.models import Job, JobCreate, JobPublic, JobsPublic, JobState
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 LabelSelector = Annotated[str, AfterValidator(check_selector)]
 
 
-def _public(job: object, request: Request) -> JobPublic:
+def _public(job: Job, request: Request) -> JobPublic:
     """The job as this caller may see it: env values (often secrets) only with the operate scope."""
     public = JobPublic.model_validate(job, from_attributes=True)
-    env = public.spec.get("env")
-    if isinstance(env, dict) and env and not may_see_secrets(request):
+    env = job.job_spec().env
+    if env and not may_see_secrets(request):
         public.spec = {**public.spec, "env": dict.fromkeys(env, REDACTED)}
     return public
 

@@ -18,7 +18,7 @@ from sqlmodel import Session
 
 from reprise_common.bus import Delivery
 from reprise_common.bus import Outcome as Ack
-from reprise_common.events import Event, IncidentChange, RecommendedAction, Severity, new_id
+from reprise_common.events import Event, IncidentChange, IncidentChangeKind, RecommendedAction, Severity, new_id
 from reprise_common.logging import get_logger
 from reprise_common.report_view import RankSeen
 from reprise_orchestrator.deps import Deps
@@ -60,7 +60,11 @@ class Claims:
 
     async def on_opened(self, event: Event, delivery: Delivery) -> Ack:
         """Claim a recovery for an opened incident, or attach it to the recovery that already answers it."""
-        if not isinstance(event, IncidentChange) or event.change != "opened" or not _actionable(event):
+        if (
+            not isinstance(event, IncidentChange)
+            or event.change is not IncidentChangeKind.OPENED
+            or not _actionable(event)
+        ):
             return Ack.ACK
         with Session(self.deps.engine) as session:
             if self._attach_if_known(session, event):
@@ -70,7 +74,11 @@ class Claims:
     async def on_updated(self, event: Event, delivery: Delivery) -> Ack:
         """Give a running recovery the newest version of its incident; after a recovery ended, a version that knows
         more (a deeper cause, a culprit node to leave out) is a fault that recovery did not answer: claim another."""
-        if not isinstance(event, IncidentChange) or event.change != "updated" or not _actionable(event):
+        if (
+            not isinstance(event, IncidentChange)
+            or event.change is not IncidentChangeKind.UPDATED
+            or not _actionable(event)
+        ):
             return Ack.ACK
         with Session(self.deps.engine) as session:
             recovery = service.newest_for_incident(session, job_id=event.job_id, incident_id=event.incident_id)

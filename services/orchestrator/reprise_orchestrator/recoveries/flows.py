@@ -18,13 +18,13 @@ import contextlib
 from collections.abc import Callable
 from datetime import datetime
 from functools import partial
-from typing import Any, Literal, cast
+from typing import Any, cast
 
 from sqlmodel import Session
 
 from reprise_common import subjects
 from reprise_common.errors import BusError, ConflictError, RepriseError
-from reprise_common.events import RecoveryChange
+from reprise_common.events import RecoveryChange, RecoveryChangeKind
 from reprise_common.logging import get_logger
 from reprise_orchestrator.deps import Deps
 from reprise_orchestrator.jobs import service as jobs
@@ -53,7 +53,6 @@ from reprise_orchestrator.recoveries.states import ATTEMPT_STEPS, TERMINAL_STEPS
 from reprise_orchestrator.recoveries.steps import RecoverySteps, StepResult
 
 log = get_logger("reprise.orchestrator.recovery")
-RecoveryChangeKind = Literal["started", "step", "succeeded", "failed"]
 Started = tuple[RecoveryRun, StepRecord]  # a run to drive, and the newest record of its recovery
 # Steps after which news of the incident means isolating and placing again within the attempt; after the launch,
 # news means a new attempt (the new epoch runs on a plan that did not know it).
@@ -99,7 +98,7 @@ class RecoveryFlow:
         renewal = asyncio.create_task(self.lease.keep(run), name=f"renew:{recovery_id}")
         try:
             if run.step is RecoveryStep.LOCKED:
-                await self._publish(run, "started", RecoveryStep.LOCKED)
+                await self._publish(run, RecoveryChangeKind.STARTED, RecoveryStep.LOCKED)
             elif last.done:
                 log.info("resuming a recovery", extra={"recovery_id": recovery_id, "after": run.step.value})
             done = StepResult(cast("StepData", last.data), last.then, last.outcome) if last.done else None
@@ -245,12 +244,12 @@ class RecoveryFlow:
 
     async def _after_move(self, run: RecoveryRun, moved: Proposal) -> None:
         if run.step not in TERMINAL_STEPS:
-            await self._publish(run, "step", run.step, started=True)
+            await self._publish(run, RecoveryChangeKind.STEP, run.step, started=True)
             return
         outcome, detail = moved.outcome or Outcome.TRANSITION_REFUSED, moved.detail
         if run.step is not RecoveryStep.RUNNING:
             await self._wind_down(run)
-        change: RecoveryChangeKind = "succeeded" if run.step is RecoveryStep.RUNNING else "failed"
+        change = RecoveryChangeKind.SUCCEEDED if run.step is RecoveryStep.RUNNING else RecoveryChangeKind.FAILED
         await self._publish(run, change, run.step, detail, outcome=outcome)
         if run.restore is not None:
             await self.deps.registry.unpin(run.restore.checkpoint_id, holder=run.recovery_id)
@@ -285,11 +284,11 @@ class RecoveryFlow:
             recovery_id=run.recovery_id,
             job_id=run.job.id,
             incident_id=run.incident.incident_id,
-            step=step.value,
+            step=step,
             fence=run.handle.fence,
             detail=detail,
             attempt=run.attempt,
-            outcome=outcome.value if outcome else "",
+            outcome=outcome,
             step_started_at=self.deps.clock.now() if started else None,
             labels=run.job.labels,
         )

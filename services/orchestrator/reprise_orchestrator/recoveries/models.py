@@ -6,6 +6,7 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import JSON, Column, String
+from sqlalchemy import Enum as SAEnum
 from sqlmodel import Field, SQLModel
 
 from reprise_common.clock import utcnow
@@ -32,7 +33,8 @@ class Recovery(SQLModel, table=True):
         description="the newest version of the incident, when it learned something the plan did not know",
     )
     attempt: int = 1
-    outcome: Outcome | None = None
+    # The database type keeps the name the enum had when it lived here (migration 0001), not the shared class's.
+    outcome: Outcome | None = Field(default=None, sa_type=SAEnum(Outcome, name="outcome"))
     detail: str = ""
     started_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
     finished_at: datetime | None = Field(default=None, sa_type=UTCDateTime)

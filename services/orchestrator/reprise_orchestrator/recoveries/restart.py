@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from reprise_common.events import Category, IncidentChange
+from reprise_common.events import Category, IncidentChange, StopReply
 from reprise_orchestrator.compute.backend import Answers, InPlace, parked_ranks
 from reprise_orchestrator.jobs.models import RecoveryPolicy
 from reprise_orchestrator.recoveries import facts
@@ -46,7 +46,7 @@ def plan(incident: IncidentChange, policy: RecoveryPolicy, *, attempt: int) -> R
     return RestartPlan(InPlace(kill_ranks=kill, cold_nodes=cold_nodes), "; ".join(parts))
 
 
-def outcome(chosen: RestartPlan, answers: Answers) -> tuple[str, list[int], str]:
+def outcome(chosen: RestartPlan, answers: Answers[StopReply]) -> tuple[str, list[int], str]:
     """The path the stop took (in place when any rank parked), the parked ranks, and why."""
     parked = parked_ranks(answers)
     if chosen.in_place is None:

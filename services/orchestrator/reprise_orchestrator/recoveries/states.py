@@ -1,24 +1,12 @@
-"""The steps a recovery moves through, and the reasons it ends."""
+"""The steps a recovery moves through, and the reasons it ends (the enums are the shared library's: the recovery
+changes carry them to the notifier and the dashboard)."""
 
 from __future__ import annotations
 
-from enum import StrEnum
+from reprise_common.events import RecoveryOutcome as Outcome
+from reprise_common.events import RecoveryStep
 
-
-class RecoveryStep(StrEnum):
-    """The steps of a recovery, in order; a recovery ends in RUNNING or FAILED (or HELD, waiting for a human)."""
-
-    DETECTED = "detected"
-    LOCKED = "locked"
-    STOPPING_RANKS = "stopping_ranks"
-    ISOLATING = "isolating"
-    PLACING = "placing"
-    RESTORING = "restoring"
-    LAUNCHING = "launching"
-    VERIFYING = "verifying"
-    RUNNING = "running"
-    FAILED = "failed"
-    HELD = "held"
+__all__ = ["ATTEMPT_STEPS", "TERMINAL_STEPS", "Outcome", "RecoveryStep"]
 
 
 TERMINAL_STEPS = frozenset({RecoveryStep.RUNNING, RecoveryStep.FAILED, RecoveryStep.HELD})
@@ -31,20 +19,3 @@ ATTEMPT_STEPS = (
     RecoveryStep.LAUNCHING,
     RecoveryStep.VERIFYING,
 )
-
-
-class Outcome(StrEnum):
-    """Why a recovery ended as it did."""
-
-    RECOVERED = "recovered"
-    BUDGET_SPENT = "restart_budget_spent"
-    NON_RETRYABLE = "non_retryable_exit_code"
-    SAME_ERROR = "same_error_repeated"
-    NO_PROGRESS = "no_checkpoint_progress"
-    CIRCUIT_BREAKER = "circuit_breaker_open"
-    HUMAN_ASKED = "detector_asked_for_a_human"
-    NO_CAPACITY = "no_capacity"
-    ATTEMPTS_SPENT = "attempts_spent"
-    REGISTRY_UNAVAILABLE = "registry_unavailable"
-    CANCELLED = "cancelled"
-    TRANSITION_REFUSED = "transition_refused"

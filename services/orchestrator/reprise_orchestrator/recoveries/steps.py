@@ -264,7 +264,7 @@ class RecoverySteps:
             detail = f"the restored checkpoint was refused before launch by {refused}"
             await self.deps.registry.load_failed(run.restore.checkpoint_id, reason=detail)
             return StepResult(Launched(restart_epoch=epoch, error=refused), Then.RETRY, detail=detail)
-        in_place = sum(len(a.reply.data.get("in_place", ())) for a in answers.items if a.reply is not None and a.ok)
+        in_place = sum(len(a.reply.data.in_place) for a in answers.items if a.reply is not None and a.ok)
         data = Launched(
             restart_epoch=epoch, master_port=rendezvous.master_port, answers=answers.record(), in_place=in_place
         )

@@ -15,15 +15,24 @@ from reprise_common.clock import utcnow
 from reprise_common.errors import BusError
 from reprise_common.events import (
     AgentCommand,
-    CommandReply,
     LaunchCommand,
+    LaunchReply,
     RankAssignment,
     StackCapture,
     StopArgs,
     StopCommand,
+    StopReply,
 )
 from reprise_common.logging import get_logger
-from reprise_orchestrator.compute.backend import Answers, InPlace, LaunchRequest, NodeAnswer, NodePool, SignalSink
+from reprise_orchestrator.compute.backend import (
+    Answers,
+    InPlace,
+    LaunchRequest,
+    NodeAnswer,
+    NodePool,
+    ReplyT,
+    SignalSink,
+)
 from reprise_orchestrator.inventory import Inventory
 
 log = get_logger("reprise.orchestrator.compute")
@@ -62,7 +71,7 @@ class AgentsBackend:
         """Every node that has reported."""
         return self.inventory.known()
 
-    async def launch(self, request: LaunchRequest, *, operation_id: str, fence: int) -> Answers:
+    async def launch(self, request: LaunchRequest, *, operation_id: str, fence: int) -> Answers[LaunchReply]:
         """One launch per node, carrying that node's ranks and the job-wide rendezvous."""
         by_node: dict[str, list[RankAssignment]] = {}
         for rank in request.args.ranks:  # one pass: thousands of nodes times their ranks must not block the loop
@@ -78,7 +87,7 @@ class AgentsBackend:
             )
             for node_id, ranks in by_node.items()
         }
-        return await self._command(commands, timeout_s=self.command_timeout_s)
+        return await self._command(commands, LaunchReply, timeout_s=self.command_timeout_s)
 
     async def stop(
         self,
@@ -89,7 +98,7 @@ class AgentsBackend:
         fence: int,
         stacks_for: str | None = None,
         in_place: InPlace | None = None,
-    ) -> Answers:
+    ) -> Answers[StopReply]:
         """A stop with the grace period to each node (after the stacks' capture, when asked; parking first, for a
         restart in place); the wait covers all of it."""
         issued_at = utcnow()
@@ -112,11 +121,13 @@ class AgentsBackend:
             )
             for node_id in dict.fromkeys(node_ids)
         }
-        return await self._command(commands, timeout_s=timeout_s)
+        return await self._command(commands, StopReply, timeout_s=timeout_s)
 
-    async def _command(self, commands: Mapping[str, AgentCommand], *, timeout_s: float) -> Answers:
+    async def _command(
+        self, commands: Mapping[str, AgentCommand], reply_type: type[ReplyT], *, timeout_s: float
+    ) -> Answers[ReplyT]:
         """command_nodes, and a node where no agent listens is not offered again until it reports again."""
-        answers = await command_nodes(self.bus, commands, timeout_s=timeout_s)
+        answers = await command_nodes(self.bus, commands, reply_type, timeout_s=timeout_s)
         for node_id in answers.gone():
             self.inventory.agent_gone(node_id)
         return answers
@@ -138,13 +149,16 @@ class AgentsBackend:
         return
 
 
-async def command_nodes(bus: Bus, commands: Mapping[str, AgentCommand], *, timeout_s: float) -> Answers:
-    """Send each node its command at once; every node's answer, or the bus error saying why none came."""
+async def command_nodes(
+    bus: Bus, commands: Mapping[str, AgentCommand], reply_type: type[ReplyT], *, timeout_s: float
+) -> Answers[ReplyT]:
+    """Send each node its command at once; every node's answer read as `reply_type` (the command's), or the bus
+    error saying why none came."""
     subject_of = {node_id: subjects.node_command(node_id) for node_id in commands}
     replies = await bus.request_many(
-        {subject_of[node_id]: command for node_id, command in commands.items()}, CommandReply, timeout=timeout_s
+        {subject_of[node_id]: command for node_id, command in commands.items()}, reply_type, timeout=timeout_s
     )
-    found = []
+    found: list[NodeAnswer[ReplyT]] = []
     for node_id, subject in subject_of.items():
         reply = replies[subject]
         if isinstance(reply, BusError):

@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence, Set
 from pathlib import Path
 
 from reprise_common.clock import Clock
-from reprise_common.events import ComputeSignal
+from reprise_common.events import ComputeSignal, LaunchReply, StopReply
 from reprise_common.logging import get_logger
 from reprise_orchestrator.compute.agents.backend import AgentsBackend
 from reprise_orchestrator.compute.allocation import Allocation, AllocationRequest, AllocationState
@@ -109,7 +109,7 @@ class SlurmBackend:
         whole cluster."""
         return self.agents.known_nodes()
 
-    async def launch(self, request: LaunchRequest, *, operation_id: str, fence: int) -> Answers:
+    async def launch(self, request: LaunchRequest, *, operation_id: str, fence: int) -> Answers[LaunchReply]:
         """The agents in the job's allocation launch the ranks."""
         return await self.agents.launch(request, operation_id=operation_id, fence=fence)
 
@@ -122,7 +122,7 @@ class SlurmBackend:
         fence: int,
         stacks_for: str | None = None,
         in_place: InPlace | None = None,
-    ) -> Answers:
+    ) -> Answers[StopReply]:
         """The agents in the job's allocation stop the ranks (or park them, for a restart in place)."""
         return await self.agents.stop(
             job_id, node_ids, operation_id=operation_id, fence=fence, stacks_for=stacks_for, in_place=in_place
