@@ -90,3 +90,21 @@ def test_every_service_shares_one_database(engine: Engine) -> None:
     for name in ("registry", "orchestrator", "notifier"):
         assert SERVICES[name].tables <= _tables(engine)
         assert SERVICES[name].drift(engine, SQLModel.metadata) == []
+
+
+def test_every_recovery_outcome_can_be_stored(engine: Engine) -> None:
+    """The outcome column's database type holds every member of the enum (PostgreSQL keeps the type's own list)."""
+    from sqlmodel import Session, select
+
+    from reprise_orchestrator.jobs.models import Job
+    from reprise_orchestrator.recoveries.models import Outcome, Recovery
+
+    orchestrator_schema.MIGRATIONS.upgrade(engine)
+    with Session(engine) as session:
+        session.add(Job(id="job-1", name="j", spec={"nodes": ["n"], "command": ["x"]}))
+        session.commit()
+        for index, outcome in enumerate(Outcome):
+            session.add(Recovery(id=f"r-{index}", job_id="job-1", fence=index, owner="o", outcome=outcome))
+            session.commit()
+        stored = {r.outcome for r in session.exec(select(Recovery)).all()}
+    assert stored == set(Outcome)
