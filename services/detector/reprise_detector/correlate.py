@@ -6,10 +6,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
 
-from reprise_common.events import CAUSE_DEPTH, ComputeSignal, Culprit, RankExited, RankNumeric, Severity
+from reprise_common.events import CAUSE_DEPTH, Culprit, Severity
 from reprise_detector.classify import Classification
 from reprise_detector.incidents.models import Incident
-from reprise_detector.kinds.base import Derived, Observation, SymptomEvent
+from reprise_detector.kinds.base import Observation
 from reprise_detector.placements import PlacementMap
 
 
@@ -50,30 +50,31 @@ def out_of_placement(observation: Observation, placements: PlacementMap) -> OutO
     if observation.rank is not None:
         placed = placements.has_rank(job_id=job_id, node_id=observation.node_id, rank=observation.rank)
         return None if placed else OutOfPlacement.RANK_NOT_ON_NODE
-    if isinstance(observation.event, ComputeSignal) and not observation.node_id:
-        return None  # the scheduler's word about the whole job (preempted, at its time limit): no node to check
+    if not observation.node_id:
+        return None  # about the whole job (the scheduler's word: preempted, at its time limit): no node to check
     return None if job_id in placements.jobs_on(observation.node_id) else OutOfPlacement.JOB_NOT_ON_NODE
 
 
 def targets(observation: Observation, placements: PlacementMap) -> list[Target]:
-    """The affected jobs: the exiting rank's job, the job a dependency or a compute signal names, or every job placed
-    on the node for GPU, node and node-wide dependency symptoms (and a compute signal about a node)."""
+    """The affected jobs: the job and rank a symptom names (its culprit as the kind blames it), the job a dependency or
+    a compute signal names (the whole job when it names no node), or every job placed on the node for GPU, node and
+    node-wide symptoms (its culprit the rank on the GPU it names)."""
     node_id = observation.node_id
     if observation.job_id is not None and observation.rank is not None:
         gpu = placements.gpu_of(job_id=observation.job_id, node_id=node_id, rank=observation.rank)
-        event = observation.event
+        blame = observation.blame
         culprit = Culprit(
             node_id=node_id,
             gpu=gpu,
             rank=observation.rank,
-            exit_code=event.exit_code if isinstance(event, RankExited) else None,
-            restart_epoch=_restart_epoch(event),
-            fault_step=event.step if isinstance(event, RankNumeric) else None,
+            exit_code=blame.exit_code,
+            restart_epoch=blame.restart_epoch,
+            fault_step=blame.fault_step,
         )
         return [Target(observation.job_id, culprit)]
-    if isinstance(observation.event, ComputeSignal) and observation.job_id is not None:  # placed: out_of_placement
-        return [Target(observation.job_id, Culprit(node_id=node_id or None))]
-    if observation.job_id is not None:  # a job's own dependency (its rendezvous master): that job only
+    if observation.job_id is not None and not node_id:  # about the whole job, placed (out_of_placement)
+        return [Target(observation.job_id, Culprit(node_id=None))]
+    if observation.job_id is not None:  # a job's own dependency (its rendezvous master), or a signal naming both
         placed_here = observation.job_id in placements.jobs_on(node_id)
         return [Target(observation.job_id, Culprit(node_id=node_id))] if placed_here else []
     return [
@@ -87,13 +88,6 @@ def targets(observation: Observation, placements: PlacementMap) -> list[Target]:
         )
         for job_id in placements.jobs_on(node_id)
     ]
-
-
-def _restart_epoch(event: SymptomEvent) -> int | None:
-    """The launch a rank's symptom belongs to (a derived kind says so itself), for its culprit."""
-    if isinstance(event, Derived):
-        return event.culprit_epoch()
-    return event.restart_epoch if isinstance(event, RankExited | RankNumeric) else None
 
 
 def decide(classification: Classification, at: datetime, incident: Incident | None) -> Decision:

@@ -4,7 +4,8 @@ When a hang's recovery stops the job, each agent first captures the Python stack
 (`rank.stacks`, one event per rank). A collective hang shows as every rank but one waiting in the same
 torch.distributed call (all_reduce, barrier, ...): the one elsewhere is the culprit — stuck in its data loader, in a
 lock, in a loop. A rank whose process the kernel holds (stopped, or in uninterruptible sleep) is the culprit
-whatever its stack says, as for the hang itself (progress.stalls.HELD_STATES).
+whatever its stack says, as for the hang itself (progress.stalls.HELD_STATES). How one rank's stacks read (where its
+main thread waits, its top frame) is the kind's (kinds/rank_stacks.py).
 """
 
 from __future__ import annotations
@@ -13,39 +14,10 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from reprise_common.events import RankStacks, ThreadStack
+from reprise_detector.kinds.rank_stacks import top_frame, waits_in
 from reprise_detector.progress.stalls import HELD_STATES
 
-COLLECTIVES_PATH = "torch/distributed/"  # a frame of this package in a rank's main thread: it waits in a collective
-
-
-def waits_in(threads: Sequence[ThreadStack]) -> str | None:
-    """The torch.distributed function the main thread (the first) is in, innermost first; None when it is not."""
-    if not threads:
-        return None
-    for frame in threads[0].frames:
-        if COLLECTIVES_PATH in frame.file.replace("\\", "/"):
-            return frame.function
-    return None
-
-
-def top_frame(threads: Sequence[ThreadStack]) -> str:
-    """Where the main thread is: its innermost frame, "function (file:line)"; "" without frames."""
-    if not threads or not threads[0].frames:
-        return ""
-    frame = threads[0].frames[0]
-    where = frame.file.rsplit("/", 1)[-1]
-    return f"{frame.function} ({where}:{frame.line})" if frame.line is not None else f"{frame.function} ({where})"
-
-
-def summary(event: RankStacks) -> str:
-    """One line for a rank's stacks: where its main thread is, or why nothing was captured."""
-    if event.error:
-        return f"not captured: {event.error}"
-    collective = waits_in(event.threads)
-    state = f"process state {event.proc_state}; " if event.proc_state else ""
-    inside = f"waits in {collective}" if collective else "not in a collective"
-    return f"{state}{inside}; at {top_frame(event.threads) or 'no frame'} ({len(event.threads)} threads)"
+__all__ = ["StackView", "Verdict", "culprit", "top_frame", "waits_in"]
 
 
 @dataclass(frozen=True)

@@ -2,13 +2,30 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 
 from reprise_common.errors import ConfigError
-from reprise_common.events import Category, DependencyFailed, GpuLost, GpuXid, RankExited, RecommendedAction, Severity
-from reprise_detector.classify import Classification, load_rules, normalise_signal
+from reprise_common.events import (
+    Category,
+    ComputeSignal,
+    ComputeSignalKind,
+    DependencyFailed,
+    GpuLost,
+    GpuXid,
+    NumericKind,
+    RankExited,
+    RankNumeric,
+    RecommendedAction,
+    Severity,
+)
+from reprise_detector.classify import Classification, load_rules
+from reprise_detector.kinds import gpu_xid
+from reprise_detector.kinds.node_lost import NodeLost
+from reprise_detector.kinds.rank_exited import normalise_signal
 
 HW, NVL, APP = Category.GPU_HARDWARE, Category.INTERCONNECT, Category.APPLICATION
 CRIT, WARN, INFO = Severity.CRITICAL, Severity.WARNING, Severity.INFO
@@ -64,7 +81,7 @@ def test_every_reference_xid(
 
 
 def test_the_rules_cover_exactly_the_reference_table() -> None:
-    assert set(load_rules().xids) == {row[0] for row in XID_TABLE}
+    assert set(load_rules().rules(gpu_xid.KIND).xids) == {row[0] for row in XID_TABLE}
 
 
 @pytest.mark.parametrize("xid", [0, 1, 44, 999])
@@ -179,6 +196,50 @@ rank_exited:
     assert rules.classify(_exit(exit_code=1)).category == APP
 
 
+def _rule(reason: str) -> str:
+    return "{category: unknown, severity: warning, action: alert_human, root_cause: true, reason: '" + reason + "'}"
+
+
+def test_an_operator_file_replaces_each_section_it_gives_and_keeps_the_others(tmp_path: Path) -> None:
+    path = tmp_path / "rules.yaml"
+    path.write_text(
+        f"""
+unknown_xid: {_rule("odd XID {xid}")}
+gpu_lost: {_rule("GPU {gpu} gone")}
+dependency_failed: {_rule("{dependency} down")}
+rank_numeric: {_rule("numbers on rank {rank}")}
+compute_signal:
+  preempted: {_rule("ours: {job_id} preempted")}
+node_lost: {_rule("{node_id} gone")}
+"""
+    )
+    rules, builtin = load_rules(path), load_rules()
+    ours = Classification(Category.UNKNOWN, WARN, HUMAN, True, "")
+    preempted = ComputeSignal(source="o", backend="slurm", kind=ComputeSignalKind.PREEMPTED, job_id="job-a")
+    numeric = RankNumeric(source="n", node_id="n", job_id="j", rank=2, metric="loss", kind=NumericKind.NAN, step=5)
+    lost = NodeLost(
+        event_id="l", time=datetime(2026, 1, 1, tzinfo=UTC), node_id="node-3", silent_s=9, limit_s=5, how=""
+    )
+    replaced = [
+        (_xid(999), "odd XID 999"),
+        (GpuLost(source="n", node_id="n", gpu=3), "GPU 3 gone"),
+        (DependencyFailed(source="n", node_id="n", dependency="storage", detail="nfs"), "storage down"),
+        (numeric, "numbers on rank 2"),
+        (preempted, "ours: job-a preempted"),
+        (lost, "node-3 gone"),
+    ]
+    for event, reason in replaced:
+        assert rules.classify(event) == replace(ours, reason=reason)
+    kept = [
+        _xid(79),
+        _exit(exit_code=1),
+        preempted.model_copy(update={"kind": ComputeSignalKind.TIME_LIMIT}),
+        DependencyFailed(source="n", node_id="n", dependency="rendezvous:j", detail="refused", job_id="j"),
+    ]
+    for event in kept:
+        assert rules.classify(event) == builtin.classify(event)
+
+
 _RULE = "category: unknown, severity: info, action: none"
 BAD_FILES = [
     (
@@ -189,6 +250,8 @@ BAD_FILES = [
     ("rank_exited: [{when: {exit_cod: 1}, " + _RULE + ", root_cause: false, reason: r}]", "exit_cod"),
     ("xid: [unclosed", "not valid YAML"),
     ("version: 2", "version"),
+    ("rank_parked: {" + _RULE + ", root_cause: true, reason: r}", "rank_parked"),  # fixed in code: no section
+    ("compute_signal: {evicted: {" + _RULE + ", root_cause: true, reason: r}}", "compute_signal.evicted"),
 ]
 
 
@@ -238,14 +301,21 @@ def test_only_errors_that_name_a_failed_peer_are_evidence_against_a_silent_node(
 
 
 def test_every_template_section_of_the_rules_file_is_loaded_into_the_rule_book() -> None:
-    from dataclasses import fields
-
     from reprise_detector import kinds
-    from reprise_detector.classify import TEMPLATE_SECTIONS, RuleBook, RulesFile, TemplateRule
+    from reprise_detector.classify import RulesFile
 
-    in_book = {f.name for f in fields(RuleBook) if f.type in ("TemplateRule", TemplateRule)}
-    in_file = {name for name, f in RulesFile.model_fields.items() if f.annotation == TemplateRule | None}
-    derived = {kind.section for kind in kinds.kinds().values()}
-    assert set(TEMPLATE_SECTIONS) == in_book == in_file - derived
-    assert derived <= set(RulesFile.model_fields)  # each derived kind's section, of its own rule shape
-    assert set(load_rules().derived) == set(kinds.kinds())
+    owned = [section for kind in kinds.wire().values() for section in kind.sections]
+    owned += [kind.section for kind in kinds.kinds().values()]
+    assert sorted(owned) == sorted(set(RulesFile.model_fields) - {"version"})  # every section is one kind's
+    book = load_rules()
+    assert set(book.wire) == set(kinds.wire()) and set(book.derived) == set(kinds.kinds())
+    assert set(kinds.wire()) == {
+        "gpu.xid",
+        "gpu.lost",
+        "rank.exited",
+        "dependency.failed",
+        "rank.stacks",
+        "rank.numeric",
+        "rank.parked",
+        "compute.signal",
+    }

@@ -1,6 +1,7 @@
-"""What every symptom kind the detector derives itself is made of: its model (`Derived`), the rule of its rules.yaml
-section (`TemplateRule`, or a subclass with the kind's own thresholds), the classification a rule gives, and the
-`Producer` interface a kind's producer answers to.
+"""What every symptom kind is made of: the classification a rule gives, the rules of rules.yaml (`Rule`,
+`TemplateRule`, or a subclass with a kind's own thresholds), what a symptom names (`Scope`, `Blame`), the observation
+the pipeline carries, and, for the kinds the detector derives itself, their model (`Derived`) and the `Producer`
+interface a kind's producer answers to. The kinds agents and the compute backend send are `wire.Wire`.
 
 Derived symptoms are not wire events: they never leave the detector except as incidents. Each has a deterministic id
 built from what it observed, so a replica that re-derives the same finding (after a restart, or a second tick) records
@@ -18,19 +19,10 @@ import msgspec
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, field_validator
 
 from reprise_common.clock import Clock
-from reprise_common.events import (
-    Category,
-    ComputeSignal,
-    DependencyFailed,
-    GpuLost,
-    GpuXid,
-    RankExited,
-    RankNumeric,
-    RankParked,
-    RankStacks,
-    RecommendedAction,
-    Severity,
-)
+from reprise_common.errors import ConfigError
+from reprise_common.events import Category, RecommendedAction, Severity
+
+BUILTIN_RULES = "rules.yaml"
 
 
 @dataclass(frozen=True)
@@ -75,6 +67,20 @@ class TemplateRule(Rule):
         return Classification(self.category, self.severity, self.action, self.root_cause, self.reason.format_map(facts))
 
 
+def section_of(rules: BaseModel, section: str) -> Any:
+    """A section of a rules file, as the kind that owns it shaped it."""
+    return getattr(rules, section)
+
+
+def replaced(builtin: BaseModel, operator: BaseModel, section: str) -> TemplateRule:
+    """A section an operator's file replaces whole: the operator's rule, else the built-in one (which every such
+    section has)."""
+    rule = section_of(operator, section) or section_of(builtin, section)
+    if not isinstance(rule, TemplateRule):
+        raise ConfigError(f"built-in {BUILTIN_RULES} lacks the section {section}")
+    return rule
+
+
 class Facts(dict[str, Any]):
     """Template values; a field a template names but the event lacks renders as '?' instead of failing."""
 
@@ -102,10 +108,21 @@ class Scope(NamedTuple):
     gpu: int | None = None
 
 
+class Blame(NamedTuple):
+    """What a rank's symptom adds to its culprit: how it exited, the launch it belongs to, a numeric fault's step."""
+
+    exit_code: int | None = None
+    restart_epoch: int | None = None
+    fault_step: int | None = None
+
+
+NO_BLAME = Blame()
+
+
 class Derived(BaseModel):
     """A symptom the detector derives itself, and its kind: the rules.yaml section that classifies it (`section`, of
-    the shape `rule`), how a rule applies to it (`facts`), what it names (`scope`, the correlate stage's), how it reads
-    on a symptom (`detail`), and what produces it (`producer`: None when a stage of the watch does)."""
+    the shape `rule`), how a rule applies to it (`facts`), what it names (`scope`, `blame`: the correlate stage's), how
+    it reads on a symptom (`detail`), and what produces it (`producer`: None when a stage of the watch does)."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -133,9 +150,9 @@ class Derived(BaseModel):
         """The job, rank or GPU it names (none: it counts for every job placed on its node)."""
         return Scope()
 
-    def culprit_epoch(self) -> int | None:
-        """The launch of its job it belongs to, for its culprit (None: not known)."""
-        return None
+    def blame(self) -> Blame:
+        """What it adds to its culprit (the launch it belongs to, for a rank's symptom); nothing by default."""
+        return NO_BLAME
 
     @classmethod
     def producer(cls, *, clock: Clock, rule: TemplateRule) -> Producer | None:
@@ -156,9 +173,17 @@ class ReportView(Protocol):
     def ranks(self) -> msgspec.Raw: ...
 
 
-# RankParked is evidence only: a survivor's error feeds the peers' errors (nodes/peers.py), never an incident.
-AgentSymptom = GpuXid | GpuLost | RankExited | DependencyFailed | RankStacks | RankNumeric | RankParked
-SymptomEvent = AgentSymptom | ComputeSignal | Derived
+class SymptomEvent(Protocol):
+    """What the pipeline reads of every symptom: a wire event of a kind in the registry, or a `Derived` one."""
+
+    @property
+    def event_id(self) -> str: ...
+
+    @property
+    def type(self) -> str: ...
+
+    @property
+    def time(self) -> datetime: ...
 
 
 @dataclass(frozen=True)
@@ -173,6 +198,7 @@ class Observation:
     gpu: int | None = None
     job_id: str | None = None
     rank: int | None = None
+    blame: Blame = NO_BLAME
 
     @property
     def event_id(self) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from reprise_detector.kinds.base import Derived, Scope
+from reprise_detector.kinds.base import Blame, Derived, Scope
 
 
 class RankExitedEarly(Derived):
@@ -37,9 +37,9 @@ class RankExitedEarly(Derived):
         """Its job and rank."""
         return Scope(job_id=self.job_id, rank=self.rank)
 
-    def culprit_epoch(self) -> int | None:
+    def blame(self) -> Blame:
         """The launch it left early."""
-        return self.restart_epoch
+        return Blame(restart_epoch=self.restart_epoch)
 
 
 KIND = RankExitedEarly
