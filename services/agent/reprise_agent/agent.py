@@ -1,5 +1,5 @@
 """The node agent, wired to one bus connection: GPU health, rank supervision through the launcher it picks, node
-reports and discrete events. Its commands are carried out by executor.py, injected faults by faults.py."""
+reports (reporter.py) and discrete events. Its commands are carried out by executor.py, injected faults by faults.py."""
 
 from __future__ import annotations
 
@@ -8,8 +8,6 @@ import contextlib
 import os
 from pathlib import Path
 from typing import Any
-
-import nats.errors
 
 from reprise_agent import node_events
 from reprise_agent.commands import CommandBook
@@ -29,19 +27,17 @@ from reprise_agent.progress.book import ProgressBook
 from reprise_agent.progress.messages import SdkMessage
 from reprise_agent.progress.server import SdkServer, default_inbox_dir, default_socket_path
 from reprise_agent.ranks import LostRank, RankProcess, RankSupervisor
+from reprise_agent.reporter import NodeReporter
 from reprise_agent.settings import AgentSettings
 from reprise_agent.stack_sampler import ProcessActivity, StackSampler
 from reprise_agent.stacks import find_py_spy
 from reprise_common import subjects
 from reprise_common.bus import Bus
 from reprise_common.clock import SystemClock
-from reprise_common.errors import BusError
-from reprise_common.events import AgentLifecycle, CheckpointSaved, NodeReport, RankStatus
+from reprise_common.events import AgentLifecycle, CheckpointSaved
 from reprise_common.logging import get_logger
 
 log = get_logger("reprise.agent")
-# After a rank's first heartbeat, how long its node's report waits for its peers' (and so at most 20 extra reports a s)
-EARLY_REPORT_GATHER_S = 0.05
 STEP_END_WAIT_S = 0.5  # in a scheduler's step, how long a rank's outside SIGTERM waits for the agent's own
 
 
@@ -56,7 +52,6 @@ class Agent:
         self.progress = ProgressBook(SystemClock())
         self.progress.on_checkpoint_saved(self._on_checkpoint_saved)
         self.progress.on_first_heartbeat(self._on_job_training)
-        self.progress.on_rank_training(self._on_rank_training)
         self.progress.on_metrics(self._on_metrics)
         self.numeric = NumericWatcher()
         sdk_path = settings.sdk_socket.absolute() if settings.sdk_socket else default_socket_path(settings.state_dir)
@@ -74,7 +69,6 @@ class Agent:
         self.stack_sampler = StackSampler(py_spy=py_spy, interval_s=settings.stack_sample_s, activity=activity)
         self.book = CommandBook(node_id=self.node_id, state_file=settings.state_dir / "fences.json")
         self.node_lost = False  # set by an injected node loss: from then on the agent publishes nothing
-        self.stopping = False  # set by stop(): the last report says so, and then the connection closes
         # Run as a task of a scheduler's job step (Slurm's srun sets SLURM_STEP_ID): a SIGTERM to this agent is then the
         # scheduler ending the step, its ranks with it (a preemption, a time limit, a cancel), not a fault of theirs.
         self.scheduler_step = os.environ.get("SLURM_STEP_ID") is not None
@@ -91,9 +85,11 @@ class Agent:
             node_id=self.node_id, gpus=self.gpus, supervisor=self.supervisor,
             flush_gpu_signals=self.flush_gpu_signals, lose_node=self._lose_node,
         )  # fmt: skip
-        self.reports_skipped = 0
-        self.early_reports = 0  # reports sent ahead of the interval because a rank of a launch began training
-        self._report_soon = asyncio.Event()
+        self.reporter = NodeReporter(
+            settings, bus, gpus=self.gpus, supervisor=self.supervisor, progress=self.progress,
+            stack_sampler=self.stack_sampler, standbys=self.standbys, lost=lambda: self.node_lost,
+        )  # fmt: skip
+        self.progress.on_rank_training(self.reporter.soon)
         self._tasks: list[asyncio.Task[None]] = []
         self._subscriptions: list[Any] = []
 
@@ -149,10 +145,12 @@ class Agent:
         self._subscriptions.append(await self.bus.serve(subjects.node_inject(self.node_id), self.faults.on_inject))
         self._tasks = [
             asyncio.create_task(self.outbox.run(), name="outbox"),
-            asyncio.create_task(self._report_loop(), name="reports"),
+            asyncio.create_task(self.reporter.run(), name="reports"),
             asyncio.create_task(self._gpu_loop(), name="gpu-signals"),
             asyncio.create_task(self._dependency_loop(), name="dependency-checks"),
-            asyncio.create_task(self.stack_sampler.run(self.supervisor.ranks, self._stepless), name="stack-samples"),
+            asyncio.create_task(
+                self.stack_sampler.run(self.supervisor.ranks, self.reporter.stepless), name="stack-samples"
+            ),
         ]
         self.standbys.start()
         self._emit_lifecycle("starting")
@@ -168,7 +166,7 @@ class Agent:
         await self.foreign.close()
         await self.standbys.close()
         self.sdk.close()
-        await self._say_stopping()
+        await self.reporter.say_stopping()
         self._emit_lifecycle("stopping")
         await self.outbox.flush(timeout_s=2.0)
         for task in self._tasks:
@@ -184,19 +182,7 @@ class Agent:
             return
         self.step_ending.set()
         log.warning("the scheduler ends this agent's step: its ranks end with it")
-        self._tasks.append(asyncio.create_task(self._say_stopping(), name="stopping-report"))
-
-    async def _say_stopping(self) -> None:
-        """A last report that says the agent is stopping, sent on the connection before it closes: the server
-        delivers it ahead of its advisory of the closed connection, so the detector does not call the node lost."""
-        self.stopping = True
-        if self.node_lost:
-            return
-        try:
-            await self.bus.publish_snapshot(subjects.node_report(self.node_id), await self.report())
-            await self.bus.nc.flush(timeout=1)
-        except (BusError, nats.errors.Error, TimeoutError):
-            log.warning("the stopping report was not sent: the node may be called lost")
+        self._tasks.append(asyncio.create_task(self.reporter.say_stopping(), name="stopping-report"))
 
     def _lose_node(self) -> None:
         """An injected node loss: from now on this agent publishes nothing."""
@@ -208,35 +194,7 @@ class Agent:
         )
         self.outbox.put(subjects.node_event(self.node_id, "agent.lifecycle"), event)
 
-    # --- reporting --------------------------------------------------------------------------------------------
-    async def report(self) -> NodeReport:
-        """The node's compact report: every GPU and every rank (GPU reads are driver calls: off the loop)."""
-        gpus = await asyncio.to_thread(self.gpus.statuses) if self.gpus.name == "nvml" else self.gpus.statuses()
-        return NodeReport(
-            source=self.node_id,
-            node_id=self.node_id,
-            address=self.settings.advertise_addr,
-            interval_s=self.settings.report_interval_s,
-            gpu_backend=self.gpus.name,
-            gpu_error=self.gpus.error,
-            gpus=gpus,
-            ranks=[self._rank_status(rank) for rank in self.supervisor.ranks()],
-            standbys=self.standbys.statuses(),
-            spare=self.settings.spare,
-            stopping=self.stopping,
-            connection=self.bus.connection,
-        )
-
-    def _rank_status(self, rank: RankProcess) -> RankStatus:
-        """A rank as the report shows it: the process as supervised, its progress as its SDK reported it."""
-        fields = self.progress.status_fields(rank.job_id, rank.rank) | self.stack_sampler.fields(rank)
-        return rank.status().model_copy(update=fields)
-
-    def _stepless(self, rank: RankProcess) -> bool:
-        """A rank that has reported no step and no phase of its own (no SDK, or not yet): its stack is sampled."""
-        fields = self.progress.status_fields(rank.job_id, rank.rank)
-        return fields["step"] is None and fields["phase"] == "startup"
-
+    # --- what the ranks' SDK reports -------------------------------------------------------------------------
     def _on_checkpoint_saved(self, message: SdkMessage) -> None:
         spec = self.supervisor.launches.get(message.job_id)
         event = node_events.checkpoint_saved(
@@ -282,23 +240,6 @@ class Agent:
         spec = self.supervisor.launches.get(job_id)
         if spec is not None:
             self.depchecks.set_rendezvous(job_id, spec.master_addr, spec.master_port)
-
-    def _on_rank_training(self, _job_id: str, _rank: int) -> None:
-        # A rank of a launch took its first step: the recovery that launched it is waiting for exactly this.
-        self._report_soon.set()
-
-    async def _report_loop(self) -> None:
-        while not self.node_lost:
-            try:  # core NATS, fire and forget: a lost report is replaced by the next one
-                await self.bus.publish_snapshot(subjects.node_report(self.node_id), await self.report())
-            except BusError:  # not connected: skipped, as a stale snapshot is worth nothing later
-                self.reports_skipped += 1
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._report_soon.wait(), self.settings.report_interval_s)
-                # The ranks of one launch start together: a moment's wait lets them ride in one report.
-                await asyncio.sleep(EARLY_REPORT_GATHER_S)
-                self.early_reports += 1
-            self._report_soon.clear()
 
     async def _gpu_loop(self) -> None:
         while True:

@@ -70,7 +70,7 @@ def create_app(settings: AgentSettings) -> FastAPI:
 
     @app.get("/v1/status", tags=["agent"], summary="This node's GPUs, ranks and command state")
     async def status() -> dict[str, Any]:
-        report = await agent.report()
+        report = await agent.reporter.report()
         return {
             "node_id": agent.node_id,
             "gpu_backend": report.gpu_backend,
@@ -82,7 +82,7 @@ def create_app(settings: AgentSettings) -> FastAPI:
             "commands_executed": agent.book.executed,
             "outbox_depth": len(agent.outbox),
             "outbox_dropped": agent.outbox.dropped,
-            "reports_skipped": agent.reports_skipped,
+            "reports_skipped": agent.reporter.skipped,
         }
 
     return app

@@ -302,7 +302,7 @@ async def test_agent_without_nvml_reports_why_and_keeps_running(nats_server: Nat
     await bus.connect(attempts=10)
     agent = Agent(settings, bus)
     await agent.start()
-    report = await agent.report()
+    report = await agent.reporter.report()
     assert report.gpus == [] and report.gpu_error.startswith("NVML unavailable")
     answer = await bus.request(subjects.node_inject("n2"), InjectFault(kind=FaultKind.XID, gpu=0, xid=79), InjectReply)
     assert not answer.accepted and "needs the sim backend" in answer.detail
@@ -370,7 +370,7 @@ async def test_a_rank_of_a_new_launch_is_reported_at_its_first_heartbeat_not_at_
         assert await wait_for(stepping, timeout_s=30)
         first = stepping()[0]
         assert {(s.rank, s.restart_epoch) for s in first.ranks} == {(0, 4), (1, 4)}
-        assert harness.agent.early_reports >= 1
+        assert harness.agent.reporter.early >= 1
 
 
 async def test_a_stopping_agent_says_so_in_its_last_report_before_its_connection_closes(
