@@ -42,3 +42,21 @@ def test_a_cold_restart_says_so_and_an_older_record_says_nothing() -> None:
     page = _summary(_recovery({"restart_mode": "cold", "parked": 0, "why": "the job's policy says restart_mode: cold"}))
     assert "Restart: cold — the job&#39;s policy says restart_mode: cold" in page
     assert "Restart:" not in _summary(_recovery({"answers": {}}))  # an orchestrator from before the choice
+
+
+def _verified(resumed: dict[str, Any]) -> RecoveryRecord:
+    record = _recovery({"restart_mode": "in_place", "parked": 3, "why": "auto"}).model_dump(mode="json")
+    record["steps"] += [
+        {"step": "restoring", "started_at": "2026-01-01T12:00:01Z", "data": {"checkpoint": {"step": 40}}},
+        {"step": "verifying", "started_at": "2026-01-01T12:00:01Z", "data": {"resumed": resumed}},
+    ]
+    return RecoveryRecord.model_validate(record)
+
+
+def test_the_summary_says_where_the_ranks_resumed_from() -> None:
+    peer = _summary(_verified({"via": "peer", "step": 47, "why": "state of step 47 from rank 0"}))
+    assert "Resumed at step 47 from the surviving ranks' state, 0 steps redone" in peer
+    assert "(the checkpoint was at step 40)" in peer
+    fallback = _summary(_verified({"via": "checkpoint", "step": None, "why": "the survivors disagree <5, 6>"}))
+    assert "Resumed from the checkpoint at step 40 — the survivors disagree &lt;5, 6&gt;" in fallback
+    assert "Resumed" not in _summary(_recovery({"restart_mode": "cold", "parked": 0, "why": "cold"}))

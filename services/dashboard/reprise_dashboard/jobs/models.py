@@ -57,6 +57,16 @@ class RecoveryRecord(Record):
         stops = [s.data for s in self.steps if s.step is RecoveryStep.STOPPING_RANKS and "restart_mode" in s.data]
         return stops[-1] if stops else None
 
+    def resumed(self) -> dict[str, Any] | None:
+        """Where the ranks took their state from, as they told the verifying step (via, step, why), when they did."""
+        found = [s.data["resumed"] for s in self.steps if s.step is RecoveryStep.VERIFYING and s.data.get("resumed")]
+        return found[-1] if found else None
+
+    def restored_step(self) -> int | None:
+        """The checkpoint step the restoring step handed over (None: none recorded)."""
+        restoring = [s.data for s in self.steps if s.step is RecoveryStep.RESTORING and s.data.get("checkpoint")]
+        return int(restoring[-1]["checkpoint"]["step"]) if restoring else None
+
     @property
     def recovered(self) -> bool:
         """True when the recovery got training going again."""

@@ -200,7 +200,7 @@ class RecoveryFlow:
         if learned and run.step in (RecoveryStep.LAUNCHING, RecoveryStep.VERIFYING):
             return self._new_attempt(run, learned, ended=None)  # the new epoch runs on a plan that did not know it
         if verified is not None:
-            return self._end(run, Outcome.RECOVERED, RECOVERED_DETAIL[verified])
+            return self._end(run, Outcome.RECOVERED, _recovered_detail(verified, result))
         order = (RecoveryStep.LOCKED, *ATTEMPT_STEPS)
         return run.proposal(order[order.index(run.step) + 1], now=now)
 
@@ -301,6 +301,17 @@ class RecoveryFlow:
             )
         except BusError as exc:  # the recovery itself matters more than its announcement
             log.warning("could not publish a recovery change", extra={"error": str(exc)})
+
+
+def _recovered_detail(verified: VerifyPath, result: StepResult) -> str:
+    """What the recovered alert says: how training was seen again, and where the ranks' state came from."""
+    detail = RECOVERED_DETAIL[verified]
+    resumed = result.data.resumed if isinstance(result.data, Verified) else None
+    if resumed is None:
+        return detail
+    if resumed.via == "peer" and resumed.step is not None:
+        return f"{detail}: resumed at step {resumed.step} from the surviving ranks' state, 0 steps redone"
+    return f"{detail} from the checkpoint ({resumed.why})" if resumed.why else f"{detail} from the checkpoint"
 
 
 def _verify_path(result: StepResult) -> VerifyPath:
