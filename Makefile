@@ -19,7 +19,7 @@ SCHEDULER ?= agents
 # every rank as a new process, with no standbys (make demo RESTART=cold)
 RESTART ?= auto
 
-.PHONY: venv slurm-deps netns-deps docker-deps test lint typecheck pytest chaos soak up demo clean bench-agent bench-sdk bench-registry bench-detector bench-orchestrator \
+.PHONY: venv slurm-deps netns-deps docker-deps kube-deps test lint typecheck pytest chaos soak up demo clean bench-agent bench-sdk bench-registry bench-detector bench-orchestrator \
 	bench-orchestrator-concurrent bench-vs-torchrun bench-hang-limits bench-standby bench-recovery bench-ettr bench-slurm \
 	bench-checkpoint
 
@@ -87,7 +87,13 @@ docker-deps:
 			|| echo "docker-deps: apt-get could not install docker.io: the container tests will be skipped"; \
 	fi
 
-pytest: $(STAMP) slurm-deps netns-deps docker-deps
+# The real Kubernetes API server of services/orchestrator/tests/kubernetes (docs/kubernetes.md): kube-apiserver built
+# once from Debian's source package, cached under /var/cache/reprise (about 5 min the first time). Never fails: where
+# it cannot build, it says why and those tests are skipped with the reason.
+kube-deps: $(STAMP)
+	$(BIN)/python -m reprise_cli.kube
+
+pytest: $(STAMP) slurm-deps netns-deps docker-deps kube-deps
 	$(BIN)/pytest
 
 test: lint typecheck pytest
