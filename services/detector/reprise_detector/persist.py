@@ -17,14 +17,14 @@ from sqlmodel import Session
 
 from reprise_common.clock import Clock
 from reprise_common.db import session_scope
-from reprise_common.events import Culprit, RankStacks
+from reprise_common.events import Culprit, IncidentChangeKind, RankStacks
 from reprise_common.logging import get_logger
 from reprise_detector import stacks
 from reprise_detector.classify import Classification
 from reprise_detector.correlate import Decision, OutOfPlacement, Target, decide, is_warning
 from reprise_detector.incidents import service
 from reprise_detector.incidents.flows import PendingChange, pending_change
-from reprise_detector.incidents.models import Incident, IncidentChangeKind, Symptom
+from reprise_detector.incidents.models import Incident, Symptom
 from reprise_detector.kinds.base import Observation
 from reprise_detector.nodes import reputation
 from reprise_detector.placements import PlacementMap

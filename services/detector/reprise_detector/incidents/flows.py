@@ -13,9 +13,9 @@ from reprise_common import subjects
 from reprise_common.bus import Bus
 from reprise_common.clock import Clock
 from reprise_common.db import session_scope
-from reprise_common.events import Category, Culprit, IncidentChange, RecommendedAction, Severity
+from reprise_common.events import Category, Culprit, IncidentChange, IncidentChangeKind, RecommendedAction, Severity
 from reprise_detector.incidents import service
-from reprise_detector.incidents.models import Incident, IncidentChangeKind, IncidentPublic
+from reprise_detector.incidents.models import Incident, IncidentPublic
 from reprise_detector.placements import PlacementMap
 
 SOURCE = "detector"
@@ -39,7 +39,7 @@ def pending_change(
         event_id=msg_id,
         time=now,
         source=SOURCE,
-        change=kind.value,
+        change=kind,
         incident_id=incident.id,
         job_id=incident.job_id,
         category=Category(incident.category),

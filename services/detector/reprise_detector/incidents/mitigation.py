@@ -15,7 +15,7 @@ from reprise_common.bus import Delivery, Outcome
 from reprise_common.clock import Clock
 from reprise_common.db import session_scope
 from reprise_common.errors import MalformedEventError
-from reprise_common.events import Event, RecoveryChange
+from reprise_common.events import Event, RecoveryChange, RecoveryChangeKind
 from reprise_common.logging import get_logger
 from reprise_detector.incidents import service
 from reprise_detector.incidents.models import IncidentState
@@ -36,7 +36,8 @@ class RecoveryOutcomes:
         """Mitigate the incident of a succeeded recovery; every other change is only read."""
         if not isinstance(event, RecoveryChange):
             raise MalformedEventError(f"a {event.model_dump().get('type')} event on the recoveries stream")
-        if event.change != "succeeded" or event.incident_id is None or not self.partition.owns_job(event.job_id):
+        succeeded = event.change is RecoveryChangeKind.SUCCEEDED
+        if not succeeded or event.incident_id is None or not self.partition.owns_job(event.job_id):
             return Outcome.ACK
         mitigated = await asyncio.to_thread(self._mitigate, event.incident_id)
         if mitigated:

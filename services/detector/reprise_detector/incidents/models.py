@@ -9,7 +9,7 @@ from sqlalchemy import BigInteger, Column, Index, String, Text, UniqueConstraint
 from sqlmodel import Field, SQLModel
 
 from reprise_common.db import TypedJSON, UTCDateTime
-from reprise_common.events import Category, RecommendedAction, Severity, ThreadStack, new_id
+from reprise_common.events import Category, IncidentChangeKind, RecommendedAction, Severity, ThreadStack, new_id
 
 
 class IncidentState(StrEnum):
@@ -22,14 +22,6 @@ class IncidentState(StrEnum):
 
 
 ACTIVE_STATES = (IncidentState.OPEN, IncidentState.ACKNOWLEDGED)
-
-
-class IncidentChangeKind(StrEnum):
-    """The change an IncidentChange event announces."""
-
-    OPENED = "opened"
-    UPDATED = "updated"
-    RESOLVED = "resolved"
 
 
 # --- incidents ------------------------------------------------------------------------------------------------
