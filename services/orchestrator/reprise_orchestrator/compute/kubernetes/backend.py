@@ -14,15 +14,15 @@ OOM-killed, deleted by someone else), and the built-in `kubernetes` choice in co
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence, Set
+from collections.abc import Callable, Set
 from typing import Any
 
 from kubernetes.aio.client import V1Node
 
-from reprise_common.events import LaunchReply, StopReply
 from reprise_common.logging import get_logger
 from reprise_orchestrator.compute.agents.backend import AgentsBackend
-from reprise_orchestrator.compute.backend import Answers, InPlace, LaunchRequest, NodePool, SignalSink
+from reprise_orchestrator.compute.agents.delegate import AgentsDelegate
+from reprise_orchestrator.compute.backend import NodePool, SignalSink
 from reprise_orchestrator.compute.kubernetes.api import KubeApi, KubeConflictError, KubeUnavailableError
 from reprise_orchestrator.compute.kubernetes.cordon import cordon_patch, uncordon_patch
 from reprise_orchestrator.compute.kubernetes.nodes import NodeWatch, schedulable
@@ -31,7 +31,7 @@ log = get_logger("reprise.orchestrator.compute.kubernetes")
 Patcher = Callable[[V1Node], dict[str, Any] | None]
 
 
-class KubernetesBackend:
+class KubernetesBackend(AgentsDelegate):
     """Ranks through the agents in their pods; cordons, usable nodes and node signals through the API server."""
 
     name = "kubernetes"
@@ -67,29 +67,6 @@ class KubernetesBackend:
         return NodePool(
             workers=[name for name in offered.workers if name in usable],
             spares=[name for name in offered.spares if name in usable],
-        )
-
-    def known_nodes(self) -> int:
-        """The nodes whose agents reported: the share a cordon takes is of the nodes Reprise runs on."""
-        return self.agents.known_nodes()
-
-    async def launch(self, request: LaunchRequest, *, operation_id: str, fence: int) -> Answers[LaunchReply]:
-        """The agents in the job's pods launch the ranks."""
-        return await self.agents.launch(request, operation_id=operation_id, fence=fence)
-
-    async def stop(
-        self,
-        job_id: str,
-        node_ids: Sequence[str],
-        *,
-        operation_id: str,
-        fence: int,
-        stacks_for: str | None = None,
-        in_place: InPlace | None = None,
-    ) -> Answers[StopReply]:
-        """The agents in the job's pods stop the ranks (or park them, for a restart in place)."""
-        return await self.agents.stop(
-            job_id, node_ids, operation_id=operation_id, fence=fence, stacks_for=stacks_for, in_place=in_place
         )
 
     async def cordon(self, node_id: str, *, reason: str) -> None:

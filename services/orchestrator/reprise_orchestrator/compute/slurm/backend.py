@@ -16,15 +16,16 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Mapping, Sequence, Set
+from collections.abc import Mapping, Set
 from pathlib import Path
 
 from reprise_common.clock import Clock
-from reprise_common.events import ComputeSignal, LaunchReply, StopReply
+from reprise_common.events import ComputeSignal
 from reprise_common.logging import get_logger
 from reprise_orchestrator.compute.agents.backend import AgentsBackend
+from reprise_orchestrator.compute.agents.delegate import AgentsDelegate
 from reprise_orchestrator.compute.allocation import Allocation, AllocationRequest, AllocationState
-from reprise_orchestrator.compute.backend import Answers, InPlace, LaunchRequest, NodePool, SignalSink
+from reprise_orchestrator.compute.backend import NodePool, SignalSink
 from reprise_orchestrator.compute.slurm.batch import AgentLaunch, batch_script
 from reprise_orchestrator.compute.slurm.cli import SlurmCli, SlurmError, SlurmUnavailableError
 from reprise_orchestrator.compute.slurm.models import SlurmJob, SlurmJobState, SlurmNode, SlurmSubmission
@@ -55,7 +56,7 @@ def drained_by_us(node: SlurmNode) -> bool:
     return node.drained and node.reason.startswith(REASON_PREFIX)
 
 
-class SlurmBackend:
+class SlurmBackend(AgentsDelegate):
     """Ranks through the agents inside Slurm's allocations; cordons, usable nodes, cancels and signals through Slurm."""
 
     name = "slurm"
@@ -102,30 +103,6 @@ class SlurmBackend:
         return NodePool(
             workers=[name for name in offered.workers if name in nodes and nodes[name].schedulable],
             spares=[name for name in offered.spares if name in nodes and nodes[name].schedulable],
-        )
-
-    def known_nodes(self) -> int:
-        """The nodes whose agents reported: the share a cordon takes is of the nodes Reprise runs on, not of the
-        whole cluster."""
-        return self.agents.known_nodes()
-
-    async def launch(self, request: LaunchRequest, *, operation_id: str, fence: int) -> Answers[LaunchReply]:
-        """The agents in the job's allocation launch the ranks."""
-        return await self.agents.launch(request, operation_id=operation_id, fence=fence)
-
-    async def stop(
-        self,
-        job_id: str,
-        node_ids: Sequence[str],
-        *,
-        operation_id: str,
-        fence: int,
-        stacks_for: str | None = None,
-        in_place: InPlace | None = None,
-    ) -> Answers[StopReply]:
-        """The agents in the job's allocation stop the ranks (or park them, for a restart in place)."""
-        return await self.agents.stop(
-            job_id, node_ids, operation_id=operation_id, fence=fence, stacks_for=stacks_for, in_place=in_place
         )
 
     async def cordon(self, node_id: str, *, reason: str) -> None:
