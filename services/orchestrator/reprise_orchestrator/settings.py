@@ -5,12 +5,21 @@ from __future__ import annotations
 import os
 import socket
 from pathlib import Path
+from typing import Annotated
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, StringConstraints, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from reprise_common.auth import AuthSettings, strong_key
+from reprise_common.labels import LabelKey, check_value
 from reprise_common.settings import CheckpointRootsSettings, DatabaseSettings, ServiceSettings
+
+# Kubernetes' own spelling (a DNS-1123 label; a DNS-1123 subdomain), as compute/kubernetes/models.py checks a job's.
+KubeNamespace = Annotated[str, StringConstraints(pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")]
+KubeServiceAccount = Annotated[
+    str, StringConstraints(max_length=253, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+]
+ANY_LABEL_VALUE = "*"
 
 
 class OrchestratorSettings(ServiceSettings, DatabaseSettings, AuthSettings, CheckpointRootsSettings):
@@ -96,12 +105,36 @@ class OrchestratorSettings(ServiceSettings, DatabaseSettings, AuthSettings, Chec
         le=3600,
         description="how long a pending job's allocation may run before its workers' agents report; then it fails",
     )
+    kubernetes_namespaces: list[KubeNamespace] = Field(
+        default_factory=lambda: ["reprise-jobs"],
+        max_length=256,
+        description="namespaces a job's `kubernetes` section may name (the backend's Role must be bound in each)",
+    )
+    kubernetes_node_selectors: dict[LabelKey, list[str]] = Field(
+        default_factory=dict,
+        max_length=64,
+        description='node-selector keys a job may use, each with its allowed values ("*": any), as JSON; none: no key',
+    )
+    kubernetes_service_accounts: list[KubeServiceAccount] = Field(
+        default_factory=lambda: ["reprise-agent"],
+        max_length=256,
+        description="service accounts a job's pods may run as",
+    )
     read_api_key: SecretStr | None = Field(
         default=None, description="a read-only key that exists at start, named bootstrap-read (e.g. the dashboard's)"
     )
     registry_api_key: SecretStr | None = Field(
         default=None, description="the key this replica presents to the registry (operate); none: the admin key"
     )
+
+    @field_validator("kubernetes_node_selectors")
+    @classmethod
+    def _label_values(cls, value: dict[str, list[str]]) -> dict[str, list[str]]:
+        for values in value.values():
+            for allowed in values:
+                if allowed != ANY_LABEL_VALUE:
+                    check_value(allowed)
+        return value
 
     @field_validator("read_api_key", "registry_api_key")
     @classmethod

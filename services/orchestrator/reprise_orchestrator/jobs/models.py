@@ -16,6 +16,7 @@ from reprise_common.db import TypedJSON, UTCDateTime
 from reprise_common.events import NumericWatch, RankAssignment
 from reprise_common.labels import MAX_LABELS, MAX_NAME, MAX_PREFIX, MAX_VALUE, Labels
 from reprise_common.settings import IdStr
+from reprise_orchestrator.compute.kubernetes.models import KubernetesSpec
 from reprise_orchestrator.compute.slurm.models import sbatch_option, slurm_name
 from reprise_orchestrator.jobs.checkpoints import CheckpointSpec
 from reprise_orchestrator.jobs.containers import ContainerRequest
@@ -206,6 +207,9 @@ class JobCreate(JobBase):
     )
     policy: RecoveryPolicy = Field(default_factory=RecoveryPolicy)
     slurm: SlurmSpec | None = Field(default=None, description="the job's Slurm allocation (the slurm backend only)")
+    kubernetes: KubernetesSpec | None = Field(
+        default=None, description="where the job's pods run (the kubernetes backend only; docs/kubernetes.md)"
+    )
     checkpoints: CheckpointSpec | None = Field(
         default=None, description="where the script saves checkpoints of its own, without the SDK (docs/registry.md)"
     )

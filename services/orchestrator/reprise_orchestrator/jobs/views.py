@@ -10,9 +10,11 @@ from pydantic import AfterValidator
 
 from reprise_common.auth import REDACTED, may_see_secrets
 from reprise_common.labels import check_selector, parse_selector
+from reprise_orchestrator.compute.kubernetes.models import KubernetesSpec, NotAllowedError, confine
 from reprise_orchestrator.deps import DepsDep, SessionDep
 from reprise_orchestrator.jobs import checkpoints, flows, service
 from reprise_orchestrator.jobs.models import Job, JobCreate, JobPublic, JobsPublic, JobState
+from reprise_orchestrator.settings import OrchestratorSettings
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 LabelSelector = Annotated[str, AfterValidator(check_selector)]
@@ -29,8 +31,9 @@ def _public(job: Job, request: Request) -> JobPublic:
 
 @router.post("", status_code=201, response_model=JobPublic)
 async def submit_job(body: JobCreate, deps: DepsDep, request: Request) -> JobPublic:
-    """Register a job, place its ranks and launch them; a `checkpoints` directory outside the checkpoint roots is a
-    422 naming it, and nothing is stored."""
+    """Register a job, place its ranks and launch them; a `checkpoints` directory outside the checkpoint roots, or a
+    `kubernetes` namespace, node selector or service account the operator did not allow, is a 422 naming it, and
+    nothing is stored."""
     if body.checkpoints is not None:
         try:
             checkpoints.confine(body.checkpoints, deps.settings.checkpoint_roots)
@@ -38,7 +41,23 @@ async def submit_job(body: JobCreate, deps: DepsDep, request: Request) -> JobPub
             loc = ("body", "checkpoints", exc.field)
             error = {"type": "value_error", "loc": loc, "msg": str(exc), "input": body.checkpoints.directory}
             raise RequestValidationError([error]) from exc
+    if body.kubernetes is not None:
+        _allowed_on_kubernetes(body.kubernetes, deps.settings)
     return _public(await flows.submit(deps, body), request)
+
+
+def _allowed_on_kubernetes(spec: KubernetesSpec, settings: OrchestratorSettings) -> None:
+    """A 422 naming the field where a job's `kubernetes` section asks for what the operator did not allow."""
+    try:
+        confine(
+            spec,
+            namespaces=settings.kubernetes_namespaces,
+            node_selectors=settings.kubernetes_node_selectors,
+            service_accounts=settings.kubernetes_service_accounts,
+        )
+    except NotAllowedError as exc:
+        error = {"type": "value_error", "loc": ("body", "kubernetes", *exc.field), "msg": str(exc)}
+        raise RequestValidationError([error]) from exc
 
 
 @router.get("", response_model=JobsPublic)
