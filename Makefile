@@ -18,6 +18,9 @@ SCHEDULER ?= agents
 # auto (the default): surviving ranks restart in place, replacements on warm standbys; cold: every recovery restarts
 # every rank as a new process, with no standbys (make demo RESTART=cold)
 RESTART ?= auto
+# process (the default): ranks run as processes of their agent; docker: the stack starts a dockerd of its own and
+# the demo's ranks run in containers of a base image built from Debian's packages (docs/containers.md)
+RUNTIME ?= process
 
 .PHONY: venv slurm-deps netns-deps docker-deps kube-deps test lint typecheck pytest chaos soak up demo clean bench-agent bench-sdk bench-registry bench-detector bench-orchestrator \
 	bench-orchestrator-concurrent bench-vs-torchrun bench-hang-limits bench-standby bench-recovery bench-ettr bench-slurm \
@@ -111,8 +114,8 @@ up: $(STAMP) $(if $(filter slurm,$(SCHEDULER)),slurm-deps)
 	$(BIN)/reprise up --nodes $(NODES) --spares $(SPARES) --scheduler $(SCHEDULER)
 
 # SCHEDULER=slurm: the same job and faults on a local Slurm cluster (Slurm installed first, as root with apt)
-demo: $(STAMP) $(if $(filter slurm,$(SCHEDULER)),slurm-deps)
-	$(BIN)/reprise demo --scheduler $(SCHEDULER) --restart-mode $(RESTART)
+demo: $(STAMP) $(if $(filter slurm,$(SCHEDULER)),slurm-deps) $(if $(filter docker,$(RUNTIME)),docker-deps)
+	$(BIN)/reprise demo --scheduler $(SCHEDULER) --restart-mode $(RESTART) --runtime $(RUNTIME)
 
 bench-agent: $(STAMP)
 	$(BIN)/python -m bench.bench_agent

@@ -16,7 +16,10 @@ SYSTEM_NAMES = {
     System.FAST: "Reprise fast path, checkpoint",
     System.PEER: "Reprise fast path, peer state",
     System.LOOP: "torchrun loop",
+    System.COLD_CONTAINER: "Reprise cold, containers",
+    System.FAST_CONTAINER: "Reprise fast path, containers",
 }
+CONTAINER_PAIRS = ((System.FAST_CONTAINER, System.FAST), (System.COLD_CONTAINER, System.COLD))
 
 
 def seconds(value: float | None, missing: str = "—") -> str:
@@ -43,16 +46,17 @@ def render(document: dict[str, Any]) -> str:
     ]
     notes = []
     for fault in FAULTS:
-        cold = cells.get(System.COLD.value, {}).get(fault.value, {}).get("time_to_progress_s_median")
         for system in System:
             cell = cells.get(system.value, {}).get(fault.value)
             if cell is not None:
-                lines.append(_row(fault, system, cell, cold))
+                cold = System.COLD_CONTAINER if system.in_containers else System.COLD  # its own runtime's cold path
+                lines.append(_row(fault, system, cell, cells.get(cold.value, {}).get(fault.value, {})))
                 notes += [f"- {SYSTEM_NAMES[system]}, {FAULT_NAMES[fault]}: {n}" for n in _notes(cell)]
+        notes += _container_notes(fault, cells)
     return "\n".join([*lines, "", *notes]) if notes else "\n".join(lines)
 
 
-def _row(fault: Fault, system: System, cell: dict[str, Any], cold: float | None) -> str:
+def _row(fault: Fault, system: System, cell: dict[str, Any], cold_cell: dict[str, Any]) -> str:
     head = f"| {FAULT_NAMES[fault]} | {SYSTEM_NAMES[system]} |"
     if cell.get("skipped"):
         return f"{head} not run: {cell['skipped']} | | | | | | | | |"
@@ -60,7 +64,8 @@ def _row(fault: Fault, system: System, cell: dict[str, Any], cold: float | None)
     progress = "**not recovered**" if median is None else seconds(median)
     if spread and spread[0] != spread[1]:
         progress += f" ({seconds(spread[0])} to {seconds(spread[1])})"
-    ratio = f"{cold / median:.1f} x" if cold and median and system is not System.COLD else "—"
+    cold = cold_cell.get("time_to_progress_s_median")
+    ratio = f"{cold / median:.1f} x" if cold and median and cold_cell is not cell else "—"
     equal = {True: "yes", False: "**no**", None: "—"}[cell["final_equal_to_reference"]]
     redone = "—" if cell["steps_redone_median"] is None else f"{cell['steps_redone_median']:g}"
     rss = "—" if not cell.get("standby_rss_mb_median") else f"{cell['standby_rss_mb_median']:.0f} MB each"
@@ -70,6 +75,23 @@ def _row(fault: Fault, system: System, cell: dict[str, Any], cold: float | None)
         f"{head} {cell['faults_recovered']} of {cell['faults_injected']} | {progress} | {ratio} | "
         f"{seconds(cell['time_to_detect_s_median'])} | {redone} | {equal} | {paths or '—'} | {rss} | {load} |"
     )
+
+
+def _container_notes(fault: Fault, cells: dict[str, Any]) -> list[str]:
+    """Each container cell against its process cell: fault → training again, and the launch step (the start
+    overhead of the ranks' containers)."""
+    notes = []
+    for containers, processes in CONTAINER_PAIRS:
+        boxed, bare = (cells.get(s.value, {}).get(fault.value) or {} for s in (containers, processes))
+        progress = (boxed.get("time_to_progress_s_median"), bare.get("time_to_progress_s_median"))
+        launch = (boxed.get("launching_s_median"), bare.get("launching_s_median"))
+        if progress[0] is None or not progress[1]:
+            continue
+        line = f"- {SYSTEM_NAMES[containers]}, {FAULT_NAMES[fault]}: {progress[0] / progress[1]:.2f} x the processes'"
+        if launch[0] is not None and launch[1] is not None:
+            line += f"; launch step {seconds(launch[0])} vs {seconds(launch[1])}"
+        notes.append(line)
+    return notes
 
 
 def _notes(cell: dict[str, Any]) -> list[str]:

@@ -25,6 +25,7 @@ from typing import Any
 
 import httpx
 
+from bench.recovery_containers import container_platform, containerized, job_root
 from bench.recovery_track import CellRun, FaultRecord, FaultTracker, RecoverySettings, System
 from bench.vs_torchrun_common import Fault
 from bench.vs_torchrun_reprise import (
@@ -120,10 +121,15 @@ def policy(system: System, settings: RecoverySettings) -> dict[str, Any]:
 def run_cell(system: System, fault: Fault, settings: RecoverySettings, root: Path) -> CellRun:
     """One run of the job with `settings.faults` faults of one kind on a fresh stack."""
     root.mkdir(parents=True)
-    standbys = settings.standbys if system.in_place else 0
+    standbys = settings.standbys if system.standbys else 0
+    stack_of = (
+        container_platform(root, settings, spares=settings.spares(fault))
+        if system.in_containers
+        else platform(root, settings, spares=settings.spares(fault), standbys=standbys)
+    )
     with (
         _agents_environment(REPRISE_STANDBY_REFILL_DELAY_S=f"{settings.standby_refill_delay_s:g}"),
-        platform(root, settings, spares=settings.spares(fault), standbys=standbys) as (stack, client),
+        stack_of as (stack, client),
         NodeReports(client) as reports,
     ):
         if standbys and not _wait(lambda: reports.warm(standbys), settings.ready_timeout_s):
@@ -185,9 +191,14 @@ class _Run:
         """Submit the job; None (with the reason in the cell) when it is refused or does not start."""
         system, cell = self.cell.system, self.cell
         in_place = ["--in-place"] if system.in_place else []
-        env = {"REPRISE_PEER_RESTORE": "0"} if system is System.FAST else {}  # the checkpoint, on every rank
+        # the checkpoint, on every rank
+        env = {"REPRISE_PEER_RESTORE": "0"} if system in (System.FAST, System.FAST_CONTAINER) else {}
+        if system.in_containers:  # the job's files under the nodes' mount roots
+            root = job_root(self.stack)
         body = job_body(f"recovery-{system.value}-{cell.fault.value}", self.settings, root,
                         policy=policy(system, self.settings), script_args=in_place, env=env)  # fmt: skip
+        if system.in_containers:
+            body = containerized(body, self.stack, root)
         try:
             job = self.client.submit(body)
         except httpx.HTTPStatusError as exc:

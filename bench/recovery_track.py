@@ -22,17 +22,29 @@ SCRIPT_COLLECTIVE_TIMEOUT_S = 300.0  # examples/ddp_train.py's COLLECTIVE_TIMEOU
 
 
 class System(StrEnum):
-    """The three ways of running the same script through the same faults."""
+    """The ways of running the same script through the same faults."""
 
     COLD = "cold"  # Reprise, restart_mode cold, no standbys
     FAST = "fast"  # Reprise, restart_mode auto, --in-place, warm standbys; every rank restores the checkpoint
     PEER = "peer"  # as fast, and the ranks go on from the survivors' state (reprise_sdk.torch.replica)
     LOOP = "loop"  # `until torchrun ...; do :; done`
+    COLD_CONTAINER = "cold-container"  # as cold, each rank in a container (bench/recovery_containers.py)
+    FAST_CONTAINER = "fast-container"  # as fast, each rank in a container; no standbys: they serve processes only
 
     @property
     def in_place(self) -> bool:
         """Reprise's fast path: surviving ranks restart in their processes, warm standbys take the others."""
-        return self in (System.FAST, System.PEER)
+        return self in (System.FAST, System.PEER, System.FAST_CONTAINER)
+
+    @property
+    def in_containers(self) -> bool:
+        """The job's ranks run in containers on the stack's own dockerd."""
+        return self in (System.COLD_CONTAINER, System.FAST_CONTAINER)
+
+    @property
+    def standbys(self) -> bool:
+        """The agents keep warm standbys for the job's replacement ranks."""
+        return self.in_place and not self.in_containers
 
 
 FAULTS = (Fault.RANK_CRASH, Fault.XID79, Fault.HANG, Fault.NODE_LOSS)
@@ -169,6 +181,7 @@ class CellRun:
         progress = [f["time_to_progress_s"] for f in faults if f["time_to_progress_s"] is not None]
         detect = [f["time_to_detect_s"] for f in faults if f["time_to_detect_s"] is not None]
         redone = [f["steps_redone"] for f in faults if f["steps_redone"] is not None]
+        launching = [s for f in faults if (s := (f.get("recovery_steps_s") or {}).get("launching")) is not None]
         return {
             "measured_at": datetime.fromtimestamp(self.launched_at, UTC).isoformat(timespec="seconds"),
             "skipped": self.skipped or None,
@@ -178,6 +191,7 @@ class CellRun:
             "time_to_progress_s_range": [min(progress), max(progress)] if progress else None,
             "time_to_detect_s_median": _median(detect),
             "steps_redone_median": _median(redone),
+            "launching_s_median": _median(launching),  # the recovery's launch step: the ranks (re)started
             "finished": self.digest is not None,
             "final_equal_to_reference": None if self.digest is None or reference is None else self.digest == reference,
             "wall_s": round(self.finished_at - self.launched_at, 2) if self.finished_at else None,

@@ -33,7 +33,9 @@ def test_a_ddp_job_survives_a_crash_an_xid79_and_a_corrupt_checkpoint_with_the_r
     config = StackConfig(
         nodes=2, spares=1, gpus_per_node=2, state_dir=tmp_path / "state", ports=free_stack_ports(DEFAULT_PORTS)
     )
-    training = Training(steps=64, checkpoint_every=8, step_sleep=0.1)
+    # Peer recovery off: with it, the surviving rank's state is taken and the corrupt checkpoint is never read (the
+    # checkpoint path is what this test is about; tests/test_in_place.py and the demo cover the peer path).
+    training = Training(steps=64, checkpoint_every=8, step_sleep=0.1, peer_restore=False)
     reference = ReferenceRun(training, world_size=2, work_dir=tmp_path / "reference").start()
     stack = Stack(config)
     try:

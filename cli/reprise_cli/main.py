@@ -45,6 +45,7 @@ def _stack_config(args: argparse.Namespace) -> StackConfig:
         state_dir=Path(args.state_dir),
         ports=ports,
         scheduler=args.scheduler,
+        runtime=args.runtime,
     )
 
 
@@ -62,6 +63,12 @@ def _add_stack_flags(
         choices=["agents", "slurm"],
         default="agents",
         help="agents: the stack runs an agent per node; slurm: a local Slurm cluster runs the jobs (docs/slurm.md)",
+    )
+    parser.add_argument(
+        "--runtime",
+        choices=["process", "docker"],
+        default="process",
+        help="docker: a dockerd of the stack's own runs the ranks of jobs with a container image (docs/containers.md)",
     )
     parser.add_argument("--state-dir", default=state_dir, help="logs, SQLite files, NATS store, Redis data")
     flags = ("nats", "nats-monitor", "redis", "registry", "detector", "orchestrator", "notifier", "slack-receiver")
@@ -90,6 +97,8 @@ def cmd_up(args: argparse.Namespace) -> int:
             f"  nats          {stack.config.nats_url}  (monitor http://127.0.0.1:{stack.config.ports['nats-monitor']})"
         )
         print(f"  redis         {stack.config.redis_url}")
+        if stack.docker is not None:
+            print(f"  dockerd       {stack.config.docker_url}  (image {stack.container_image})")
         receiver = slack_receiver_url(stack.config)
         print(f"  slack-receiver       {receiver}  (the notifier's Slack messages: {receiver}/ and /messages)")
         for spec in stack.specs:
@@ -157,8 +166,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from reprise_cli.demo import run_demo  # noqa: PLC0415 - keeps `reprise up` start-up light
 
     cold = args.restart_mode == "cold"
-    if cold:
-        args.standbys = 0  # the cold path starts every rank as a new interpreter
+    if cold or args.runtime == "docker":
+        args.standbys = 0  # the cold path starts every rank as a new interpreter; standbys do not serve containers
     return run_demo(_stack_config(args), keep=args.keep, cold=cold)
 
 

@@ -1,4 +1,5 @@
-"""The whole platform on this machine, without Docker: real servers and every service as processes."""
+"""The whole platform on this machine, without Docker: real servers and every service as processes (with
+runtime="docker", a dockerd of the stack's own beside them runs the ranks of containerized jobs)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import httpx
 
 from reprise_cli.client import PlatformClient
 from reprise_cli.creds import ADMIN, ensure_redis_password, init_credentials, read_admin_api_key, seed_file
+from reprise_cli.dockerd import DockerDaemon, docker_unavailable_reason, ensure_base_image
 from reprise_cli.ports import PortTaken, free_stack_ports, require_free_port, with_port_retries
 from reprise_cli.redis_server import RedisServer, find_redis_server
 from reprise_cli.servers import ManagedProcess, NatsServer, answers, deploy_dir, find_nats_server, wait_until
@@ -68,6 +70,8 @@ class Stack:
     services: dict[str, ManagedProcess] = field(default_factory=dict)
     specs: list[ServiceSpec] = field(default_factory=list)
     slurm: SlurmCluster | None = None  # scheduler="slurm": the local cluster the jobs run on
+    docker: DockerDaemon | None = None  # runtime="docker": the daemon the agents start containers with
+    container_image: str | None = None  # runtime="docker": the base image in it (reprise/base:<suite>-<hash>)
     supervisor: Supervisor = field(init=False)
     _agent_ports: dict[str, int] = field(default_factory=dict)  # on Slurm: each node's agent, as found
 
@@ -85,6 +89,11 @@ class Stack:
         find_redis_server()
         if self.config.scheduler == "slurm" and (reason := slurm_unavailable_reason()) is not None:
             raise ConfigError(f"{reason} (`make slurm-deps` installs it, as root)")
+        if self.config.runtime == "docker":
+            if self.config.scheduler == "slurm":
+                raise ConfigError("ranks in containers run on the built-in agents, not yet under Slurm")
+            if (reason := docker_unavailable_reason()) is not None:
+                raise ConfigError(f"{reason} (`make docker-deps` installs it, as root)")
         self.specs = build_services(self.config)
         for spec in self.specs:
             _command_path(spec.command)
@@ -152,6 +161,8 @@ class Stack:
                 self.config.slurm_dir, nodes=self.config.nodes + self.config.spares, timeout_s=60
             )
         self._start_slack_receiver()
+        if self.config.runtime == "docker":  # before the agents, which connect to it at their first container job
+            self._start_docker()
         for spec in self.specs:
             process = ManagedProcess(
                 spec.name, [_command_path(spec.command)], self.log_dir / f"{spec.name}.log", spec.env
@@ -180,6 +191,13 @@ class Stack:
         health = slack_receiver_url(self.config) + "/healthz"
         if not wait_until(lambda: receiver.listening(port) and answers(health), timeout_s=15):
             raise ConfigError(f"the Slack receiver did not start: {receiver.log_tail(5)}")
+
+    def _start_docker(self) -> None:
+        """Start the stack's dockerd and import the ranks' base image into it (built once per machine, cached)."""
+        self.docker = DockerDaemon(self.config.docker_dir)
+        self.docker.start()
+        self.say(f"dockerd of the stack's own ready ({self.config.docker_url})")
+        self.container_image = ensure_base_image(self.docker.url)
 
     def hold_node_down(self, node_id: str) -> None:
         """The node's agent stays down once it exits (a simulated node loss): the supervisor does not restart it."""
@@ -257,7 +275,7 @@ class Stack:
 
     def stop(self) -> None:
         """Stop the supervisor (nothing restarts from here on), the services (agents first, so ranks stop cleanly),
-        then the Slack receiver, Redis and NATS."""
+        then the Slack receiver, Redis, NATS and the dockerd."""
         self.supervisor.stop()
         for name in reversed(list(self.services)):
             self.services[name].stop(grace_s=15.0)
@@ -269,9 +287,13 @@ class Stack:
             self.redis.stop()
         if self.nats is not None:
             self.nats.stop()
+        if self.docker is not None:  # after the agents: a containerized rank left over dies with the daemon
+            self.docker.stop()
+            self.docker = None
 
     def pids(self) -> list[int]:
         """Every process the stack started."""
         processes = [*self.services.values(), *([self.slack_receiver] if self.slack_receiver else [])]
         processes += [s.process for s in (self.nats, self.redis) if s is not None and s.process is not None]
+        processes += [self.docker.process] if self.docker is not None and self.docker.process is not None else []
         return [p.pid for p in processes if p.proc is not None]

@@ -6,6 +6,7 @@ docker-compose.yml describes the same topology for Docker; tests/test_compose_dr
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +20,8 @@ from reprise_cli.creds import (
     seed_file,
 )
 from reprise_cli.redis_server import REDIS_USER
+
+CHECKOUT = Path(__file__).resolve().parents[2]  # the repository the CLI is installed editable from
 
 DEFAULT_PORTS: dict[str, int] = {
     "nats": 14222,
@@ -58,6 +61,9 @@ class StackConfig:
     # agents: the stack starts one agent per node itself; slurm: a local Slurm cluster of nodes + spares runs the jobs,
     # each job's agents started by srun in its allocation (docs/slurm.md)
     scheduler: Literal["agents", "slurm"] = "agents"
+    # process: ranks run as processes of their agent; docker: the stack runs a dockerd of its own, and a job with a
+    # `container` section runs its ranks in containers of the base image (docs/containers.md)
+    runtime: Literal["process", "docker"] = "process"
 
     @property
     def creds_dir(self) -> Path:
@@ -77,6 +83,21 @@ class StackConfig:
     def http_url(self, port: int) -> str:
         """Base URL of a service on this host."""
         return f"http://{self.host}:{port}"
+
+    @property
+    def docker_dir(self) -> Path:
+        """Where the dockerd of a `runtime="docker"` stack keeps its socket, data and log (no job may mount it)."""
+        return self.state_dir.resolve() / "docker"
+
+    @property
+    def docker_url(self) -> str:
+        """Where the agents of a `runtime="docker"` stack reach its dockerd."""
+        return f"unix://{self.docker_dir / 'docker.sock'}"
+
+    @property
+    def jobs_dir(self) -> Path:
+        """Where the containerized jobs of this stack keep their working and checkpoint directories (a mount root)."""
+        return self.state_dir.resolve() / "jobs"
 
     @property
     def slurm_dir(self) -> Path:
@@ -114,6 +135,9 @@ def build_services(config: StackConfig) -> list[ServiceSpec]:
         "REPRISE_ADVERTISE_ADDR": config.host,
         "REPRISE_STANDBYS": str(config.standbys),
     }
+    if config.runtime == "docker":
+        agent_settings["REPRISE_DOCKER_URL"] = config.docker_url
+        agent_settings["REPRISE_CONTAINER_MOUNT_ROOTS"] = json.dumps([str(p) for p in container_mount_roots(config)])
     if config.scheduler == "slurm":
         orchestrator = next(spec for spec in services if spec.role == "orchestrator")
         orchestrator.env.update(slurm_orchestrator_env(config, agent_settings))
@@ -209,6 +233,20 @@ def slurm_orchestrator_env(config: StackConfig, agent_settings: dict[str, str]) 
         "REPRISE_SLURM_AGENT_HTTP_PORT": str(config.ports["agent"]),
         "REPRISE_SLURM_AGENT_ENV": json.dumps(agent_env),
     }
+
+
+def rank_runtime_paths() -> list[Path]:
+    """What a rank running this checkout's interpreter needs mounted in a container of the base image, read-only:
+    the host's Python, the checkout's .venv, the SDK and shared library it imports (installed editable), the
+    examples. Not the whole checkout: its state directories may hold a Docker socket."""
+    paths = [Path(os.path.realpath(sys.base_prefix)), Path(os.path.realpath(sys.prefix))]
+    paths += [CHECKOUT / "sdk", CHECKOUT / "libs", CHECKOUT / "examples"]
+    return list(dict.fromkeys(paths))
+
+
+def container_mount_roots(config: StackConfig) -> list[Path]:
+    """What the stack's nodes let a job's containers mount: its jobs directory and the paths a rank runs from."""
+    return [config.jobs_dir, *rank_runtime_paths()]
 
 
 def agent_name(node_id: str) -> str:

@@ -43,6 +43,7 @@ class Scenario:
     timeout_s: float = 120.0
     sampler: StepSampler | None = None
     slurm: SlurmView | None = None  # on Slurm: what sinfo shows of the nodes
+    image: str | None = None  # the ranks run in containers of this image (work_dir under the nodes' mount roots)
     job: dict[str, Any] = field(default_factory=dict)
     claimed: set[str] = field(default_factory=set)  # recoveries an injected fault accounts for
     narrated: dict[str, set[tuple[int, str]]] = field(default_factory=dict)  # recovery -> steps already told
@@ -56,7 +57,9 @@ class Scenario:
         self.say(f"fault-free reference: {len(reference.ranks)} local gloo ranks without the platform ...")
         ref = reference.finish()
         self.say(f"reference done in {ref.wall_s:.1f} s: params-sha256 {ref.digest[:16]}…")
-        spec = job_spec(self.training, name=name, nodes=nodes, min_nodes=max(1, nodes - 1), work_dir=self.work_dir)
+        spec = job_spec(
+            self.training, name=name, nodes=nodes, min_nodes=max(1, nodes - 1), work_dir=self.work_dir, image=self.image
+        )
         if self.slurm is None:
             self._wait_for_nodes(nodes + spares)
         else:  # one allocation of the job's nodes and its spares; its agents start in it

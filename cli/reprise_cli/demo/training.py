@@ -10,6 +10,7 @@ from typing import Any
 
 from reprise_cli.demo.models import DemoFailure
 from reprise_cli.servers import ManagedProcess, free_port, wait_until
+from reprise_cli.topology import rank_runtime_paths
 from reprise_common.errors import ConfigError
 
 DIGEST_PREFIX = "params-sha256 "
@@ -34,6 +35,7 @@ class Training:
     seed: int = 0
     step_sleep: float = 0.1  # slows the job so faults land mid-run; changes no number (examples/README.md)
     in_place: bool = True  # under Reprise the ranks that survive a fault restart in place (reprise_sdk.run)
+    peer_restore: bool = True  # ...and go on from the survivors' state, not the checkpoint (reprise_sdk.torch.replica)
 
     def argv(self, *, checkpoint_dir: Path, output: Path, step_sleep: float | None = None) -> list[str]:
         """The script's command line, interpreter first."""
@@ -51,6 +53,14 @@ class Training:
         ]  # fmt: skip
 
 
+def training_env(training: Training) -> dict[str, str]:
+    """The job's environment: a rank restarted in place keeps its newest checkpoint in memory (64 MiB at most), and
+    takes the survivors' state unless peer recovery is off."""
+    if not training.in_place:
+        return {}
+    return {"REPRISE_SDK_KEEP_BYTES": str(64 << 20)} | ({} if training.peer_restore else {"REPRISE_PEER_RESTORE": "0"})
+
+
 def job_spec(
     training: Training,
     *,
@@ -60,10 +70,13 @@ def job_spec(
     work_dir: Path,
     hang_timeout_s: float = 3.0,
     objective_s: float = 60.0,
+    image: str | None = None,
 ) -> dict[str, Any]:
-    """The POST /v1/jobs body: one rank per node, checkpoints and the output under work_dir, a demo's policy."""
+    """The POST /v1/jobs body: one rank per node, checkpoints and the output under work_dir, a demo's policy; with
+    `image`, each rank in a container of it (container_section)."""
     checkpoints = work_dir / "checkpoints"
-    return {
+    container = {"container": container_section(image, work_dir=work_dir)} if image is not None else {}
+    return container | {
         "name": name,
         "node_count": nodes,
         "ranks_per_node": 1,
@@ -72,7 +85,7 @@ def job_spec(
             *(["--in-place"] if training.in_place else []),
         ],
         # A rank restarted in place restores from its own copy of the newest checkpoint when the registry validated it.
-        "env": {"REPRISE_SDK_KEEP_BYTES": str(64 << 20)} if training.in_place else {},
+        "env": training_env(training),
         "working_dir": str(work_dir),
         "checkpoint_dir": str(checkpoints),
         "policy": {
@@ -83,6 +96,14 @@ def job_spec(
             "restart_mode": "auto" if training.in_place else "cold",
         },
     }
+
+
+def container_section(image: str, *, work_dir: Path) -> dict[str, Any]:
+    """A job's `container` section: the image, the job's directory (checkpoints, output) read-write, and read-only
+    what the script runs from (the host's Python, the checkout's .venv, SDK and examples, docs/containers.md)."""
+    mounts: list[dict[str, Any]] = [{"source": str(path), "target": str(path)} for path in rank_runtime_paths()]
+    mounts.append({"source": str(work_dir), "target": str(work_dir), "read_only": False})
+    return {"image": image, "mounts": mounts}
 
 
 @dataclass(frozen=True)

@@ -119,7 +119,11 @@ class Agent:
         )
         inbox_dir = default_inbox_dir(settings.state_dir)
         return ContainerEngine(
-            base_url=settings.docker_url, policy=policy, inbox_dir=inbox_dir, gpus=self.gpus.name == "nvml"
+            base_url=settings.docker_url,
+            policy=policy,
+            inbox_dir=inbox_dir,
+            job_files_dir=settings.state_dir / "ranks",  # RankSupervisor.log_dir: where it writes resume-file listings
+            gpus=self.gpus.name == "nvml",
         )
 
     def _executor(self, py_spy: Path | None) -> CommandExecutor:

@@ -213,6 +213,11 @@ class ContainerLauncher:
         self, argv: list[str], env: dict[str, str], cwd: str | None, inbox: Path | None
     ) -> tuple[Container, int, int]:
         """Create and start the container (blocking calls: in a thread); its init's pid and the rank's."""
+        if self.job.checkpoints is not None:  # a bind's source must exist; a job's first launch has saved nothing yet
+            try:
+                Path(self.job.checkpoints.directory).mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise LaunchRefusedError(f"checkpoints.directory could not be created: {exc}") from exc
         created = self._create(argv, env, cwd, inbox)
         try:
             created.start()
@@ -270,6 +275,12 @@ class ContainerLauncher:
         extra: list[tuple[str, bool]] = []
         if self.job.checkpoints is not None:
             extra.append((self.job.checkpoints.directory, False))
+        if (jobs := self.engine.job_files_dir) is not None and env.get("REPRISE_JOB_ID"):
+            # Every epoch's resume-file listing, read-only: a rank of this container restarted in place at a later
+            # epoch reads that epoch's listing (REPRISE_RESUME_FILES of its order), written there after it started.
+            job_files = jobs.absolute() / env["REPRISE_JOB_ID"]
+            job_files.mkdir(parents=True, exist_ok=True)
+            extra.append((str(job_files), True))
         if env.get("REPRISE_RESUME_FILES"):
             extra.append((os.path.dirname(env["REPRISE_RESUME_FILES"]), True))
         if env.get("REPRISE_SDK_SOCKET"):
@@ -294,12 +305,14 @@ class ContainerEngine:
         base_url: str,
         policy: ContainerPolicy,
         inbox_dir: Path | None = None,
+        job_files_dir: Path | None = None,
         gpus: bool = False,
         timeout_s: float = 30.0,
     ) -> None:
         self.base_url = base_url
         self.policy = policy
         self.inbox_dir = inbox_dir
+        self.job_files_dir = job_files_dir  # the agent's <state>/ranks: <job id>/epoch-N-resume-files.json
         self.gpus = gpus
         self.timeout_s = timeout_s
         self._client: docker.DockerClient | None = None

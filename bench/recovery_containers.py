@@ -1,0 +1,68 @@
+"""The container cells of bench_recovery: the same job and faults with each rank in a container (docs/containers.md).
+
+The stack runs a dockerd of its own and imports the base image built from Debian's packages; its agents get the
+daemon's URL and the mount roots. The job is the process cells' with a `container` section: the base image, the
+host's Python and the checkout's .venv, SDK and examples read-only, its own directory (checkpoints) read-write under
+the stack's jobs directory, which is also its working directory. Warm standbys serve processes only, so a container
+cell has none: a replaced rank starts in a new container and imports torch there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from bench.vs_torchrun_common import Settings
+from reprise_cli.client import PlatformClient, poll
+from reprise_cli.creds import read_admin_api_key
+from reprise_cli.demo.training import container_section
+from reprise_cli.servers import free_stack_ports
+from reprise_cli.stack import Stack
+from reprise_cli.topology import DEFAULT_PORTS, StackConfig
+
+
+@contextlib.contextmanager
+def container_platform(root: Path, settings: Settings, *, spares: int) -> Iterator[tuple[Stack, PlatformClient]]:
+    """A fresh local stack whose agents run containerized ranks on its own dockerd, and a client; all stopped after."""
+    config = StackConfig(
+        nodes=settings.world_size,
+        spares=spares,
+        gpus_per_node=1,
+        standbys=0,
+        state_dir=root / "state",
+        ports=free_stack_ports(DEFAULT_PORTS),
+        runtime="docker",
+    )
+    stack = Stack(config, say=lambda _text: None)
+    try:
+        stack.start(timeout_s=120)
+        client = PlatformClient(
+            orchestrator=stack.url("orchestrator"),
+            detector=stack.url("detector"),
+            registry=stack.url("checkpoint-registry"),
+            nats_url=config.nats_url,
+            nkey_seed_file=stack.admin_seed,
+            api_key=read_admin_api_key(config.state_dir),
+        )
+        try:
+            poll(client.nodes, lambda nodes: len(nodes) >= settings.world_size + spares, timeout_s=60)
+            yield stack, client
+        finally:
+            client.close()
+    finally:
+        stack.stop()
+
+
+def job_root(stack: Stack) -> Path:
+    """The job's own directory, under the nodes' mount roots (and away from the daemon's socket)."""
+    path = stack.config.jobs_dir / "job"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def containerized(body: dict[str, Any], stack: Stack, root: Path) -> dict[str, Any]:
+    """The job's body with each rank in a container of the stack's base image, working in `root`."""
+    assert stack.container_image is not None, "the stack runs no dockerd"
+    return body | {"working_dir": str(root), "container": container_section(stack.container_image, work_dir=root)}

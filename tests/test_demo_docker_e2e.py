@@ -1,0 +1,106 @@
+"""The demo's four faults with the ranks in containers (`make demo RUNTIME=docker`, smaller): 2 nodes + 1 spare, a
+dockerd of the stack's own, the base image, the real DDP script in one container per rank.
+
+The same code as `reprise demo --runtime docker`: a crash, an XID 79 (the spare takes the node's place), a hang and
+the loss of a node (its agent and its containers killed, as a lost host's would be) are each recovered without help,
+and the job ends with the fault-free reference's parameters, bit for bit.
+"""
+
+from __future__ import annotations
+
+from contextlib import closing
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from reprise_cli.demo.models import Fault, demo_faults
+from reprise_cli.demo.report import fault_numbers
+from reprise_cli.demo.scenario import Scenario
+from reprise_cli.demo.training import ReferenceRun, Training
+from reprise_cli.dockerd import docker_unavailable_reason
+from reprise_cli.servers import free_stack_ports
+from reprise_cli.stack import Stack
+from reprise_cli.topology import DEFAULT_PORTS, StackConfig
+
+pytest.importorskip("torch", reason="PyTorch is not installed: the DDP demo job cannot run")
+docker = pytest.importorskip("docker", reason="the docker SDK is not installed")
+pytestmark = [
+    pytest.mark.stack,
+    pytest.mark.chaos,
+    pytest.mark.timeout(420),
+    pytest.mark.skipif(docker_unavailable_reason() is not None, reason=str(docker_unavailable_reason())),
+]
+
+
+def _container_events(url: str, since: datetime, job_id: str) -> list[dict[str, Any]]:
+    """The daemon's start and die events of the job's containers since `since`."""
+    client = docker.DockerClient(base_url=url, timeout=30)
+    try:
+        events = client.events(
+            since=since,
+            until=datetime.now(UTC),
+            decode=True,
+            filters={"type": "container", "label": f"io.reprise.job={job_id}"},
+        )
+        return [e for e in events if e.get("status") in ("start", "die")]
+    finally:
+        client.close()
+
+
+def test_the_demo_faults_are_recovered_with_the_ranks_in_containers(tmp_path: Path) -> None:
+    config = StackConfig(
+        nodes=2,
+        spares=1,
+        gpus_per_node=2,
+        state_dir=tmp_path / "state",
+        ports=free_stack_ports(DEFAULT_PORTS),
+        runtime="docker",
+    )
+    training = Training(steps=88, checkpoint_every=8, step_sleep=0.1)
+    reference = ReferenceRun(training, world_size=2, work_dir=tmp_path / "reference").start()
+    stack = Stack(config)
+    began = datetime.now(UTC)
+    try:
+        stack.start(timeout_s=90)
+        assert stack.docker is not None and stack.container_image is not None
+        with closing(stack.client()) as client:
+            scenario = Scenario(stack, client, training, say=print, work_dir=config.jobs_dir)
+            scenario.image = stack.container_image
+            run = scenario.run(demo_faults(config.nodes), reference=reference)
+        events = _container_events(stack.docker.url, began, run.job["id"])
+    finally:
+        reference.stop()
+        stack.stop()
+
+    assert [f.plan.fault for f in run.faults] == [Fault.RANK_CRASH, Fault.XID79, Fault.RANK_HANG, Fault.NODE_LOSS]
+    assert [f.recovered for f in run.faults] == [True] * 4, [f.recovery for f in run.faults]
+    print("unplanned recoveries:", [(r["id"], r["step"], r.get("outcome")) for r in run.unplanned])
+    for fault in run.faults:
+        numbers = fault_numbers(fault, run.samples)
+        assert numbers.detection_s is not None and numbers.recovery_s is not None, fault.recovery
+        assert 0 < numbers.detection_s < numbers.recovery_s
+    crash, xid, hang, loss = run.faults
+    assert crash.incident is not None and (crash.incident["culprit_node_id"], crash.incident["culprit_rank"]) == (
+        "node-2",
+        1,
+    )
+    assert (xid.step("placing") or {})["data"]["replaced"] == {"node-2": "spare-1"}
+    assert hang.incident is not None and hang.incident["culprit_rank"] == 1
+    assert loss.node_id == "spare-1"
+    # The ranks ran in containers: one started for each rank of the first launch and for the replacement of the
+    # crashed, the XID's and the hung rank (the node loss shrinks the job: its survivor restarts in place); every
+    # container of the lost node died (with its agent) and none of the job's is left running.
+    starts = [e["Actor"]["Attributes"] for e in events if e["status"] == "start"]
+    assert len(starts) >= 2 + 3, starts
+    assert {s["io.reprise.node"] for s in starts} >= {"node-1", "node-2", "spare-1"}
+    alive: dict[str, int] = {}
+    for event in events:
+        alive[event["id"]] = alive.get(event["id"], 0) + (1 if event["status"] == "start" else -1)
+    assert not [cid for cid, count in alive.items() if count > 0], events
+    lost = [e for e in events if e["Actor"]["Attributes"]["io.reprise.node"] == "spare-1"]
+    assert lost and lost[-1]["status"] == "die" and lost[-1]["Actor"]["Attributes"]["exitCode"] == "137", lost
+
+    assert run.digest == run.reference.digest  # bit for bit, with every rank in a container
+    assert run.ok
