@@ -12,6 +12,7 @@ from typing import Any
 from reprise_agent import node_events
 from reprise_agent.commands import CommandBook
 from reprise_agent.depchecks.checker import CheckResult, DependencyChecker
+from reprise_agent.depchecks.specs import with_docker
 from reprise_agent.executor import CommandExecutor
 from reprise_agent.faults import FaultInjector
 from reprise_agent.foreign_checkpoints import ForeignCheckpoints
@@ -75,7 +76,7 @@ class Agent:
         self.step_ending = asyncio.Event()  # set when the scheduler ends this agent's step (terminating())
         self.outbox = Outbox(bus, capacity=settings.outbox_capacity)
         self.depchecks = DependencyChecker(
-            settings.dependency_checks,
+            with_docker(settings.dependency_checks, settings.docker_url),  # a daemon down is a dependency fault
             clock=SystemClock(),
             repeat_s=settings.dependency_repeat_s,
             rendezvous_grace_s=settings.rendezvous_grace_s,

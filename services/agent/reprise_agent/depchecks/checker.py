@@ -11,6 +11,7 @@ from reprise_agent.depchecks.probes import (
     BlockingRunner,
     DependencyCheckError,
     probe_disk,
+    probe_docker,
     probe_http,
     probe_storage,
     probe_tcp,
@@ -18,6 +19,7 @@ from reprise_agent.depchecks.probes import (
 from reprise_agent.depchecks.specs import (
     DependencyCheckSpec,
     DiskCheck,
+    DockerCheck,
     HttpCheck,
     StorageCheck,
     TcpCheck,
@@ -104,6 +106,8 @@ class DependencyChecker:
             return await asyncio.wait_for(probe_tcp(spec.host, spec.port), deadline)
         if isinstance(spec, HttpCheck):
             return await asyncio.wait_for(probe_http(spec), deadline)
+        if isinstance(spec, DockerCheck):
+            return await asyncio.wait_for(probe_docker(spec), deadline)
         assert_never(spec)
 
     # --- rendezvous masters -----------------------------------------------------------------------------------

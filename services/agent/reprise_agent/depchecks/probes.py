@@ -18,7 +18,7 @@ from uuid import uuid4
 
 import httpx
 
-from reprise_agent.depchecks.specs import DiskCheck, HttpCheck
+from reprise_agent.depchecks.specs import DiskCheck, DockerCheck, HttpCheck
 from reprise_common.errors import RepriseError
 
 T = TypeVar("T")
@@ -125,6 +125,23 @@ async def probe_http(spec: HttpCheck) -> str:
     if response.status_code != spec.expect_status:
         raise DependencyCheckError(f"GET {url} answered {response.status_code}, expected {spec.expect_status}")
     return f"GET {url} answered {response.status_code}"
+
+
+async def probe_docker(spec: DockerCheck) -> str:
+    """Ping the Docker daemon (GET /_ping answers OK) over its Unix socket or TCP (the caller bounds the time)."""
+    scheme, _, where = spec.url.partition("://")
+    transport = httpx.AsyncHTTPTransport(uds=where) if scheme == "unix" else None
+    base = "http://docker" if scheme == "unix" else f"http://{where}"
+    try:
+        async with httpx.AsyncClient(transport=transport, timeout=httpx.Timeout(spec.timeout_s)) as client:
+            response = await client.get(f"{base}/_ping")
+    except httpx.TimeoutException as exc:
+        raise DependencyCheckError(f"the Docker daemon at {spec.url} gave no answer in {spec.timeout_s:g} s") from exc
+    except httpx.HTTPError as exc:
+        raise DependencyCheckError(f"the Docker daemon at {spec.url} is unreachable: {_root_reason(exc)}") from exc
+    if response.status_code != 200 or response.text.strip() != "OK":
+        raise DependencyCheckError(f"the Docker daemon at {spec.url} answered its ping {response.status_code}")
+    return f"the Docker daemon at {spec.url} answered its ping"
 
 
 class BlockingRunner:

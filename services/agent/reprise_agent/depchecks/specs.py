@@ -85,7 +85,27 @@ class HttpCheck(_CheckSpec):
     expect_status: int = Field(default=200, ge=100, le=599)
 
 
-DependencyCheckSpec = Annotated[StorageCheck | DiskCheck | TcpCheck | HttpCheck, Field(discriminator="kind")]
+class DockerCheck(_CheckSpec):
+    """The Docker daemon at ``url`` (``unix:///path`` or ``tcp://host:port``) answers its ping within ``timeout_s``;
+    an agent that runs container ranks checks its own daemon without being told (docs/containers.md)."""
+
+    _target = "{url}"
+
+    kind: Literal["docker"] = "docker"
+    url: str = Field(min_length=1, max_length=4096, pattern=r"^(unix|tcp)://.+")
+    timeout_s: float = Field(default=2.0, gt=0, le=60)
+
+
+DependencyCheckSpec = Annotated[
+    StorageCheck | DiskCheck | TcpCheck | HttpCheck | DockerCheck, Field(discriminator="kind")
+]
+
+
+def with_docker(specs: list[DependencyCheckSpec], docker_url: str | None) -> list[DependencyCheckSpec]:
+    """The configured checks, plus a check of the agent's own Docker daemon when it has one and none names it."""
+    if docker_url is None or any(isinstance(spec, DockerCheck) for spec in specs):
+        return specs
+    return [*specs, DockerCheck(name="docker", url=docker_url)]
 
 
 def unique_names(specs: list[DependencyCheckSpec]) -> list[DependencyCheckSpec]:
