@@ -7,18 +7,13 @@ from datetime import datetime
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
-from reprise_common.errors import RepriseError
 from reprise_common.events import FaultKind, InjectFault
 
-if TYPE_CHECKING:  # annotations only: training.py raises DemoFailure from here
+if TYPE_CHECKING:  # annotations only
     from reprise_cli.demo.sampler import Sample
     from reprise_cli.demo.training import Reference, Training
 
 TERMINAL = frozenset({"running", "failed", "held"})  # the recovery steps that end a recovery
-
-
-class DemoFailure(RepriseError):
-    """The scenario could not go on: a fault was refused, or the platform did not do its part in time."""
 
 
 class Fault(StrEnum):

@@ -14,7 +14,8 @@ from types import FrameType
 from reprise_cli.client import PlatformClient
 from reprise_cli.creds import read_api_key_file
 from reprise_cli.demo import report, timeline
-from reprise_cli.demo.models import DemoFailure, DemoRun, demo_faults
+from reprise_cli.demo.errors import DemoFailure
+from reprise_cli.demo.models import DemoRun, demo_faults
 from reprise_cli.demo.scenario import Scenario
 from reprise_cli.demo.slurm_view import SlurmView
 from reprise_cli.demo.training import ReferenceRun, Training

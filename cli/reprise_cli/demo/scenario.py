@@ -19,7 +19,8 @@ from typing import Any
 import httpx
 
 from reprise_cli.client import PlatformClient, poll
-from reprise_cli.demo.models import TERMINAL, DemoFailure, DemoRun, Fault, FaultPlan, FaultRun, fault_event
+from reprise_cli.demo.errors import DemoFailure
+from reprise_cli.demo.models import TERMINAL, DemoRun, Fault, FaultPlan, FaultRun, fault_event
 from reprise_cli.demo.narrate import incident_line, nodes_of, step_lines
 from reprise_cli.demo.sampler import StepSampler
 from reprise_cli.demo.slurm_view import SlurmView, down, drained, not_responding

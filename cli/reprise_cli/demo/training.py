@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from reprise_cli.demo.models import DemoFailure
+from reprise_cli.demo.errors import DemoFailure
 from reprise_cli.servers import ManagedProcess, free_port, wait_until
 from reprise_cli.topology import rank_runtime_paths
 from reprise_common.errors import ConfigError
