@@ -9,50 +9,11 @@ cell has none: a replaced rank starts in a new container and imports torch there
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from bench.vs_torchrun_common import Settings
-from reprise_cli.client import PlatformClient, poll
-from reprise_cli.creds import read_admin_api_key
 from reprise_cli.demo.training import container_section
-from reprise_cli.servers import free_stack_ports
 from reprise_cli.stack import Stack
-from reprise_cli.topology import DEFAULT_PORTS, StackConfig
-
-
-@contextlib.contextmanager
-def container_platform(root: Path, settings: Settings, *, spares: int) -> Iterator[tuple[Stack, PlatformClient]]:
-    """A fresh local stack whose agents run containerized ranks on its own dockerd, and a client; all stopped after."""
-    config = StackConfig(
-        nodes=settings.world_size,
-        spares=spares,
-        gpus_per_node=1,
-        standbys=0,
-        state_dir=root / "state",
-        ports=free_stack_ports(DEFAULT_PORTS),
-        runtime="docker",
-    )
-    stack = Stack(config, say=lambda _text: None)
-    try:
-        stack.start(timeout_s=120)
-        client = PlatformClient(
-            orchestrator=stack.url("orchestrator"),
-            detector=stack.url("detector"),
-            registry=stack.url("checkpoint-registry"),
-            nats_url=config.nats_url,
-            nkey_seed_file=stack.admin_seed,
-            api_key=read_admin_api_key(config.state_dir),
-        )
-        try:
-            poll(client.nodes, lambda nodes: len(nodes) >= settings.world_size + spares, timeout_s=60)
-            yield stack, client
-        finally:
-            client.close()
-    finally:
-        stack.stop()
 
 
 def job_root(stack: Stack) -> Path:

@@ -25,7 +25,7 @@ from typing import Any
 
 import httpx
 
-from bench.recovery_containers import container_platform, containerized, job_root
+from bench.recovery_containers import containerized, job_root
 from bench.recovery_track import CellRun, FaultRecord, FaultTracker, RecoverySettings, System
 from bench.vs_torchrun_common import Fault
 from bench.vs_torchrun_reprise import (
@@ -39,6 +39,7 @@ from bench.vs_torchrun_reprise import (
 )
 from reprise_cli.client import PlatformClient
 from reprise_cli.stack import Stack
+from reprise_cli.topology import Runtime
 from reprise_common import subjects
 from reprise_common.bus import Bus
 from reprise_common.events import NodeReport
@@ -122,11 +123,8 @@ def run_cell(system: System, fault: Fault, settings: RecoverySettings, root: Pat
     """One run of the job with `settings.faults` faults of one kind on a fresh stack."""
     root.mkdir(parents=True)
     standbys = settings.standbys if system.standbys else 0
-    stack_of = (
-        container_platform(root, settings, spares=settings.spares(fault))
-        if system.in_containers
-        else platform(root, settings, spares=settings.spares(fault), standbys=standbys)
-    )
+    runtime: Runtime = "docker" if system.in_containers else "process"
+    stack_of = platform(root, settings, spares=settings.spares(fault), standbys=standbys, runtime=runtime)
     with (
         _agents_environment(REPRISE_STANDBY_REFILL_DELAY_S=f"{settings.standby_refill_delay_s:g}"),
         stack_of as (stack, client),

@@ -22,7 +22,7 @@ from reprise_cli.client import PlatformClient, poll, step_seconds
 from reprise_cli.creds import read_admin_api_key
 from reprise_cli.servers import free_stack_ports
 from reprise_cli.stack import Stack
-from reprise_cli.topology import DEFAULT_PORTS, StackConfig
+from reprise_cli.topology import DEFAULT_PORTS, Runtime, StackConfig
 from reprise_common.events import FaultKind, InjectFault
 
 SPARES = 1
@@ -31,9 +31,10 @@ STOPPED_STATES = frozenset({"failed", "held", "cancelled"})
 
 @contextlib.contextmanager
 def platform(
-    root: Path, settings: Settings, *, spares: int = SPARES, standbys: int = 0
+    root: Path, settings: Settings, *, spares: int = SPARES, standbys: int = 0, runtime: Runtime = "process"
 ) -> Iterator[tuple[Stack, PlatformClient]]:
-    """A fresh local stack (`standbys` warm interpreters per node) and a client for it; all stopped on the way out."""
+    """A fresh local stack (`standbys` warm interpreters per node; `runtime` docker: the agents run containerized ranks
+    on the stack's own dockerd) and a client for it; all stopped on the way out."""
     config = StackConfig(
         nodes=settings.world_size,
         spares=spares,
@@ -41,6 +42,7 @@ def platform(
         standbys=standbys,
         state_dir=root / "state",
         ports=free_stack_ports(DEFAULT_PORTS),
+        runtime=runtime,
     )
     stack = Stack(config, say=lambda _text: None)
     try:

@@ -47,6 +47,9 @@ ROLE_COMMANDS: dict[str, str] = {
 }
 
 
+Runtime = Literal["process", "docker"]  # how the agents run ranks: as processes, or in containers
+
+
 @dataclass(frozen=True)
 class StackConfig:
     """What `reprise up` was asked to run."""
@@ -63,7 +66,7 @@ class StackConfig:
     scheduler: Literal["agents", "slurm"] = "agents"
     # process: ranks run as processes of their agent; docker: the stack runs a dockerd of its own, and a job with a
     # `container` section runs its ranks in containers of the base image (docs/containers.md)
-    runtime: Literal["process", "docker"] = "process"
+    runtime: Runtime = "process"
 
     @property
     def creds_dir(self) -> Path:
