@@ -45,6 +45,8 @@ from reprise_common.bus import Bus
 from reprise_common.events import NodeReport
 
 REPORT_FRESH_S = 3.0  # a node whose last report is older is gone (lost) and has no standbys to wait for
+STAMP_SLACK_S = 0.1  # incidents and injections are stamped by processes on one host, one clock: a fault owns what
+# opens from just before its injection until just before the next
 
 
 class NodeReports:
@@ -247,7 +249,7 @@ def _analyse(client: PlatformClient, job_id: str, cell: CellRun) -> None:
     incidents = sorted(client.incidents(job_id), key=lambda i: i["opened_at"])
     recoveries = sorted(client.recoveries(job_id), key=lambda r: r["started_at"])
     for record, until in zip(cell.records, _window_ends(cell.records), strict=True):
-        since = record.injected_at - 1.0  # stamps come from other processes' clocks on the same host
+        since = record.injected_at - STAMP_SLACK_S
         incident = next((i for i in incidents if since <= unix_time(i["opened_at"]) < until), None)
         if incident is not None:
             record.detected_at = unix_time(incident["opened_at"])
@@ -258,7 +260,7 @@ def _analyse(client: PlatformClient, job_id: str, cell: CellRun) -> None:
 
 
 def _window_ends(records: list[FaultRecord]) -> list[float]:
-    return [record.injected_at - 1.0 for record in records[1:]] + [float("inf")]
+    return [record.injected_at - STAMP_SLACK_S for record in records[1:]] + [float("inf")]
 
 
 def _restart_path(recovery: dict[str, Any]) -> dict[str, Any]:

@@ -275,6 +275,7 @@ def recovery_figures(recovery: dict[str, Any], injected_at: float) -> dict[str, 
         "placement_decision": data.get("placing", {}).get("decision"),
         "cordoned": data.get("isolating", {}).get("cordoned"),
         "restored_checkpoint": data.get("restoring", {}).get("checkpoint"),
+        "resumed": data.get("verifying", {}).get("resumed"),  # the ranks' state: from the survivors, or why not
         "recovery_steps_s": {step["step"]: _rounded(step_seconds(step)) for step in recovery["steps"]},
     }
 

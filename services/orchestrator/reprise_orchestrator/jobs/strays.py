@@ -5,8 +5,9 @@ could not reach it. When its agent reports again, those ranks show under an olde
 has ended). They are stopped by the job's highest fence, which the agent has not seen yet, so they cannot write into
 the new epoch; a later launch on that node draws a higher fence still and is not refused. A node of the job's current
 placement is left alone (stopping a job stops all its ranks on a node), and so is a job being recovered (its
-recovery stops what it must). Each stray is told once a while (RESEND_S), and the commands run beside the reconciler's
-pass, not in it.
+recovery stops what it must). Each stray is told once a while (RESEND_S); a stop that did not reach its node (cut off
+while its last report still looked fresh) is sent again as soon as the node reports. The commands run beside the
+reconciler's pass, not in it.
 """
 
 from __future__ import annotations
@@ -77,6 +78,11 @@ class Strays:
     async def _stop(self, job_id: str, epoch: int | None, nodes: list[str], fence: int) -> None:
         operation = f"{job_id}:strays:{epoch}:{fence}"
         try:
-            await self.deps.compute.stop(job_id, nodes, operation_id=operation, fence=fence)
-        except Exception:  # the next pass past RESEND_S tries again
+            answers = await self.deps.compute.stop(job_id, nodes, operation_id=operation, fence=fence)
+        except Exception:
             log.exception("stopping stray ranks failed", extra={"job_id": job_id, "nodes": nodes})
+            unreached = nodes
+        else:
+            unreached = [a.node_id for a in answers.items if not a.ok and not a.stale]
+        for node_id in unreached:  # told again at the first pass that finds it fresh, not a resend period later
+            self._told.pop((job_id, epoch, node_id), None)
