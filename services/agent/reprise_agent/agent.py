@@ -112,6 +112,7 @@ class Agent:
         """This node's Docker daemon for the jobs whose ranks run in an image; None when the agent has none."""
         if settings.docker_url is None:
             return None
+        from reprise_agent.launch.container_standby import ContainerStandbys  # noqa: PLC0415 - the SDK only where used
         from reprise_agent.launch.containers import ContainerEngine  # noqa: PLC0415 - the SDK only where it is used
 
         policy = ContainerPolicy(
@@ -119,11 +120,16 @@ class Agent:
             images=frozenset(settings.container_images) if settings.container_images is not None else None,
         )
         inbox_dir = default_inbox_dir(settings.state_dir)
+        standbys = ContainerStandbys(
+            size=settings.standbys, preload=settings.standby_preload, refill_delay_s=settings.standby_refill_delay_s
+        )  # per containerized job, as many as the process standbys
         return ContainerEngine(
             base_url=settings.docker_url,
             policy=policy,
             inbox_dir=inbox_dir,
             job_files_dir=settings.state_dir / "ranks",  # RankSupervisor.log_dir: where it writes resume-file listings
+            sdk_socket=self.sdk.path,  # re-linked for the containers a restarted agent adopts
+            standbys=standbys,
             gpus=self.gpus.name == "nvml",
         )
 
@@ -168,6 +174,8 @@ class Agent:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
         await self.supervisor.stop_all(grace_s=self.settings.stop_grace_s)
+        if self.supervisor.containers is not None:
+            self.supervisor.containers.close()  # its standby containers go with it
         await self.foreign.close()
         await self.standbys.close()
         self.sdk.close()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import signal
 import socket
 import time
@@ -13,10 +12,11 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Set
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from reprise_agent.launch.base import ImageLaunchers, Launcher, RankHandle
 from reprise_agent.launch.container_policy import LaunchRefusedError
+from reprise_agent.ledger import LostRank, load_launch, read_ledger, save_launch, write_ledger
 from reprise_agent.progress.messages import MessageKind, SdkMessage
 from reprise_agent.rank_env import rank_env, write_resume_files
 from reprise_common.errors import RepriseError
@@ -25,23 +25,6 @@ from reprise_common.logging import get_logger
 from reprise_common.procs import describe_exit
 
 log = get_logger("reprise.agent.ranks")
-
-
-@dataclass(frozen=True)
-class LostRank:
-    """A rank of an earlier process of this agent, lost when that process died."""
-
-    job_id: str
-    rank: int
-    restart_epoch: int
-    log_path: Path
-
-    def tail(self, lines: int) -> list[str]:
-        """The last lines it wrote to its log."""
-        try:
-            return self.log_path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:]
-        except OSError:
-            return []
 
 
 @dataclass
@@ -155,6 +138,7 @@ class RankSupervisor:
         for rank in parked:  # they are re-keyed by their new rank below
             del self._ranks[(job_id, rank.rank)]
         self.launches[job_id] = spec
+        save_launch(self.log_dir / job_id, spec)
         resume_files = write_resume_files(self.log_dir / job_id, spec)
         pids, in_place = [], []
         for assignment in spec.ranks:
@@ -187,7 +171,7 @@ class RankSupervisor:
         self, rank: RankProcess, job_id: str, spec: LaunchArgs, assignment: RankAssignment, resume_files: Path | None
     ) -> bool:
         """Hand a parked rank the next epoch through its inbox; False when it is unreachable (it is then replaced)."""
-        env = self._env(job_id, spec, assignment, resume_files)
+        env = rank.handle.rank_env(self._env(job_id, spec, assignment, resume_files))
         if not self._order(rank, {"k": "assign", "env": env}):
             return False
         rank.rank, rank.local_rank, rank.restart_epoch = assignment.rank, assignment.local_rank, spec.restart_epoch
@@ -241,6 +225,7 @@ class RankSupervisor:
             return
         if message.kind is MessageKind.IN_PLACE:
             rank.in_place = True
+            self._record()  # an adopting agent must know it can park
         elif message.kind is MessageKind.PARKED and rank.in_place and not rank.parked.is_set():
             rank.parked_why = message.why
             rank.parked.set()
@@ -249,34 +234,53 @@ class RankSupervisor:
 
     def _record(self) -> None:
         """Write the ledger of running ranks (atomically): a rank whose agent dies is not forgotten."""
-        live = [
-            {"job_id": r.job_id, "rank": r.rank, "restart_epoch": r.restart_epoch, **r.handle.record(),
-             "log": str(r.log_path)}
+        write_ledger(self.ledger, [
+            {"job_id": r.job_id, "rank": r.rank, "restart_epoch": r.restart_epoch, "local_rank": r.local_rank,
+             "gpu": r.gpu, "in_place": r.in_place, **r.handle.record(), "log": str(r.log_path)}
             for r in self._ranks.values() if r.alive and not r.stopping
-        ]  # fmt: skip
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        partial = self.ledger.with_suffix(".partial")
-        partial.write_text(json.dumps(live), encoding="utf-8")
-        os.replace(partial, self.ledger)
+        ])  # fmt: skip
 
     def orphans(self) -> list[LostRank]:
-        """The ranks an earlier process of this agent left running when it died (killed or crashed): they died with
-        it, or are killed now (nothing supervises them any more); the ledger starts empty."""
-        try:
-            entries = json.loads(self.ledger.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            entries = []
-        lost = []
-        for entry in entries:
+        """The ranks an earlier process of this agent left running when it died (killed or crashed): a rank whose
+        container still runs is adopted (supervised on as if this process had started it); the others died with it,
+        or are killed now (nothing supervises them any more), and are returned to be reported lost."""
+        lost, adopted = [], set[str]()
+        for entry in read_ledger(self.ledger):
+            if self._adopt(entry) is not None:
+                adopted.add(str(entry["container_id"]))
+                continue
             containers = self.containers if "container_id" in entry else None
             with contextlib.suppress(RepriseError):  # a daemon that is down: its containers are its to end
                 (containers or self.launcher).kill_lost(entry)
-            lost.append(LostRank(entry["job_id"], int(entry["rank"]), int(entry["restart_epoch"]), Path(entry["log"])))
+            lost.append(LostRank.of(entry))
         if self.containers is not None:
-            with contextlib.suppress(RepriseError):
-                self.containers.remove_strays(self.node_id)  # containers of this node the ledger did not name
+            with contextlib.suppress(RepriseError):  # containers of this node the ledger did not name
+                self.containers.remove_strays(self.node_id, keep=adopted)
         self._record()
         return lost
+
+    def _adopt(self, entry: dict[str, Any]) -> RankProcess | None:
+        """Supervise on a containerized rank of the dead agent's ledger, when its container still runs it."""
+        if self.containers is None or "container_id" not in entry:
+            return None
+        try:
+            handle = self.containers.adopt(entry)
+        except RepriseError:  # the daemon does not answer: the rank is removed and reported lost
+            return None
+        if handle is None:
+            return None
+        job_id = str(entry["job_id"])
+        rank = RankProcess(
+            job_id=job_id, rank=int(entry["rank"]), local_rank=int(entry.get("local_rank") or 0),
+            gpu=entry.get("gpu"), handle=handle, log_path=Path(entry["log"]), tail=deque(maxlen=self.tail_lines),
+            restart_epoch=int(entry["restart_epoch"]), in_place=bool(entry.get("in_place")),
+        )  # fmt: skip
+        self._ranks[(job_id, rank.rank)] = rank
+        if job_id not in self.launches and (spec := load_launch(self.log_dir / job_id)) is not None:
+            self.launches[job_id] = spec
+        self._supervise(rank)
+        log.info("rank adopted", extra={"job_id": job_id, "rank": rank.rank, "pid": handle.pid})
+        return rank
 
     async def _start(
         self, launcher: Launcher, job_id: str, spec: LaunchArgs, assignment: RankAssignment, resume_files: Path | None
@@ -296,13 +300,16 @@ class RankSupervisor:
             tail=deque(maxlen=self.tail_lines),
             restart_epoch=spec.restart_epoch,
         )
-        task = asyncio.create_task(self._watch(rank), name=f"rank:{job_id}:{assignment.rank}")
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._supervise(rank)
         log.info(
             "rank started", extra={"job_id": job_id, "rank": assignment.rank, "pid": handle.pid, "warm": handle.warm}
         )
         return rank
+
+    def _supervise(self, rank: RankProcess) -> None:
+        task = asyncio.create_task(self._watch(rank), name=f"rank:{rank.job_id}:{rank.rank}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _watch(self, rank: RankProcess) -> None:
         await self._pump(rank, rank.handle.output)

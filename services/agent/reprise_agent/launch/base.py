@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
 from typing import Any, Protocol
 
 from reprise_common.events import LaunchArgs
@@ -62,6 +62,11 @@ class RankHandle(Protocol):
         """The bytes it read and wrote through system calls so far; None when they cannot be read."""
         ...
 
+    def rank_env(self, env: Mapping[str, str]) -> dict[str, str]:
+        """The environment of an order to restart in place (`env`, the host's view) as the rank must see it: a
+        container's differs in its paths and device numbers."""
+        ...
+
     def record(self) -> dict[str, Any]:
         """What a later process of this agent needs to find it again (JSON), should this one die."""
         ...
@@ -91,6 +96,16 @@ class ImageLaunchers(Protocol):
         """Remove what is left of a containerized rank an earlier process of this agent started."""
         ...
 
-    def remove_strays(self, node_id: str) -> list[str]:
-        """Remove what is labelled with this node and left after the ledger's ranks were removed; what went."""
+    def adopt(self, record: Mapping[str, Any]) -> RankHandle | None:
+        """Supervise on a containerized rank an earlier process of this agent started, when it still runs; None when
+        it does not (it is then to be removed with `kill_lost`)."""
+        ...
+
+    def close(self) -> None:
+        """Remove what waits for ranks (standbys); close the connections (the agent stops)."""
+        ...
+
+    def remove_strays(self, node_id: str, keep: Set[str] = frozenset()) -> list[str]:
+        """Remove what is labelled with this node but not adopted (`keep`: ids), left after the ledger's ranks were
+        removed; what went."""
         ...

@@ -90,6 +90,10 @@ class ProcessHandle:
         """Its system-call I/O from /proc."""
         return io_chars(self.proc.pid)
 
+    def rank_env(self, env: Mapping[str, str]) -> dict[str, str]:
+        """The environment of an order to restart in place: a process sees it as given."""
+        return dict(env)
+
     def record(self) -> dict[str, Any]:
         """Its pid and start time: enough to kill its group later, and never a stranger's."""
         return {"pid": self.proc.pid, "started": self.started}

@@ -35,6 +35,20 @@ IMPORT_TIME_VARS = frozenset(
 )
 
 
+def unfit_arguments(command: Sequence[str], env: Mapping[str, str], *, standby_env: Mapping[str, str]) -> str:
+    """Why a command of the standbys' interpreter cannot run on one ("" when it can): interpreter options, or an
+    environment that differs from the standby's in what the interpreter read before its assignment."""
+    args = list(command[1:])
+    if not args or args == ["-m"] or (args[0].startswith("-") and args[0] != "-m"):
+        return "not a script or -m module (interpreter options start it cold)"
+    differs = sorted(
+        name
+        for name in {*standby_env, *env}
+        if (name.startswith("PYTHON") or name in IMPORT_TIME_VARS) and standby_env.get(name) != env.get(name)
+    )
+    return f"read before the script runs, and not as the standbys have it: {differs}" if differs else ""
+
+
 @dataclass
 class Standby:
     """One pre-started interpreter: its process, and whether it said it is ready."""
@@ -93,15 +107,7 @@ class StandbyPool:
         found = shutil.which(command[0]) if command else None
         if found is None or os.path.realpath(found) != os.path.realpath(self.python):
             return f"not the standbys' interpreter ({self.python})"
-        args = list(command[1:])
-        if not args or args == ["-m"] or (args[0].startswith("-") and args[0] != "-m"):
-            return "not a script or -m module (interpreter options start it cold)"
-        differs = sorted(
-            name
-            for name in {*self.env, *env}
-            if (name.startswith("PYTHON") or name in IMPORT_TIME_VARS) and self.env.get(name) != env.get(name)
-        )
-        return f"read before the script runs, and not as the standbys have it: {differs}" if differs else ""
+        return unfit_arguments(command, env, standby_env=self.env)
 
     async def take(
         self, command: Sequence[str], env: Mapping[str, str], cwd: str | None

@@ -16,6 +16,7 @@ import runpy
 import sys
 
 READY = "reprise-standby ready"
+CAP_SYS_NICE = 23
 
 
 def preload(modules: list[str]) -> list[str]:
@@ -30,8 +31,16 @@ def preload(modules: list[str]) -> list[str]:
 
 
 def can_restore_priority() -> bool:
-    """Whether leaving SCHED_IDLE will be allowed: root, or an RLIMIT_NICE that permits nice 0."""
-    return os.geteuid() == 0 or resource.getrlimit(resource.RLIMIT_NICE)[0] >= 20
+    """Whether leaving SCHED_IDLE will be allowed: CAP_SYS_NICE (root, but not in a container without it), or an
+    RLIMIT_NICE that permits nice 0."""
+    if resource.getrlimit(resource.RLIMIT_NICE)[0] >= 20:
+        return True
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            effective = next(line for line in status if line.startswith("CapEff:"))
+    except (OSError, StopIteration):
+        return os.geteuid() == 0
+    return bool(int(effective.split()[1], 16) >> CAP_SYS_NICE & 1)
 
 
 def set_policy(policy: int) -> bool:

@@ -1,7 +1,9 @@
 """A real agent runs a job's ranks in containers on a real dockerd: two ranks in a gloo group that train (heartbeats
 through the mounted SDK socket), a rank SIGKILLed from the host reported as any rank's death, its survivor parked
 and restarted in place in its own container (orders through the inbox), a missing image refused with the field
-named, and an agent without a Docker daemon refusing a containerized job; a job without a spec still runs processes."""
+named, and an agent without a Docker daemon refusing a containerized job; a job without a spec still runs processes.
+A restarted agent's supervisor adopts the containers its predecessor's ledger names as they run, and removes the
+rest (test_agent_adoption.py: the same with a real agent process killed)."""
 
 from __future__ import annotations
 
@@ -123,7 +125,7 @@ async def test_an_agent_without_docker_refuses_a_containerized_job_and_runs_proc
         assert all(r.handle.record().keys() == {"pid", "started"} for r in harness.agent.supervisor.ranks())
 
 
-async def test_a_restarted_agent_removes_the_containers_its_previous_process_left(
+async def test_a_restarted_agents_supervisor_adopts_what_runs_as_recorded_and_removes_the_rest(
     docker_engine: Engine, tmp_path: Path
 ) -> None:
     job_dir = tmp_path / "job"
@@ -142,20 +144,26 @@ async def test_a_restarted_agent_removes_the_containers_its_previous_process_lef
         "command": [PYTHON, "-c", "import time; time.sleep(60)"], "container": container(docker_engine.image, job_dir),
         "ranks": [{"rank": 0, "node_id": "n1", "local_rank": 0}],
     })  # fmt: skip
-    await first.launch("job-1", spec)
-    await first.launch("job-2", spec)
-    rank, unrecorded = first.ranks()
-    first.ledger.write_text(json.dumps([json.loads(first.ledger.read_text())[0]]))  # it died before writing job-2
-    container_id = rank.handle.record()["container_id"]
+    for job in ("job-1", "job-2", "job-3"):
+        await first.launch(job, spec)
+    running, changed, unrecorded = first.ranks()
+    kept, stranger = json.loads(first.ledger.read_text())[:2]
+    stranger["started"] -= 1  # the ledger's rank is not the process that container runs now
+    first.ledger.write_text(json.dumps([kept, stranger]))  # it died before writing job-3
     client = docker.DockerClient(base_url=docker_engine.url)
-    assert client.containers.get(container_id).labels["io.reprise.node"] == "n1"
+    assert client.containers.get(running.handle.record()["container_id"]).labels["io.reprise.node"] == "n1"
 
     # The agent's process dies here (its ranks' containers outlive it); the next one reads its ledger.
     second = RankSupervisor(node_id="n1", state_dir=tmp_path / "agent", launcher=ProcessLauncher(), on_exit=on_exit,
                             containers=engine)  # fmt: skip
     lost = second.orphans()
-    assert [(r.job_id, r.rank, r.restart_epoch) for r in lost] == [("job-1", 0, 0)]
-    for gone in (container_id, unrecorded.handle.record()["container_id"]):  # by the ledger, and by the label
+    assert [(r.job_id, r.rank, r.restart_epoch) for r in lost] == [("job-2", 0, 0)]
+    assert [(r.job_id, r.handle.pid, r.alive) for r in second.ranks()] == [("job-1", running.handle.pid, True)]
+    assert second.launches["job-1"] == spec
+    assert [e["job_id"] for e in json.loads(second.ledger.read_text())] == ["job-1"]
+    for gone in (changed, unrecorded):  # by the ledger, and by the label
         with pytest.raises(docker.errors.NotFound):
-            client.containers.get(gone)
-    assert await wait_for(lambda: not rank.alive and not unrecorded.alive, timeout_s=30)
+            client.containers.get(gone.handle.record()["container_id"])
+    assert await wait_for(lambda: not changed.alive and not unrecorded.alive, timeout_s=30)
+    await second.stop("job-1", grace_s=2.0)
+    assert [r.handle.returncode for r in second.ranks()] == [-signal.SIGTERM]  # the adopted rank, stopped

@@ -1,0 +1,157 @@
+"""One containerized rank's handle: its output and exit through the Docker daemon, its signals through its init's
+pid on the host (launch/containers.py starts it; launch/container_restart.py re-attaches a later agent to it)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import docker
+import docker.errors
+from docker.models.containers import Container
+
+from reprise_agent.launch.container_procs import SIGNAL_EXIT_BASE, descendants, exit_code
+from reprise_agent.launch.processes import io_chars
+from reprise_common.logging import get_logger
+from reprise_common.procs import ProcessSample, sample_process, start_ticks
+
+log = get_logger("reprise.agent.containers")
+
+
+@dataclass
+class ContainerHandle:
+    """One rank's container: its output, exit and signals, through its init's pid and the daemon."""
+
+    container: Container
+    init_pid: int
+    pid: int
+    inbox: Path | None = None  # the host directory mounted as the rank's inbox directory (removed with it)
+    inbox_link: Path | None = None  # <inbox dir>/<pid>.sock, pointing at the socket the SDK binds in the container
+    warm: bool = False
+    env_changes: dict[str, str] = field(default_factory=dict)  # what its environment says otherwise than the host's
+    returncode: int | None = None
+    oom: bool = False
+    output: asyncio.StreamReader = field(init=False)
+    _exited: asyncio.Event = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.started = start_ticks(self.pid)
+        self.init_started = start_ticks(self.init_pid)
+
+    def follow(self, loop: asyncio.AbstractEventLoop, *, since: float | None = None) -> None:
+        """Start the threads that copy its output (from `since`, a Unix time: an adopted container's output is not
+        copied twice) and wait for its exit (the SDK's calls block); on the loop."""
+        self.output = asyncio.StreamReader()
+        self._exited = asyncio.Event()
+        pump = threading.Thread(target=self._pump, args=(loop, since), name=f"ctr-out-{self.pid}", daemon=True)
+        pump.start()
+        threading.Thread(target=self._wait, args=(loop, pump), name=f"ctr-wait-{self.pid}", daemon=True).start()
+
+    def _pump(self, loop: asyncio.AbstractEventLoop, since: float | None) -> None:
+        try:
+            for chunk in self.container.logs(stream=True, follow=True, stdout=True, stderr=True, since=since):
+                _tell(loop, self.output.feed_data, chunk)
+        except (docker.errors.DockerException, OSError) as exc:
+            log.warning("container output lost", extra={"container": self.container.short_id, "error": str(exc)})
+        finally:
+            _tell(loop, self.output.feed_eof)
+
+    def _wait(self, loop: asyncio.AbstractEventLoop, pump: threading.Thread) -> None:
+        try:
+            status = int(self.container.wait()["StatusCode"])
+            self.container.reload()
+            self.oom = bool(self.container.attrs["State"].get("OOMKilled"))
+        except (docker.errors.DockerException, OSError) as exc:  # the daemon went away: its init tells the end
+            log.warning("docker lost a container", extra={"container": self.container.short_id, "error": str(exc)})
+            while start_ticks(self.init_pid) == self.init_started and self.init_started is not None:
+                threading.Event().wait(0.2)
+            status = SIGNAL_EXIT_BASE + signal.SIGKILL
+        pump.join(timeout=5.0)
+        with contextlib.suppress(docker.errors.DockerException, OSError):
+            self.container.remove(force=True)
+        self._forget_inbox()
+        _tell(loop, self._exit, exit_code(status))
+
+    def _exit(self, returncode: int) -> None:
+        self.returncode = returncode
+        self._exited.set()
+
+    def _forget_inbox(self) -> None:
+        if self.inbox_link is not None:
+            with contextlib.suppress(OSError):
+                self.inbox_link.unlink()
+        if self.inbox is not None:
+            shutil.rmtree(self.inbox, ignore_errors=True)
+
+    async def wait(self) -> int:
+        """Wait for the container's exit; its code as a process's (negative: a signal)."""
+        await self._exited.wait()
+        assert self.returncode is not None
+        return self.returncode
+
+    def signal(self, sig: int) -> None:
+        """SIGKILL: the whole container. Another signal: every process of the rank (not its init, which would pass
+        it on again), as a process group would get it; nothing once the container's init is gone."""
+        if sig == signal.SIGKILL:
+            self.kill()
+            return
+        if start_ticks(self.init_pid) != self.init_started or self.init_started is None:
+            return
+        for pid in list(descendants(self.init_pid)):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+
+    def terminate(self) -> None:
+        """SIGTERM, then SIGCONT (a frozen rank must run to handle its SIGTERM)."""
+        self.signal(signal.SIGTERM)
+        self.signal(signal.SIGCONT)
+
+    def kill(self) -> None:
+        """Kill the container: its init dies, and with it every process in its pid namespace."""
+        if self._exited.is_set():
+            return
+        with contextlib.suppress(docker.errors.NotFound, docker.errors.APIError):
+            self.container.kill()
+
+    def oom_killed(self) -> bool:
+        """The daemon's word: the container's memory cgroup hit its limit and the kernel killed in it."""
+        return self.oom
+
+    def usage(self) -> ProcessSample | None:
+        """The rank process's state and CPU time from /proc."""
+        return sample_process(self.pid) if start_ticks(self.pid) == self.started else None
+
+    def io_bytes(self) -> int | None:
+        """The rank process's system-call I/O from /proc."""
+        return io_chars(self.pid) if start_ticks(self.pid) == self.started else None
+
+    def rank_env(self, env: Mapping[str, str]) -> dict[str, str]:
+        """The environment of an order to restart in place, as the rank sees it in its container."""
+        return {**env, **self.env_changes}
+
+    def record(self) -> dict[str, Any]:
+        """What a later agent needs to adopt the container (or remove it): its id, the rank's pid and start time, its
+        init's, and its inbox."""
+        return {
+            "pid": self.pid, "started": self.started, "container_id": self.container.id, "init_pid": self.init_pid,
+            "init_started": self.init_started, "inbox": _text(self.inbox), "inbox_link": _text(self.inbox_link),
+            "env_changes": self.env_changes,
+        }  # fmt: skip
+
+
+def _tell(loop: asyncio.AbstractEventLoop, callback: Callable[..., object], *args: object) -> None:
+    """Call back on the loop; nothing once it closed (its agent is gone, or, in a test, its supervisor)."""
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(callback, *args)
+
+
+def _text(path: Path | None) -> str | None:
+    return None if path is None else str(path)
