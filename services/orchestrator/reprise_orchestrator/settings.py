@@ -63,7 +63,8 @@ class OrchestratorSettings(ServiceSettings, DatabaseSettings, AuthSettings, Chec
         default="agents",
         min_length=1,
         max_length=200,
-        description="what runs the ranks: a built-in backend (agents, slurm) or a factory as package.module:callable",
+        description="what runs the ranks: a built-in backend (agents, slurm, kubernetes) or a factory as "
+        "package.module:callable",
     )
     slurm_conf: Path | None = Field(
         default=None, description="the slurm backend's slurm.conf (SLURM_CONF of each Slurm command); none: Slurm's own"
@@ -119,6 +120,45 @@ class OrchestratorSettings(ServiceSettings, DatabaseSettings, AuthSettings, Chec
         default_factory=lambda: ["reprise-agent"],
         max_length=256,
         description="service accounts a job's pods may run as",
+    )
+    kubernetes_api_url: str | None = Field(
+        default=None,
+        max_length=2048,
+        pattern=r"^https?://",
+        description="the kubernetes backend's API server (https://host:port); none: the in-cluster one (the pod's "
+        "KUBERNETES_SERVICE_HOST and _PORT)",
+    )
+    kubernetes_token_file: Path = Field(
+        default=Path("/var/run/secrets/kubernetes.io/serviceaccount/token"),
+        description="the bearer token the kubernetes backend presents (its ServiceAccount's), read at start",
+    )
+    kubernetes_ca_file: Path | None = Field(
+        default=Path("/var/run/secrets/kubernetes.io/serviceaccount/ca.crt"),
+        description="the CA that signed the API server's certificate; none: the system's CAs",
+    )
+    kubernetes_node_selector: str | None = Field(
+        default="reprise.dev/role in (worker,spare)",
+        max_length=1024,
+        description="the label selector of the nodes labelled for training (the only ones watched and allocated)",
+    )
+    kubernetes_request_timeout_s: float = Field(
+        default=10.0, gt=0, le=120, description="how long one request to the API server may take"
+    )
+    kubernetes_jobs_namespace: KubeNamespace = Field(
+        default="reprise-jobs",
+        description="the namespace of a job's pods when its `kubernetes` section names none (one of the allowed)",
+    )
+    kubernetes_agent_image: str = Field(
+        default="reprise-agent:local",
+        min_length=1,
+        max_length=1024,
+        description="the image of the jobs' agent pods (their command and settings are REPRISE_SLURM_AGENT_*)",
+    )
+    kubernetes_agent_seeds_secret: str | None = Field(
+        default=None,
+        pattern=r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$",
+        description="a Secret holding each node's NATS seed (<node>.nk): each pod mounts its own node's alone, at "
+        "REPRISE_SLURM_AGENT_CREDS_DIR; none: nothing mounted",
     )
     read_api_key: SecretStr | None = Field(
         default=None, description="a read-only key that exists at start, named bootstrap-read (e.g. the dashboard's)"

@@ -136,7 +136,7 @@ def test_the_first_stop_of_a_hangs_recovery_asks_for_the_ranks_stacks_and_a_cras
 @pytest.mark.parametrize(
     ("name", "message"),
     [
-        ("slurmish", "use one of agents, slurm or package.module:factory"),
+        ("slurmish", "use one of agents, slurm, kubernetes or package.module:factory"),
         ("no_such_module:create", "cannot be loaded"),
         ("reprise_common.auth:MIN_ADMIN_KEY_LENGTH", "is not callable"),
     ],

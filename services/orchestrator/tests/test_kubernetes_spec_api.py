@@ -82,6 +82,7 @@ def test_an_allowed_section_is_kept_in_the_spec(client: TestClient, nats_server:
         "namespace": "team-b",
         "node_selector": {"reprise.dev/pool": "h200", "topology.kubernetes.io/zone": "eu-west-1a"},
         "service_account": "trainer",
+        "spares": 2,
     }
     launches: list[LaunchCommand] = []
     response = asyncio.run(_submit_watching_commands(client, _body(**section), nats_server.url, launches))

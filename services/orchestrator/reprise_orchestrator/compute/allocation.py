@@ -8,11 +8,19 @@ jobs and the scheduler's in step. A backend without it is placed on as before.
 
 from __future__ import annotations
 
-from collections.abc import Sequence, Set
+import re
+import shlex
+from collections.abc import Mapping, Sequence, Set
+from dataclasses import dataclass, field
 from enum import StrEnum
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from reprise_common.errors import ConfigError
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 class AllocationRequest(BaseModel):
@@ -28,6 +36,7 @@ class AllocationRequest(BaseModel):
     time_limit_min: int | None = None
     extra_args: tuple[str, ...] = ()
     output: str | None = None
+    section: BaseModel | None = None  # the job's section for this backend, as the backend's own model (its options)
 
     @property
     def nodes(self) -> int:
@@ -78,3 +87,38 @@ class AllocatingBackend(Protocol):
     async def cancel(self, job_id: str) -> Sequence[int]:
         """End the job's allocation (nothing when it has none); the scheduler's ids of what was ended."""
         ...
+
+
+@dataclass(frozen=True)
+class AgentLaunch:
+    """How an allocation starts its agents, whatever the scheduler (a Slurm batch script, a Kubernetes pod): the
+    command, where NATS is, the directory of the nodes' NATS seeds, the HTTP port, and further agent settings."""
+
+    command: str
+    nats_url: str
+    creds_dir: Path | None = None
+    http_port: int = 8800
+    env: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        bad = [name for name in self.env if not _ENV_NAME.fullmatch(name)]
+        if bad:
+            raise ConfigError(f"REPRISE_SLURM_AGENT_ENV: not environment variable names: {', '.join(bad)}")
+        if not shlex.split(self.command):
+            raise ConfigError("REPRISE_SLURM_AGENT_COMMAND is empty")
+
+    def argv(self) -> list[str]:
+        """The command as its words (shell quoting undone): what runs, never through a shell."""
+        return shlex.split(self.command)
+
+    def shared_env(self) -> dict[str, str]:
+        """The settings every agent of an allocation gets alike (the per-node ones are the scheduler's to set)."""
+        return {
+            **self.env,
+            "REPRISE_NATS_URL": self.nats_url,
+            "REPRISE_LOG_FORMAT": self.env.get("REPRISE_LOG_FORMAT", "json"),
+        }
+
+    def seed_file(self, node: str) -> str | None:
+        """Where the node's NATS seed is (`<creds_dir>/<node>.nk`), None when agents connect without one."""
+        return str(self.creds_dir / f"{node}.nk") if self.creds_dir is not None else None

@@ -49,18 +49,20 @@ async def submit(deps: Deps, backend: AllocatingBackend, spec: JobCreate) -> Job
         [LONGEST_NODE] * spec.node_count, ranks_per_node=spec.ranks_per_node, inventory=deps.inventory
     )
     check_placement_fits(deps.bus, spec, longest)  # refused now, not once the allocation runs
-    slurm = spec.slurm or SlurmSpec()
+    section = spec.allocation_section(backend.name)
+    slurm = section if isinstance(section, SlurmSpec) else SlurmSpec()
     with Session(deps.engine) as session:
         job = service.create(session, spec=spec, placement=[], backend=backend.name)
     request = AllocationRequest(
         job_id=job.id,
         workers=spec.node_count,
-        spares=slurm.spares,
+        spares=section.spares if section is not None else SlurmSpec().spares,
         partition=slurm.partition,
         account=slurm.account,
         time_limit_min=slurm.time_limit_min,
         extra_args=tuple(slurm.extra_args),
         output=slurm.output,
+        section=section,
     )
     try:
         await backend.allocate(request)

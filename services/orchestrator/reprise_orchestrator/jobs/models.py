@@ -235,6 +235,10 @@ class JobCreate(JobBase):
             raise ValueError(f"policy.elastic_min_nodes ({bounds.elastic_min_nodes}) is above the job's {count} nodes")
         return self
 
+    def allocation_section(self, backend: str) -> SlurmSpec | KubernetesSpec | None:
+        """The job's section for an allocating backend: each is named after its backend (`slurm`, `kubernetes`)."""
+        return {"slurm": self.slurm, "kubernetes": self.kubernetes}.get(backend)
+
 
 _SPEC_CACHE = "_job_spec"  # where a Job row keeps its validated spec (not a column, not a field)
 

@@ -19,6 +19,7 @@ from reprise_orchestrator.compute.agents.backend import AgentsBackend
 from reprise_orchestrator.compute.kubernetes import rbac
 from reprise_orchestrator.compute.kubernetes.api import KubeAccess, KubeApi
 from reprise_orchestrator.compute.kubernetes.backend import KubernetesBackend
+from reprise_orchestrator.compute.kubernetes.jobpods import PodSettings
 from reprise_orchestrator.inventory import Inventory
 from reprise_orchestrator.settings import OrchestratorSettings
 
@@ -75,8 +76,11 @@ def backend_access(server: KubeApiServer) -> KubeAccess:
     return KubeAccess(url=server.url, token=server.backend_token, ca_file=str(server.ca_file), timeout_s=10.0)
 
 
-def open_backend(api: KubeApi, tmp_path: Path, *, label_selector: str | None = None) -> KubernetesBackend:
-    """The backend on `api`, its agents never reached (launch and stop are the agents' and not exercised here)."""
+def open_backend(
+    api: KubeApi, tmp_path: Path, *, label_selector: str | None = None, pods: PodSettings | None = None
+) -> KubernetesBackend:
+    """The backend on `api`, its agents never reached (launch and stop are the agents' and not exercised here);
+    with `pods`, it creates the jobs' pods."""
     settings = OrchestratorSettings(database_url=f"sqlite:///{tmp_path / 'o.db'}")
     agents = AgentsBackend(
         bus=Bus.for_service(settings, "orchestrator"),
@@ -84,7 +88,9 @@ def open_backend(api: KubeApi, tmp_path: Path, *, label_selector: str | None = N
         command_timeout_s=5.0,
         stop_grace_s=1.0,
     )
-    return KubernetesBackend(agents=agents, api=api, label_selector=label_selector, watch_timeout_s=5, retry_s=0.2)
+    return KubernetesBackend(
+        agents=agents, api=api, label_selector=label_selector, pods=pods, watch_timeout_s=5, retry_s=0.2
+    )
 
 
 @pytest.fixture

@@ -57,11 +57,12 @@ class KubeUnavailableError(KubeError, DependencyUnavailableError):
 
 
 @dataclass(frozen=True)
-class NodeEvent:
-    """One change a watch of nodes saw: ADDED, MODIFIED, DELETED (with the node), or BOOKMARK (a position only)."""
+class WatchEvent:
+    """One change a watch saw: ADDED, MODIFIED, DELETED (with the object: a V1Node, a V1Pod), or BOOKMARK (a position
+    only, no object)."""
 
     type: str
-    node: client.V1Node | None
+    object: Any
     resource_version: str
 
 
@@ -189,15 +190,63 @@ class KubeApi:
             namespace=namespace,
         )
 
+    async def create_pod(self, namespace: str, pod: client.V1Pod) -> client.V1Pod:
+        """Create a pod; KubeConflictError when one of that name exists."""
+        created = await self._call(
+            self.core.create_namespaced_pod(namespace, pod, _request_timeout=self.timeout_s),
+            verb="create",
+            resource="pods",
+            namespace=namespace,
+        )
+        assert isinstance(created, client.V1Pod)
+        return created
+
     async def watch_nodes(
         self, *, resource_version: str, label_selector: str | None = None, timeout_s: int = 60
-    ) -> AsyncIterator[NodeEvent]:
+    ) -> AsyncIterator[WatchEvent]:
         """The changes to nodes after `resource_version`, for up to `timeout_s` (the server ends the watch then);
         KubeExpiredError when that version is older than the server keeps."""
+        async for event in self._watch(
+            self.core.list_node,
+            client.V1Node,
+            resource="nodes",
+            resource_version=resource_version,
+            label_selector=label_selector,
+            timeout_s=timeout_s,
+        ):
+            yield event
+
+    async def watch_pods(
+        self, namespace: str, *, resource_version: str, label_selector: str | None = None, timeout_s: int = 60
+    ) -> AsyncIterator[WatchEvent]:
+        """The changes to a namespace's pods after `resource_version`, as `watch_nodes` does for nodes."""
+        async for event in self._watch(
+            self.core.list_namespaced_pod,
+            client.V1Pod,
+            namespace,
+            resource="pods",
+            resource_version=resource_version,
+            label_selector=label_selector,
+            timeout_s=timeout_s,
+        ):
+            yield event
+
+    async def _watch(
+        self,
+        lister: Any,
+        kind: type,
+        *args: str,
+        resource: str,
+        resource_version: str,
+        label_selector: str | None,
+        timeout_s: int,
+    ) -> AsyncIterator[WatchEvent]:
+        namespace = args[0] if args else None
         watch = Watch()
         try:
             stream = watch.stream(
-                self.core.list_node,
+                lister,
+                *args,
                 resource_version=resource_version,
                 label_selector=label_selector,
                 allow_watch_bookmarks=True,
@@ -205,13 +254,16 @@ class KubeApi:
                 _request_timeout=timeout_s + self.timeout_s,
             )
             async for event in stream:
-                node = event["object"] if isinstance(event["object"], client.V1Node) else None
-                yield NodeEvent(type=str(event["type"]), node=node, resource_version=str(watch.resource_version))
+                found = event["object"] if isinstance(event["object"], kind) else None
+                yield WatchEvent(type=str(event["type"]), object=found, resource_version=str(watch.resource_version))
         except ApiException as exc:
-            raise translate(exc, verb="watch", resource="nodes") from exc
+            raise translate(exc, verb="watch", resource=resource, namespace=namespace) from exc
         except (TimeoutError, OSError, aiohttp.ClientError) as exc:
             raise KubeUnavailableError(
-                f"watch nodes: the API server did not answer: {exc!r}", verb="watch", resource="nodes"
+                f"watch {resource} {_where(namespace)}: the API server did not answer: {exc!r}",
+                verb="watch",
+                resource=resource,
+                namespace=namespace,
             ) from exc
         finally:
             await watch.close()

@@ -50,6 +50,7 @@ class KubernetesSpec(BaseModel):
         default_factory=dict, max_length=MAX_LABELS, description="node labels the job's pods require (nodeSelector)"
     )
     service_account: ServiceAccountName | None = Field(default=None, description="the identity the job's pods run as")
+    spares: int = Field(default=1, ge=0, le=64, description="pods placed beyond the job's nodes, as its spares")
 
 
 class NotAllowedError(ValueError):

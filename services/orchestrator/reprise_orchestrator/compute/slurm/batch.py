@@ -10,16 +10,12 @@ the others its spares. Every value is shell-quoted: nothing from a setting or a 
 
 from __future__ import annotations
 
-import re
 import shlex
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from pathlib import Path
 
-from reprise_common.errors import ConfigError
-from reprise_orchestrator.compute.allocation import AllocationRequest
+from reprise_orchestrator.compute.allocation import AgentLaunch, AllocationRequest
 
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+__all__ = ["AgentLaunch", "batch_script"]  # AgentLaunch lives in compute/allocation.py, shared with Kubernetes
+
 # Set per node inside the step, from Slurm's own variables; the rest is the same on every node.
 _PER_NODE = """\
 export REPRISE_NODE_ID="$SLURMD_NODENAME"
@@ -38,36 +34,16 @@ mkdir -p "$REPRISE_STATE_DIR"
 """
 
 
-@dataclass(frozen=True)
-class AgentLaunch:
-    """How the agents of an allocation are started: the command, where NATS is, the nodes' seeds, further settings."""
-
-    command: str
-    nats_url: str
-    creds_dir: Path | None = None
-    http_port: int = 8800
-    env: Mapping[str, str] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        bad = [name for name in self.env if not _ENV_NAME.fullmatch(name)]
-        if bad:
-            raise ConfigError(f"REPRISE_SLURM_AGENT_ENV: not environment variable names: {', '.join(bad)}")
-        if not shlex.split(self.command):
-            raise ConfigError("REPRISE_SLURM_AGENT_COMMAND is empty")
-
-
 def batch_script(request: AllocationRequest, launch: AgentLaunch) -> str:
     """The allocation's batch script: the agents' shared settings, then `srun` starting one agent on every node."""
     shared = {
-        **launch.env,
-        "REPRISE_NATS_URL": launch.nats_url,
-        "REPRISE_LOG_FORMAT": launch.env.get("REPRISE_LOG_FORMAT", "json"),
+        **launch.shared_env(),
         "REPRISE_SLURM_WORKERS": str(request.workers),
         "REPRISE_SLURM_AGENT_PORT": str(launch.http_port),
         "REPRISE_SLURM_CREDS_DIR": str(launch.creds_dir) if launch.creds_dir is not None else "",
     }
     exports = "".join(f"export {name}={shlex.quote(value)}\n" for name, value in shared.items())
-    agent = _PER_NODE + "exec " + " ".join(shlex.quote(part) for part in shlex.split(launch.command)) + "\n"
+    agent = _PER_NODE + "exec " + " ".join(shlex.quote(part) for part in launch.argv()) + "\n"
     return (
         "#!/bin/sh\n"
         f"# Reprise: the allocation of job {request.job_id}, one agent per node: the first {request.workers} node(s)\n"
