@@ -60,9 +60,10 @@ def _add_stack_flags(
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument(
         "--scheduler",
-        choices=["agents", "slurm"],
+        choices=["agents", "slurm", "kubernetes"],
         default="agents",
-        help="agents: the stack runs an agent per node; slurm: a local Slurm cluster runs the jobs (docs/slurm.md)",
+        help="agents: the stack runs an agent per node; slurm: a local Slurm cluster runs the jobs (docs/slurm.md); "
+        "kubernetes: a local API server and kubelet double run them, agents in pods (docs/kubernetes.md)",
     )
     parser.add_argument(
         "--runtime",
@@ -99,6 +100,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"  redis         {stack.config.redis_url}")
         if stack.docker is not None:
             print(f"  dockerd       {stack.config.docker_url}  (image {stack.container_image})")
+        if stack.kube is not None and stack.kube.server is not None:
+            print(f"  kube-apiserver {stack.kube.server.url}  (kubectl --kubeconfig {stack.kube.kubeconfig})")
         receiver = slack_receiver_url(stack.config)
         print(f"  slack-receiver       {receiver}  (the notifier's Slack messages: {receiver}/ and /messages)")
         for spec in stack.specs:

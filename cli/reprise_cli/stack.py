@@ -15,6 +15,7 @@ import httpx
 from reprise_cli.client import PlatformClient
 from reprise_cli.creds import ADMIN, ensure_redis_password, init_credentials, read_admin_api_key, seed_file
 from reprise_cli.dockerd import DockerDaemon, docker_unavailable_reason, ensure_base_image
+from reprise_cli.kube_cluster import KubeCluster, kube_unavailable_reason
 from reprise_cli.ports import PortTaken, free_stack_ports, require_free_port, with_port_retries
 from reprise_cli.redis_server import RedisServer, find_redis_server
 from reprise_cli.servers import ManagedProcess, NatsServer, answers, deploy_dir, find_nats_server, wait_until
@@ -70,6 +71,7 @@ class Stack:
     services: dict[str, ManagedProcess] = field(default_factory=dict)
     specs: list[ServiceSpec] = field(default_factory=list)
     slurm: SlurmCluster | None = None  # scheduler="slurm": the local cluster the jobs run on
+    kube: KubeCluster | None = None  # scheduler="kubernetes": the API server and kubelet double the jobs run on
     docker: DockerDaemon | None = None  # runtime="docker": the daemon the agents start containers with
     container_image: str | None = None  # runtime="docker": the base image in it (reprise/base:<suite>-<hash>)
     supervisor: Supervisor = field(init=False)
@@ -89,9 +91,11 @@ class Stack:
         find_redis_server()
         if self.config.scheduler == "slurm" and (reason := slurm_unavailable_reason()) is not None:
             raise ConfigError(f"{reason} (`make slurm-deps` installs it, as root)")
+        if self.config.scheduler == "kubernetes" and (reason := kube_unavailable_reason()) is not None:
+            raise ConfigError(f"no kube-apiserver: {reason} (`make kube-deps` builds it, as root)")
         if self.config.runtime == "docker":
-            if self.config.scheduler == "slurm":
-                raise ConfigError("ranks in containers run on the built-in agents, not yet under Slurm")
+            if self.config.scheduler != "agents":
+                raise ConfigError(f"ranks in containers run on the built-in agents, not yet on {self.config.scheduler}")
             if (reason := docker_unavailable_reason()) is not None:
                 raise ConfigError(f"{reason} (`make docker-deps` installs it, as root)")
         self.specs = build_services(self.config)
@@ -160,6 +164,8 @@ class Stack:
             self.slurm = SlurmCluster.start_on_free_ports(
                 self.config.slurm_dir, nodes=self.config.nodes + self.config.spares, timeout_s=60
             )
+        if self.config.scheduler == "kubernetes":  # before the orchestrator, which watches its nodes from the start
+            self._start_kube()
         self._start_slack_receiver()
         if self.config.runtime == "docker":  # before the agents, which connect to it at their first container job
             self._start_docker()
@@ -199,21 +205,36 @@ class Stack:
         self.say(f"dockerd of the stack's own ready ({self.config.docker_url})")
         self.container_image = ensure_base_image(self.docker.url)
 
+    def _start_kube(self) -> None:
+        """Start the API server, set the cluster up and start its kubelet double; tell the orchestrator where it is."""
+        self.kube = KubeCluster(self.config.kube_dir, node_ids(self.config), logs=self.log_dir / "pods")
+        self.kube.start()
+        orchestrator = next(spec for spec in self.specs if spec.role == "orchestrator")
+        orchestrator.env.update(self.kube.orchestrator_env())
+        url = self.kube.orchestrator_env()["REPRISE_KUBERNETES_API_URL"]
+        self.say(f"Kubernetes API server ready ({url}; kubectl --kubeconfig {self.kube.kubeconfig})")
+
     def hold_node_down(self, node_id: str) -> None:
         """The node's agent stays down once it exits (a simulated node loss): the supervisor does not restart it."""
         self.supervisor.hold(agent_name(node_id))
 
     def lose_node(self, node_id: str) -> None:
         """The node is lost from now on: its agent, once it exits, is not brought back; on Slurm its slurmd is killed
-        too (Slurm finds out by itself, when the node stops answering)."""
+        too (Slurm finds out by itself, when the node stops answering); on Kubernetes its kubelet double ends the
+        node's pods' processes and marks the Node NotReady."""
         if self.slurm is not None:
             self.slurm.kill_node(node_id)
+        elif self.kube is not None:
+            self.kube.lose_node(node_id)
         else:
             self.hold_node_down(node_id)
 
     def agent_url(self, node_id: str) -> str:
         """Base URL of the agent of node `node_id`. On Slurm the agents of an allocation take the agents' base port
-        plus their index in it: the one on `node_id` is found by asking each of those ports whose it is."""
+        plus their index in it: the one on `node_id` is found by asking each of those ports whose it is. On Kubernetes
+        the agent of the pod on the node listens on any free port, found from its process."""
+        if self.kube is not None:
+            return self.kube.agent_url(node_id, self.config.host)
         if self.slurm is None:
             return self.url(agent_name(node_id))
         if node_id not in self._agent_ports:
@@ -275,12 +296,14 @@ class Stack:
 
     def stop(self) -> None:
         """Stop the supervisor (nothing restarts from here on), the services (agents first, so ranks stop cleanly),
-        then the Slack receiver, Redis, NATS and the dockerd."""
+        the Slurm or Kubernetes cluster, then the Slack receiver, Redis, NATS and the dockerd."""
         self.supervisor.stop()
         for name in reversed(list(self.services)):
             self.services[name].stop(grace_s=15.0)
         if self.slurm is not None:  # its jobs cancelled: their agents stop their ranks
             self.slurm.stop()
+        if self.kube is not None:  # the pods' agents stop their ranks, then the API server and etcd stop
+            self.kube.stop()
         if self.slack_receiver is not None:
             self.slack_receiver.stop(grace_s=5.0)
         if self.redis is not None:
@@ -296,4 +319,5 @@ class Stack:
         processes = [*self.services.values(), *([self.slack_receiver] if self.slack_receiver else [])]
         processes += [s.process for s in (self.nats, self.redis) if s is not None and s.process is not None]
         processes += [self.docker.process] if self.docker is not None and self.docker.process is not None else []
-        return [p.pid for p in processes if p.proc is not None]
+        kube = self.kube.pids() if self.kube is not None else []  # its pods' processes end with its kubelet double
+        return [p.pid for p in processes if p.proc is not None] + kube

@@ -19,6 +19,7 @@ from reprise_cli.creds import (
     node_keys_file,
     seed_file,
 )
+from reprise_cli.kube_cluster import JOBS_NAMESPACE, NODE_SELECTOR
 from reprise_cli.redis_server import REDIS_USER
 
 CHECKOUT = Path(__file__).resolve().parents[2]  # the repository the CLI is installed editable from
@@ -62,8 +63,9 @@ class StackConfig:
     host: str = "127.0.0.1"
     ports: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_PORTS))
     # agents: the stack starts one agent per node itself; slurm: a local Slurm cluster of nodes + spares runs the jobs,
-    # each job's agents started by srun in its allocation (docs/slurm.md)
-    scheduler: Literal["agents", "slurm"] = "agents"
+    # each job's agents started by srun in its allocation (docs/slurm.md); kubernetes: a local API server and a
+    # kubelet double run the jobs, each job's agents in pods the orchestrator creates (docs/kubernetes.md)
+    scheduler: Literal["agents", "slurm", "kubernetes"] = "agents"
     # process: ranks run as processes of their agent; docker: the stack runs a dockerd of its own, and a job with a
     # `container` section runs its ranks in containers of the base image (docs/containers.md)
     runtime: Runtime = "process"
@@ -107,6 +109,11 @@ class StackConfig:
         """Where the local Slurm cluster of a `scheduler="slurm"` stack keeps its configuration, state and logs."""
         return self.state_dir.resolve() / "slurm"
 
+    @property
+    def kube_dir(self) -> Path:
+        """Where the local API server of a `scheduler="kubernetes"` stack keeps etcd, certificates and tokens."""
+        return self.state_dir.resolve() / "kube"
+
 
 @dataclass(frozen=True)
 class ServiceSpec:
@@ -144,6 +151,10 @@ def build_services(config: StackConfig) -> list[ServiceSpec]:
     if config.scheduler == "slurm":
         orchestrator = next(spec for spec in services if spec.role == "orchestrator")
         orchestrator.env.update(slurm_orchestrator_env(config, agent_settings))
+        return services
+    if config.scheduler == "kubernetes":  # the API server's address and CA are added once it runs (kube_cluster.py)
+        orchestrator = next(spec for spec in services if spec.role == "orchestrator")
+        orchestrator.env.update(kubernetes_orchestrator_env(config, agent_settings))
         return services
     return services + _agent_services(config, agent_settings)
 
@@ -234,6 +245,28 @@ def slurm_orchestrator_env(config: StackConfig, agent_settings: dict[str, str]) 
         "REPRISE_SLURM_AGENT_COMMAND": str(Path(sys.executable).parent / ROLE_COMMANDS["agent"]),
         "REPRISE_SLURM_AGENT_CREDS_DIR": str(config.creds_dir.resolve()),
         "REPRISE_SLURM_AGENT_HTTP_PORT": str(config.ports["agent"]),
+        "REPRISE_SLURM_AGENT_ENV": json.dumps(agent_env),
+    }
+
+
+def kubernetes_orchestrator_env(config: StackConfig, agent_settings: dict[str, str]) -> dict[str, str]:
+    """The orchestrator's settings for the local API server (its address, token and CA come with it: KubeCluster):
+    the jobs' namespace, the nodes labelled for training, and how a job's pod starts this checkout's agent (any free
+    HTTP port: every pod runs on this host's address; state under state/agents/<job>/<node>)."""
+    agent_env = {
+        # The node's address comes from the pod's status.hostIP, as on a cluster (the kubelet double's: 127.0.0.1).
+        **{name: value for name, value in agent_settings.items() if name != "REPRISE_ADVERTISE_ADDR"},
+        "REPRISE_HTTP_HOST": config.host,
+        "REPRISE_STATE_DIR": str(config.state_dir.resolve() / "agents"),
+    }
+    return {
+        "REPRISE_COMPUTE_BACKEND": "kubernetes",
+        "REPRISE_KUBERNETES_JOBS_NAMESPACE": JOBS_NAMESPACE,
+        "REPRISE_KUBERNETES_NAMESPACES": json.dumps([JOBS_NAMESPACE]),
+        "REPRISE_KUBERNETES_NODE_SELECTOR": NODE_SELECTOR,
+        "REPRISE_SLURM_AGENT_COMMAND": str(Path(sys.executable).parent / ROLE_COMMANDS["agent"]),
+        "REPRISE_SLURM_AGENT_CREDS_DIR": str(config.creds_dir.resolve()),
+        "REPRISE_SLURM_AGENT_HTTP_PORT": "0",
         "REPRISE_SLURM_AGENT_ENV": json.dumps(agent_env),
     }
 

@@ -73,6 +73,7 @@ class FaultRun:
     incident: dict[str, Any] | None = None
     recovery: dict[str, Any] | None = None
     slurm: dict[str, Any] = field(default_factory=dict)  # on Slurm: when sinfo showed the fault (s after it), why
+    kubernetes: dict[str, Any] = field(default_factory=dict)  # on Kubernetes: the node as the API server had it
 
     @property
     def recovered(self) -> bool:

@@ -198,6 +198,7 @@ def figures(run: DemoRun, *, scheduler: str) -> dict[str, Any]:
                 "restart_mode": ((fault.step("stopping_ranks") or {}).get("data") or {}).get("restart_mode"),
                 "placement": _placement_note(fault).strip(" ()"),
                 "slurm": fault.slurm,
+                "kubernetes": fault.kubernetes,
             }
         )
     return {

@@ -15,6 +15,7 @@ from reprise_cli.client import PlatformClient
 from reprise_cli.creds import read_api_key_file
 from reprise_cli.demo import report, timeline
 from reprise_cli.demo.errors import DemoFailure
+from reprise_cli.demo.kube_view import KubeView
 from reprise_cli.demo.models import DemoRun, demo_faults
 from reprise_cli.demo.scenario import Scenario
 from reprise_cli.demo.slurm_view import SlurmView
@@ -54,7 +55,9 @@ def run_demo(config: StackConfig, *, keep: bool = False, cold: bool = False) -> 
     # On Slurm the agents, and their warm standbys, start with the job's allocation, and the first fault waits until
     # the standbys are ready (Scenario._wait_for_standbys): 40 more steps (two checkpoint intervals) keep room for the
     # four faults after it. The faults, their spacing and what is measured of each are the same.
-    training = Training(steps=SLURM_STEPS if config.scheduler == "slurm" else Training.steps, in_place=not cold)
+    # Kubernetes' pods start their agents with the job too.
+    steps = SLURM_STEPS if config.scheduler in ("slurm", "kubernetes") else Training.steps
+    training = Training(steps=steps, in_place=not cold)
     # The reference trains while the platform starts: both are over before the job is submitted, so no timing of
     # the job or of a recovery shares the CPU with it.
     reference = ReferenceRun(training, world_size=config.nodes, work_dir=config.state_dir.resolve() / "reference")
@@ -62,7 +65,10 @@ def run_demo(config: StackConfig, *, keep: bool = False, cold: bool = False) -> 
     try:
         say(f"fault-free reference started: {config.nodes} local gloo ranks without the platform")
         reference.start()
-        on = " on a local Slurm cluster (jobs in Slurm allocations)" if config.scheduler == "slurm" else ""
+        on = {
+            "slurm": " on a local Slurm cluster (jobs in Slurm allocations)",
+            "kubernetes": " on a local Kubernetes API server (jobs' agents in pods, a kubelet double runs them)",
+        }.get(config.scheduler, "")
         on += ", the ranks in containers (a dockerd of its own)" if config.runtime == "docker" else ""
         say(f"starting the platform{on}: {config.nodes} nodes + {config.spares} spare (logs in {stack.log_dir})")
         stack.start(timeout_s=90)
@@ -93,6 +99,8 @@ def _run(stack: Stack, client: PlatformClient, training: Training, reference: Re
     if stack.slurm is not None:
         scenario.slurm = SlurmView(stack.slurm)
         scenario.slurm.start()
+    if stack.kube is not None:
+        scenario.kube = KubeView(stack.kube)
     try:
         run = scenario.run(faults, reference=reference)
     except DemoFailure as exc:

@@ -4,7 +4,8 @@ Each fault waits until the previous recovery was verified and training saved (an
 checkpoint, then lands half a checkpoint interval past it, so every recovery restores a newer checkpoint and
 recomputes a few steps. Only public interfaces are used: the orchestrator's, detector's and registry's REST APIs,
 fault injection over NATS, the agents' status pages and the rank logs the agents write; on Slurm also `sinfo` (what
-Slurm shows of the nodes) and the lost node's slurmd, killed with its agent.
+Slurm shows of the nodes) and the lost node's slurmd, killed with its agent; on Kubernetes the nodes as the API server
+has them.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import httpx
 
 from reprise_cli.client import PlatformClient, poll
 from reprise_cli.demo.errors import DemoFailure
+from reprise_cli.demo.kube_view import KubeView
 from reprise_cli.demo.models import TERMINAL, DemoRun, Fault, FaultPlan, FaultRun, fault_event
 from reprise_cli.demo.narrate import incident_line, nodes_of, step_lines
 from reprise_cli.demo.sampler import StepSampler
@@ -44,6 +46,7 @@ class Scenario:
     timeout_s: float = 120.0
     sampler: StepSampler | None = None
     slurm: SlurmView | None = None  # on Slurm: what sinfo shows of the nodes
+    kube: KubeView | None = None  # on Kubernetes: what the API server has of the nodes
     image: str | None = None  # the ranks run in containers of this image (work_dir under the nodes' mount roots)
     job: dict[str, Any] = field(default_factory=dict)
     claimed: set[str] = field(default_factory=set)  # recoveries an injected fault accounts for
@@ -61,27 +64,15 @@ class Scenario:
         spec = job_spec(
             self.training, name=name, nodes=nodes, min_nodes=max(1, nodes - 1), work_dir=self.work_dir, image=self.image
         )
-        if self.slurm is None:
+        if self.slurm is None and self.kube is None:
             self._wait_for_nodes(nodes + spares)
-        else:  # one allocation of the job's nodes and its spares; its agents start in it
+        elif self.slurm is not None:  # one allocation of the job's nodes and its spares; its agents start in it
             spec["slurm"] = {"spares": spares, "output": str(self.work_dir / "slurm-%j.out")}
         result = DemoRun(training=self.training, reference=ref, job={}, submitted_at=utcnow())
         self.work_dir.mkdir(parents=True, exist_ok=True)  # the ranks' working directory
         self.job = result.job = self.client.submit(spec)
-        if self.slurm is not None:
-            self.say(f"job {self.job['id']} {self.job['state']}: Slurm allocation of {nodes} nodes + {spares} spare")
-            self.job = poll(
-                lambda: self.client.job(self.job["id"]), lambda j: j["state"] != "pending", timeout_s=self.timeout_s
-            )
-            reporting = sorted(node["node_id"] for node in self.client.nodes())
-            if self.job["state"] == "pending":
-                slurm = ", ".join(f"{node} {state}" for node, (state, _) in self.slurm.cluster.node_view().items())
-                raise DemoFailure(
-                    f"the job is still pending {self.timeout_s:g} s after its submission: agents report from "
-                    f"{', '.join(reporting) or 'no node'}; Slurm's nodes: {slurm or 'not known'}; the agents' "
-                    f"errors are in the allocation's output, {self.work_dir}/slurm-<Slurm job id>.out"
-                )
-            self.say(f"allocation running, an agent on each node (srun); {len(reporting)} nodes report")
+        if self.slurm is not None or self.kube is not None:
+            self._wait_for_allocation(nodes, spares)
         result.running_at = utcnow()
         self.say(f"job {self.job['id']} {self.job['state']} on {', '.join(nodes_of(self.job))}")
         if self.job["state"] != "running":
@@ -110,17 +101,43 @@ class Scenario:
                 return
             if self.slurm is not None and plan.fault is Fault.XID79:
                 self._slurm_drained(fault)
+            if self.kube is not None and plan.fault is Fault.XID79:
+                self._kube_cordoned(fault)
             restored = fault.restored_step or 0
         result.digest = self._wait_for_the_end()
         result.finished_at = utcnow()
         for fault in result.faults:
             if self.slurm is not None and fault.plan.fault is Fault.NODE_LOSS:
                 self._slurm_saw_the_loss(fault)
+            if self.kube is not None and fault.plan.fault is Fault.NODE_LOSS:
+                self._kube_saw_the_loss(fault)
         if result.digest is not None:
             state = poll(lambda: self.client.job(self.job["id"])["state"], lambda s: s != "running", timeout_s=30)
-            self.say(f"job {state}: every rank exited 0")
+            self.say(f"job {state}" + (": every rank exited 0" if state == "completed" else " after training ended"))
 
     # --- waiting ----------------------------------------------------------------------------------------------
+    def _wait_for_allocation(self, nodes: int, spares: int) -> None:
+        """On Slurm or Kubernetes: until the job's allocation runs (one agent per node, started with it)."""
+        how = "Slurm allocation" if self.slurm is not None else "Kubernetes pods (one per node, each an agent)"
+        self.say(f"job {self.job['id']} {self.job['state']}: {how} of {nodes} nodes + {spares} spare")
+        self.job = poll(
+            lambda: self.client.job(self.job["id"]), lambda j: j["state"] != "pending", timeout_s=self.timeout_s
+        )
+        reporting = sorted(node["node_id"] for node in self.client.nodes())
+        if self.job["state"] == "pending":
+            if self.slurm is not None:
+                slurm = ", ".join(f"{node} {state}" for node, (state, _) in self.slurm.cluster.node_view().items())
+                where = f"Slurm's nodes: {slurm or 'not known'}; the agents' errors are in the allocation's output, "
+                where += f"{self.work_dir}/slurm-<Slurm job id>.out"
+            else:
+                where = f"the pods' output is in {self.stack.log_dir / 'pods'}"
+            raise DemoFailure(
+                f"the job is still pending {self.timeout_s:g} s after its submission: agents report from "
+                f"{', '.join(reporting) or 'no node'}; {where}"
+            )
+        started = "srun" if self.slurm is not None else "its pod, run by the kubelet"
+        self.say(f"allocation running, an agent on each node ({started}); {len(reporting)} nodes report")
+
     def _wait_for_nodes(self, count: int) -> None:
         deadline = time.monotonic() + self.timeout_s
         while len([n for n in self.client.nodes() if not n["stale"]]) < count:
@@ -170,6 +187,8 @@ class Scenario:
             self._look_around()
             rank0 = next(r for r in self.job["placement"] if r["rank"] == 0)
             agent_dir = self.stack.config.state_dir.resolve() / "agents" / rank0["node_id"]
+            if self.kube is not None:  # a pod's agent keeps its state per job (compute/kubernetes/pods.py)
+                agent_dir = agent_dir.parent / self.job["id"] / rank0["node_id"]
             log = rank_log(agent_dir, job_id=self.job["id"], restart_epoch=self.job["restart_epoch"], rank=0)
             digest = digest_in(log)
             if digest is not None:
@@ -303,6 +322,25 @@ class Scenario:
         slurm = ", ".join(f"{key[:-2].replace('_', ' ')} +{value:.1f} s" for key, value in fault.slurm.items())
         slurm = slurm or "not within 45 s"
         self.say(f"SLURM saw the loss of {fault.node_id}: {slurm} (Reprise's incident: +{reprise})")
+
+    # --- Kubernetes' view -------------------------------------------------------------------------------------
+    def _kube_cordoned(self, fault: FaultRun) -> None:
+        """After an XID 79's recovery: the API server has the node unschedulable, with Reprise's taint and the
+        incident in its annotation."""
+        assert self.kube is not None
+        incident_id = (fault.incident or {}).get("id", "?")
+        seen = self.kube.wait_for(fault.node_id, lambda s: s.cordoned_for(incident_id), timeout_s=10)
+        if not seen.cordoned_for(incident_id):
+            raise DemoFailure(f"the API server does not show {fault.node_id} cordoned for {incident_id}: {seen}")
+        fault.kubernetes = {"cordoned_s": (seen.at - fault.injected_at).total_seconds(), "node": seen.describe()}
+        self.say(f"KUBERNETES node {fault.node_id} (read from the API server): {seen.describe()}")
+
+    def _kube_saw_the_loss(self, fault: FaultRun) -> None:
+        """The lost node as the API server has it: NotReady (its kubelet double's doing), and when it was seen so."""
+        assert self.kube is not None
+        seen = self.kube.wait_for(fault.node_id, lambda s: s.ready == "False", timeout_s=10)
+        fault.kubernetes = {"node": seen.describe()}
+        self.say(f"KUBERNETES lost node {fault.node_id} (read from the API server): {seen.describe()}")
 
     def _incident_after(self, fault: FaultRun, known: set[str]) -> dict[str, Any] | None:
         opened = [
