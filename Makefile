@@ -13,7 +13,8 @@ MYPY_TARGETS := libs/common/reprise_common services/agent/reprise_agent services
 	examples/lightning_train.py examples/hf_train.py services/dashboard/reprise_dashboard bench
 NODES ?= 4
 SPARES ?= 1
-# agents (the default): the platform's own agent on each simulated node; slurm: a local Slurm cluster runs the jobs
+# agents (the default): the platform's own agent on each simulated node; slurm: a local Slurm cluster runs the jobs;
+# kubernetes: a local API server runs them, each job's agents in pods (docs/kubernetes.md)
 SCHEDULER ?= agents
 # auto (the default): surviving ranks restart in place, replacements on warm standbys; cold: every recovery restarts
 # every rank as a new process, with no standbys (make demo RESTART=cold)
@@ -22,7 +23,7 @@ RESTART ?= auto
 # the demo's ranks run in containers of a base image built from Debian's packages (docs/containers.md)
 RUNTIME ?= process
 
-.PHONY: venv slurm-deps netns-deps docker-deps kube-deps test lint typecheck pytest chaos soak up demo clean bench-agent bench-sdk bench-registry bench-detector bench-orchestrator \
+.PHONY: venv slurm-deps netns-deps docker-deps compose-images kube-deps test lint typecheck pytest chaos soak up demo clean bench-agent bench-sdk bench-registry bench-detector bench-orchestrator \
 	bench-orchestrator-concurrent bench-vs-torchrun bench-hang-limits bench-standby bench-recovery bench-ettr bench-slurm \
 	bench-checkpoint
 
@@ -73,22 +74,28 @@ netns-deps:
 			|| echo "netns-deps: apt-get could not install iptables and iproute2: the partition tests will be skipped"; \
 	fi
 
-# A Docker Engine for the container launcher's tests (docs/containers.md): Debian's docker.io and debootstrap, installed
-# with apt-get when dockerd is missing and we are root. The tests start a dockerd of their own and build the ranks' base
-# image from Debian's packages once (cached under ~/.cache/reprise). Like slurm-deps it never fails: where it cannot
-# install, the container tests are skipped with the reason.
+# A Docker Engine for the container launcher's tests (docs/containers.md) and the compose topology's (docs/compose.md):
+# Debian's docker.io, debootstrap and docker-compose (1.29), installed with apt-get when one is missing and we are root.
+# The tests start a dockerd of their own and build their images from Debian's packages once (cached under
+# ~/.cache/reprise). Like slurm-deps it never fails: where it cannot install, those tests are skipped with the reason.
 docker-deps:
-	@if command -v dockerd >/dev/null 2>&1 && command -v debootstrap >/dev/null 2>&1; then :; \
+	@if command -v dockerd >/dev/null 2>&1 && command -v debootstrap >/dev/null 2>&1 \
+		&& command -v docker-compose >/dev/null 2>&1; then :; \
 	elif [ "$$(id -u)" != 0 ]; then \
-		echo "docker-deps: dockerd is not installed and this is not root: the container tests will be skipped"; \
+		echo "docker-deps: dockerd or docker-compose is not installed and this is not root: the container tests will be skipped"; \
 	elif ! command -v apt-get >/dev/null 2>&1; then \
-		echo "docker-deps: dockerd is not installed and there is no apt-get: the container tests will be skipped"; \
+		echo "docker-deps: dockerd or docker-compose is not installed and there is no apt-get: the container tests will be skipped"; \
 	else \
-		echo "docker-deps: installing docker.io and debootstrap with apt-get"; \
+		echo "docker-deps: installing docker.io, debootstrap and docker-compose with apt-get"; \
 		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-			docker.io debootstrap >/dev/null; } \
+			docker.io debootstrap docker-compose >/dev/null; } \
 			|| echo "docker-deps: apt-get could not install docker.io: the container tests will be skipped"; \
 	fi
+
+# What `docker-compose -p reprise up --build` needs that no registry gives (docs/compose.md): the platform image built
+# from Debian's packages and the services' wheels, into the Docker Engine at $DOCKER_HOST (default: the system's).
+compose-images: $(STAMP) docker-deps
+	$(BIN)/python -m reprise_cli.dockerd
 
 # The real Kubernetes API server of services/orchestrator/tests/kubernetes (docs/kubernetes.md): kube-apiserver built
 # once from Debian's source package, cached under /var/cache/reprise (about 5 min the first time). Never fails: where
@@ -110,11 +117,13 @@ chaos: $(STAMP) slurm-deps netns-deps
 soak: $(STAMP)
 	$(BIN)/python -m bench.soak $(SOAK_ARGS)
 
-up: $(STAMP) $(if $(filter slurm,$(SCHEDULER)),slurm-deps)
+up: $(STAMP) $(if $(filter slurm,$(SCHEDULER)),slurm-deps) $(if $(filter kubernetes,$(SCHEDULER)),kube-deps)
 	$(BIN)/reprise up --nodes $(NODES) --spares $(SPARES) --scheduler $(SCHEDULER)
 
-# SCHEDULER=slurm: the same job and faults on a local Slurm cluster (Slurm installed first, as root with apt)
-demo: $(STAMP) $(if $(filter slurm,$(SCHEDULER)),slurm-deps) $(if $(filter docker,$(RUNTIME)),docker-deps)
+# SCHEDULER=slurm: the same job and faults on a local Slurm cluster (Slurm installed first, as root with apt);
+# SCHEDULER=kubernetes: on a local kube-apiserver with a kubelet double (built once and cached by kube-deps)
+demo: $(STAMP) $(if $(filter slurm,$(SCHEDULER)),slurm-deps) $(if $(filter kubernetes,$(SCHEDULER)),kube-deps) \
+	$(if $(filter docker,$(RUNTIME)),docker-deps)
 	$(BIN)/reprise demo --scheduler $(SCHEDULER) --restart-mode $(RESTART) --runtime $(RUNTIME)
 
 bench-agent: $(STAMP)
