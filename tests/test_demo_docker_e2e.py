@@ -15,14 +15,12 @@ from typing import Any
 
 import pytest
 
-from reprise_cli.demo.models import Fault, demo_faults
-from reprise_cli.demo.report import fault_numbers
+from reprise_cli.demo.models import demo_faults
 from reprise_cli.demo.scenario import Scenario
-from reprise_cli.demo.training import ReferenceRun, Training
+from reprise_cli.demo.training import Training
 from reprise_cli.dockerd import docker_unavailable_reason
-from reprise_cli.servers import free_stack_ports
-from reprise_cli.stack import Stack
-from reprise_cli.topology import DEFAULT_PORTS, StackConfig
+
+from .demo_checks import assert_demo_faults_recovered, demo_config, demo_stack
 
 pytest.importorskip("torch", reason="PyTorch is not installed: the DDP demo job cannot run")
 docker = pytest.importorskip("docker", reason="the docker SDK is not installed")
@@ -50,45 +48,18 @@ def _container_events(url: str, since: datetime, job_id: str) -> list[dict[str, 
 
 
 def test_the_demo_faults_are_recovered_with_the_ranks_in_containers(tmp_path: Path) -> None:
-    config = StackConfig(
-        nodes=2,
-        spares=1,
-        gpus_per_node=2,
-        state_dir=tmp_path / "state",
-        ports=free_stack_ports(DEFAULT_PORTS),
-        runtime="docker",
-    )
+    config = demo_config(tmp_path / "state", runtime="docker")
     training = Training(steps=88, checkpoint_every=8, step_sleep=0.1)
-    reference = ReferenceRun(training, world_size=2, work_dir=tmp_path / "reference").start()
-    stack = Stack(config)
     began = datetime.now(UTC)
-    try:
-        stack.start(timeout_s=90)
-        assert stack.docker is not None and stack.container_image is not None
-        with closing(stack.client()) as client:
-            scenario = Scenario(stack, client, training, say=print, work_dir=config.jobs_dir)
-            scenario.image = stack.container_image
-            run = scenario.run(demo_faults(config.nodes), reference=reference)
-        events = _container_events(stack.docker.url, began, run.job["id"])
-    finally:
-        reference.stop()
-        stack.stop()
+    with demo_stack(config, training, tmp_path / "reference") as demo:
+        assert demo.stack.docker is not None and demo.stack.container_image is not None
+        with closing(demo.stack.client()) as client:
+            scenario = Scenario(demo.stack, client, training, say=print, work_dir=config.jobs_dir)
+            scenario.image = demo.stack.container_image
+            run = scenario.run(demo_faults(config.nodes), reference=demo.reference)
+        events = _container_events(demo.stack.docker.url, began, run.job["id"])
 
-    assert [f.plan.fault for f in run.faults] == [Fault.RANK_CRASH, Fault.XID79, Fault.RANK_HANG, Fault.NODE_LOSS]
-    assert [f.recovered for f in run.faults] == [True] * 4, [f.recovery for f in run.faults]
-    print("unplanned recoveries:", [(r["id"], r["step"], r.get("outcome")) for r in run.unplanned])
-    for fault in run.faults:
-        numbers = fault_numbers(fault, run.samples)
-        assert numbers.detection_s is not None and numbers.recovery_s is not None, fault.recovery
-        assert 0 < numbers.detection_s < numbers.recovery_s
-    crash, xid, hang, loss = run.faults
-    assert crash.incident is not None and (crash.incident["culprit_node_id"], crash.incident["culprit_rank"]) == (
-        "node-2",
-        1,
-    )
-    assert (xid.step("placing") or {})["data"]["replaced"] == {"node-2": "spare-1"}
-    assert hang.incident is not None and hang.incident["culprit_rank"] == 1
-    assert loss.node_id == "spare-1"
+    assert_demo_faults_recovered(run)  # bit for bit, with every rank in a container
     # The ranks ran in containers: one started for each rank of the first launch and for the replacement of the
     # crashed, the XID's and the hung rank (the node loss shrinks the job: its survivor restarts in place); every
     # container of the lost node died (with its agent) and none of the job's is left running.
@@ -101,6 +72,3 @@ def test_the_demo_faults_are_recovered_with_the_ranks_in_containers(tmp_path: Pa
     assert not [cid for cid, count in alive.items() if count > 0], events
     lost = [e for e in events if e["Actor"]["Attributes"]["io.reprise.node"] == "spare-1"]
     assert lost and lost[-1]["status"] == "die" and lost[-1]["Actor"]["Attributes"]["exitCode"] == "137", lost
-
-    assert run.digest == run.reference.digest  # bit for bit, with every rank in a container
-    assert run.ok

@@ -19,14 +19,12 @@ from typing import Any
 import pytest
 
 from reprise_cli.demo.kube_view import INCIDENT_ANNOTATION, TAINT_KEY, KubeView
-from reprise_cli.demo.models import DemoRun, Fault, demo_faults
-from reprise_cli.demo.report import fault_numbers
+from reprise_cli.demo.models import DemoRun, demo_faults
 from reprise_cli.demo.scenario import Scenario
-from reprise_cli.demo.training import ReferenceRun, Training
+from reprise_cli.demo.training import Training
 from reprise_cli.kube_cluster import kube_unavailable_reason
-from reprise_cli.servers import free_stack_ports
-from reprise_cli.stack import Stack
-from reprise_cli.topology import DEFAULT_PORTS, StackConfig
+
+from .demo_checks import assert_demo_faults_recovered, demo_config, demo_stack
 
 pytest.importorskip("torch", reason="PyTorch is not installed: the DDP demo job cannot run")
 pytestmark = [
@@ -56,62 +54,38 @@ class KubeRun:
 
 
 def _run_on_kubernetes(tmp_path: Path, training: Training) -> KubeRun:
-    config = StackConfig(
-        nodes=2,
-        spares=1,
-        gpus_per_node=2,
-        state_dir=tmp_path / "state",
-        ports=free_stack_ports(DEFAULT_PORTS),
-        scheduler="kubernetes",
-    )
-    reference = ReferenceRun(training, world_size=2, work_dir=tmp_path / "reference").start()
-    stack = Stack(config)
-    try:
-        stack.start(timeout_s=90)
-        assert stack.kube is not None and stack.kube.kubelet is not None
-        with closing(stack.client()) as client:
-            scenario = Scenario(stack, client, training, say=print, work_dir=tmp_path / "job")
-            scenario.kube = KubeView(stack.kube)
-            found = KubeRun(scenario.run(demo_faults(config.nodes), reference=reference))
-        found.xid_node = stack.kube.read_node(found.run.faults[1].node_id)
-        kubelet = stack.kube.kubelet.kubelet
+    config = demo_config(tmp_path / "state", scheduler="kubernetes")
+    with demo_stack(config, training, tmp_path / "reference") as demo:
+        kube = demo.stack.kube
+        assert kube is not None and kube.kubelet is not None
+        with closing(demo.stack.client()) as client:
+            scenario = Scenario(demo.stack, client, training, say=print, work_dir=tmp_path / "job")
+            scenario.kube = KubeView(kube)
+            found = KubeRun(scenario.run(demo_faults(config.nodes), reference=demo.reference))
+        found.xid_node = kube.read_node(found.run.faults[1].node_id)
+        kubelet = kube.kubelet.kubelet
         assert kubelet is not None
         found.ran = dict(kubelet.node_of)
         found.pids = [process.pid for process in kubelet.processes.values()]
         return found
-    finally:
-        reference.stop()
-        stack.stop()
 
 
 def test_on_kubernetes_the_demo_faults_are_recovered_with_the_reference_parameters(tmp_path: Path) -> None:
     found = _run_on_kubernetes(tmp_path, Training(steps=88, checkpoint_every=8, step_sleep=0.1))
     run, xid_node, ran, pids = found.run, found.xid_node, found.ran, found.pids
 
-    assert [f.plan.fault for f in run.faults] == [Fault.RANK_CRASH, Fault.XID79, Fault.RANK_HANG, Fault.NODE_LOSS]
-    assert [f.recovered for f in run.faults] == [True] * 4, [f.recovery for f in run.faults]
+    assert_demo_faults_recovered(run)  # bit for bit, after a move to the spare's pod and a shrink
     assert run.job["backend"] == "kubernetes"
-    print("unplanned recoveries:", [(r["id"], r["step"], r.get("outcome")) for r in run.unplanned])
-    for fault in run.faults:
-        numbers = fault_numbers(fault, run.samples)
-        assert numbers.detection_s is not None and numbers.recovery_s is not None, fault.recovery
-        assert 0 < numbers.detection_s < numbers.recovery_s
-    crash, xid, hang, loss = run.faults
-    assert crash.incident is not None and (crash.incident["culprit_node_id"], crash.incident["culprit_rank"]) == (
-        "node-2",
-        1,
-    )
+    _crash, xid, _hang, loss = run.faults
     # The XID's node: cordoned by the recovery, read back from the API server; the spare's pod took its place.
     assert xid.incident is not None and (xid.step("isolating") or {})["data"]["cordoned"] == "node-2"
-    assert (xid.step("placing") or {})["data"]["replaced"] == {"node-2": "spare-1"}
     assert xid_node["spec"]["unschedulable"] is True
     assert [(t["key"], t["value"], t["effect"]) for t in xid_node["spec"]["taints"]] == [
         (TAINT_KEY, xid.incident["id"], "NoSchedule")
     ]
     assert xid_node["metadata"]["annotations"][INCIDENT_ANNOTATION] == xid.incident["id"]
-    assert hang.incident is not None and hang.incident["culprit_rank"] == 1
     # The lost node: Reprise's own incident, the job shrunk to the node left; the Node NotReady in the API server.
-    assert loss.node_id == "spare-1" and loss.incident is not None and loss.incident["category"] == "node"
+    assert loss.incident is not None and loss.incident["category"] == "node"
     assert (loss.step("placing") or {})["data"]["decision"] == "shrink"
     assert "Ready=False" in loss.kubernetes["node"], loss.kubernetes
     assert len(run.job["placement"]) == 1
@@ -119,6 +93,3 @@ def test_on_kubernetes_the_demo_faults_are_recovered_with_the_reference_paramete
     # none of their processes outlives the stack.
     assert sorted(ran.values()) == ["node-1", "node-2", "spare-1"], ran
     assert pids and not [pid for pid in pids if _alive(pid)]
-
-    assert run.digest == run.reference.digest  # bit for bit, after a move to the spare's pod and a shrink
-    assert run.ok

@@ -18,10 +18,9 @@ from reprise_cli.demo.models import Fault, FaultPlan
 from reprise_cli.demo.report import fault_numbers
 from reprise_cli.demo.scenario import Scenario
 from reprise_cli.demo.slurm_view import SlurmView
-from reprise_cli.demo.training import ReferenceRun, Training
-from reprise_cli.servers import free_stack_ports
-from reprise_cli.stack import Stack
-from reprise_cli.topology import DEFAULT_PORTS, StackConfig
+from reprise_cli.demo.training import Training
+
+from .demo_checks import assert_recovered, demo_config, demo_stack
 
 pytest.importorskip("torch", reason="PyTorch is not installed: the DDP demo job cannot run")
 pytestmark = [pytest.mark.stack, pytest.mark.chaos, pytest.mark.timeout(360)]
@@ -30,38 +29,21 @@ pytestmark = [pytest.mark.stack, pytest.mark.chaos, pytest.mark.timeout(360)]
 def test_on_slurm_a_ddp_job_survives_a_crash_an_xid79_and_a_node_loss_with_the_reference_parameters(
     slurm_state_dir: Path,
 ) -> None:
-    config = StackConfig(
-        nodes=2,
-        spares=1,
-        gpus_per_node=2,
-        state_dir=slurm_state_dir / "state",
-        ports=free_stack_ports(DEFAULT_PORTS),
-        scheduler="slurm",
-    )
+    config = demo_config(slurm_state_dir / "state", scheduler="slurm")
     training = Training(steps=72, checkpoint_every=8, step_sleep=0.1)
-    reference = ReferenceRun(training, world_size=2, work_dir=slurm_state_dir / "reference").start()
-    stack = Stack(config)
-    try:
-        stack.start(timeout_s=90)
-        assert stack.slurm is not None
-        with closing(stack.client()) as client:
-            scenario = Scenario(stack, client, training, say=print, work_dir=slurm_state_dir / "job")
-            scenario.slurm = SlurmView(stack.slurm)
+    faults = [Fault.RANK_CRASH, Fault.XID79, Fault.NODE_LOSS]
+    with demo_stack(config, training, slurm_state_dir / "reference") as demo:
+        assert demo.stack.slurm is not None
+        with closing(demo.stack.client()) as client:
+            scenario = Scenario(demo.stack, client, training, say=print, work_dir=slurm_state_dir / "job")
+            scenario.slurm = SlurmView(demo.stack.slurm)
             scenario.slurm.start()
-            faults = [
-                FaultPlan(Fault.RANK_CRASH, rank=1),
-                FaultPlan(Fault.XID79, rank=1),
-                FaultPlan(Fault.NODE_LOSS, rank=1),
-            ]
             try:
-                run = scenario.run(faults, reference=reference)
+                run = scenario.run([FaultPlan(fault, rank=1) for fault in faults], reference=demo.reference)
             finally:
                 scenario.slurm.stop()
-    finally:
-        reference.stop()
-        stack.stop()
 
-    assert [f.recovered for f in run.faults] == [True, True, True], [f.recovery for f in run.faults]
+    assert_recovered(run, faults)
     assert run.job["backend"] == "slurm"
     crash, xid, loss = run.faults
     assert xid.incident is not None and loss.incident is not None

@@ -201,9 +201,14 @@ def cache_dir() -> Path:
     return Path(override) if override else Path.home() / ".cache" / "reprise"
 
 
+def _recipe(packages: tuple[str, ...], mirror: str) -> str:
+    """What debootstrap is asked for: a minimal Debian with `packages` (its hash names the cached root file system)."""
+    return f"debootstrap --variant=minbase --include={','.join(packages)} {BASE_SUITE} {mirror}"
+
+
 def base_recipe(mirror: str = DEFAULT_MIRROR) -> str:
     """The base image's recipe: what debootstrap is asked for (its hash names the cached root file system)."""
-    return f"debootstrap --variant=minbase --include={','.join(BASE_PACKAGES)} {BASE_SUITE} {mirror}"
+    return _recipe(BASE_PACKAGES, mirror)
 
 
 def base_image_tag(mirror: str = DEFAULT_MIRROR) -> str:
@@ -224,25 +229,30 @@ def _locked(path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def base_rootfs_tar(*, mirror: str = DEFAULT_MIRROR, cache: Path | None = None, timeout_s: float = 900.0) -> Path:
-    """The base image's root file system as a tar file, built with debootstrap once per recipe and kept in the cache."""
-    cache = cache or cache_dir()
-    tar = cache / f"{base_image_tag(mirror).split(':', 1)[1]}.tar"
+def _debootstrap_tar(recipe: str, tar: Path, *, mirror: str, timeout_s: float, exclude: tuple[str, ...] = ()) -> Path:
+    """The root file system `recipe` makes, as the tar file `tar`: built once, kept until the recipe changes."""
     with _locked(tar.with_suffix(".lock")):
         if tar.exists():
             return tar
         install_docker()
         debootstrap = _find("debootstrap")
         assert debootstrap is not None
-        with tempfile.TemporaryDirectory(dir=cache, prefix="rootfs-") as root:
-            argv = [debootstrap, *base_recipe(mirror).split()[1:-2], BASE_SUITE, root, mirror]
+        with tempfile.TemporaryDirectory(dir=tar.parent, prefix="rootfs-") as root:
+            argv = [debootstrap, *recipe.split()[1:-2], BASE_SUITE, root, mirror]
             done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False)
             if done.returncode != 0:
                 raise ConfigError(f"debootstrap failed ({done.returncode}): {done.stdout.strip()[-500:]}")
             partial = tar.with_suffix(".partial")
-            subprocess.run(["tar", "-C", root, "-cf", str(partial), "."], check=True, timeout=timeout_s)
+            excluded = [f"--exclude={pattern}" for pattern in exclude]
+            subprocess.run(["tar", "-C", root, *excluded, "-cf", str(partial), "."], check=True, timeout=timeout_s)
             partial.replace(tar)
     return tar
+
+
+def base_rootfs_tar(*, mirror: str = DEFAULT_MIRROR, cache: Path | None = None, timeout_s: float = 900.0) -> Path:
+    """The base image's root file system as a tar file, built with debootstrap once per recipe and kept in the cache."""
+    tar = (cache or cache_dir()) / f"{base_image_tag(mirror).split(':', 1)[1]}.tar"
+    return _debootstrap_tar(base_recipe(mirror), tar, mirror=mirror, timeout_s=timeout_s)
 
 
 def ensure_base_image(url: str, *, mirror: str = DEFAULT_MIRROR, cache: Path | None = None) -> str:
@@ -290,33 +300,13 @@ PLATFORM_REQUIREMENTS = (
 
 def platform_recipe(mirror: str = DEFAULT_MIRROR) -> str:
     """The platform image's recipe: the base image's debootstrap with the platform's packages."""
-    return f"debootstrap --variant=minbase --include={','.join(PLATFORM_PACKAGES)} {BASE_SUITE} {mirror}"
+    return _recipe(PLATFORM_PACKAGES, mirror)
 
 
 def platform_image_tag(mirror: str = DEFAULT_MIRROR) -> str:
     """The platform image's versioned name: the repository and the recipe's hash."""
     digest = hashlib.sha256(platform_recipe(mirror).encode()).hexdigest()[:12]
     return f"{PLATFORM_REPOSITORY}:{BASE_SUITE}-{digest}"
-
-
-def _debootstrap_tar(recipe: str, tar: Path, *, mirror: str, timeout_s: float, exclude: tuple[str, ...] = ()) -> Path:
-    """The root file system `recipe` makes, as the tar file `tar`: built once, kept until the recipe changes."""
-    with _locked(tar.with_suffix(".lock")):
-        if tar.exists():
-            return tar
-        install_docker()
-        debootstrap = _find("debootstrap")
-        assert debootstrap is not None
-        with tempfile.TemporaryDirectory(dir=tar.parent, prefix="rootfs-") as root:
-            argv = [debootstrap, *recipe.split()[1:-2], BASE_SUITE, root, mirror]
-            done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False)
-            if done.returncode != 0:
-                raise ConfigError(f"debootstrap failed ({done.returncode}): {done.stdout.strip()[-500:]}")
-            partial = tar.with_suffix(".partial")
-            excluded = [f"--exclude={pattern}" for pattern in exclude]
-            subprocess.run(["tar", "-C", root, *excluded, "-cf", str(partial), "."], check=True, timeout=timeout_s)
-            partial.replace(tar)
-    return tar
 
 
 def ensure_platform_image(

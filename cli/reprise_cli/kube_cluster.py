@@ -22,7 +22,7 @@ from typing import Any
 
 from reprise_cli.kube import apiserver_path, build_unavailable_reason
 from reprise_cli.kube_server import BACKEND_NAMESPACE, KubeApiServer, start_kube_apiserver, stop_and_remove
-from reprise_cli.kubelet import KubeHttp, KubeletThread, set_node_condition
+from reprise_cli.kubelet import KubeHttp, KubeletThread, register_node
 from reprise_common.errors import ConfigError
 from reprise_orchestrator.compute.kubernetes import rbac  # the orchestrator's own roles (plain data), as deploy/ has
 
@@ -134,9 +134,7 @@ class KubeCluster:
         for manifest in rbac.manifests(BACKEND_NAMESPACE, JOBS_NAMESPACE):
             await api.call("POST", _create_path(manifest), manifest)
         for node, spare in self.nodes:
-            labels = {ROLE_LABEL: "spare" if spare else "worker"}
-            await api.call("POST", "/api/v1/nodes", {"metadata": {"name": node, "labels": labels}})
-            await set_node_condition(api, node, "Ready", "True", reason="KubeletReady", message="kubelet is ready")
+            await register_node(api, node, labels={ROLE_LABEL: "spare" if spare else "worker"})
 
     def _on_loop(self, work: Callable[[KubeHttp], Any], timeout_s: float = 30.0) -> Any:
         assert self.kubelet is not None and self.kubelet.api is not None

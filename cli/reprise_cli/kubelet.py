@@ -3,7 +3,9 @@ to its nodes in one namespace, start the pod's command as a local process with t
 status through the status subresource as a kubelet does (Running, then Succeeded or Failed with the exit code), and
 end the process when the pod is deleted (a deletion of a running pod waits for its kubelet, which then removes it with
 no grace). A lost node (`lose`) is what a host that dies looks like from the API server: its pods' processes end, the
-node's kubelet writes nothing more about them, and the Node's Ready condition turns False.
+node's kubelet writes nothing more about them, and the Node's Ready condition turns False. It can also do what a node
+or the scheduler does to a pod: evict it, OOM-kill its process, mark it preempted. The orchestrator's kubernetes tests
+run it too (services/orchestrator/tests/kubernetes/), as a `Kubelet` on their own loop or as a `KubeletThread`.
 
 It speaks plain HTTP to the API server (httpx, which the CLI has already), on an event loop of its own in a thread
 (`KubeletThread`): the stack calls into it (a lost node, the port an agent listens on) and the pods' processes are
@@ -137,10 +139,12 @@ class Kubelet:
             await self._on(pod)
         return str(found["metadata"]["resourceVersion"])
 
-    async def _follow(self, version: str) -> None:
+    async def _follow(self, version: str | None) -> None:
         """Watch the pods, resuming where the last watch ended; a watch that expired (410) lists again."""
         while True:
             try:
+                if version is None:
+                    version = await self._list()
                 async for event in self.api.watch(self.pods_path, version):
                     if event["type"] == "ERROR":
                         raise KubeRefused(int(event["object"].get("code", 500)), str(event["object"]))
@@ -150,10 +154,12 @@ class Kubelet:
                         await self._on(pod)
                     elif event["type"] == "DELETED":
                         await self._end(pod["metadata"]["name"])
-            except (httpx.HTTPError, KubeRefused) as exc:
-                if isinstance(exc, KubeRefused) and exc.status == 410:
-                    version = await self._list()
+            except KubeRefused as exc:
+                if exc.status == 410:
+                    version = None
                     continue
+                await asyncio.sleep(0.5)
+            except httpx.HTTPError:
                 await asyncio.sleep(0.5)  # the server restarts, or the connection broke: go on from the last version
 
     async def _on(self, pod: dict[str, Any]) -> None:
@@ -215,7 +221,7 @@ class Kubelet:
                 os.killpg(process.pid, signal.SIGKILL)
             await process.wait()
 
-    async def write_status(self, name: str, phase: str, state: dict[str, Any], **more: str) -> None:
+    async def write_status(self, name: str, phase: str, state: dict[str, Any], **more: Any) -> None:
         """The pod's status as the kubelet writes it (through the status subresource)."""
         container = {"name": "agent", "ready": phase == "Running", "restartCount": 0, "image": "reprise-agent"}
         container |= {"imageID": "", "state": state}
@@ -248,6 +254,12 @@ class Kubelet:
         ended = {"terminated": {"exitCode": 137, "reason": "OOMKilled", "finishedAt": _now()}}
         await self.write_status(name, "Failed", ended)
 
+    async def mark_preempted(self, name: str) -> None:
+        """What the scheduler writes on a victim before it deletes it (Kubernetes 1.26 on): DisruptionTarget."""
+        condition = {"type": "DisruptionTarget", "status": "True", "reason": "PreemptionByKubeScheduler",
+                     "message": "preempted by a higher-priority pod", "lastTransitionTime": _now()}  # fmt: skip
+        await self.write_status(name, "Running", {"running": {"startedAt": _now()}}, conditions=[condition])
+
     def pids_on(self, node: str) -> list[int]:
         """The processes of the live pods bound to `node`."""
         return [p.pid for name, p in self.processes.items() if self.node_of.get(name) == node and p.returncode is None]
@@ -263,6 +275,12 @@ async def set_node_condition(
     changed = {"type": kind, "status": status, "reason": reason, "message": message or reason}
     conditions = [*kept, changed | {"lastTransitionTime": now, "lastHeartbeatTime": now}]
     await api.call("PATCH", f"/api/v1/nodes/{node}/status", {"status": {"conditions": conditions}})
+
+
+async def register_node(api: KubeHttp, node: str, *, labels: dict[str, str]) -> None:
+    """Create the Node with `labels` and report it Ready, as a kubelet registers its node."""
+    await api.call("POST", "/api/v1/nodes", {"metadata": {"name": node, "labels": labels}})
+    await set_node_condition(api, node, "Ready", "True", reason="KubeletReady", message="kubelet is ready")
 
 
 class KubeletThread:

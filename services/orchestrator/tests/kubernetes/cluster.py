@@ -1,5 +1,5 @@
-"""What the tests do to the API server as its admin: namespaces, RBAC objects, nodes, and the statuses a kubelet
-would write (there is no kubelet: the tests play its part through the same API)."""
+"""What the tests do to the API server as its admin: namespaces, RBAC objects, nodes and their conditions (the pods'
+statuses are the kubelet double's, reprise_cli.kubelet)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A job's pods on the real API server, with the tests playing the kubelet (kubelet.py): an allocation binds one pod
+"""A job's pods on the real API server, with the kubelet double (reprise_cli.kubelet): an allocation binds one pod
 per node to free labelled nodes and each pod's agent (this checkout's, as a local process) reports on NATS; a pod
 deleted by someone else, evicted or OOM-killed is exactly one signal; releasing the job deletes its pods with none."""
 
@@ -15,6 +15,7 @@ import pytest
 from nats.aio.msg import Msg
 
 from reprise_cli.kube_server import KubeApiServer
+from reprise_cli.kubelet import KubeHttp, Kubelet
 from reprise_cli.servers import NatsServer
 from reprise_common import subjects
 from reprise_common.events import ComputeSignal, ComputeSignalKind
@@ -27,7 +28,6 @@ from reprise_orchestrator.compute.kubernetes.pods import JOB_LABEL, SPARE_LABEL,
 
 from .cluster import JOBS_NAMESPACE, OTHER_NAMESPACE, Admin, unique
 from .conftest import backend_access, open_backend
-from .kubelet import Kubelet
 from .test_node_watch import POOL_LABEL, until
 
 AGENT = str(Path(sys.executable).parent / "reprise-agent")
@@ -72,7 +72,8 @@ async def stage(
         pods=pod_settings(nats_server.url, tmp_path),
     )
     (tmp_path / "logs").mkdir()
-    kubelet = Kubelet(admin, JOBS_NAMESPACE, set(nodes), logs=tmp_path / "logs")
+    api = KubeHttp(kube_server.url, kube_server.admin_token, kube_server.ca_file)
+    kubelet = Kubelet(api, JOBS_NAMESPACE, set(nodes), logs=tmp_path / "logs")
     found = Stage(backend=backend, kubelet=kubelet, nodes=nodes)
     connection = await nats.connect(nats_server.url)
 
@@ -87,6 +88,7 @@ async def stage(
     watching.cancel()
     await asyncio.gather(watching, return_exceptions=True)
     await kubelet.stop()
+    await api.close()
     await connection.close()
     await backend.close()
 
