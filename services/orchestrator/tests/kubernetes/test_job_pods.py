@@ -167,6 +167,37 @@ async def test_releasing_a_job_deletes_its_pods_without_a_signal(admin: Admin, s
     assert stage.backend.pods.free_nodes({}) == stage.nodes  # free for the next job
 
 
+async def test_pods_one_replica_releases_are_no_signal_on_another(
+    kube_server: KubeApiServer, stage: Stage, nats_server: NatsServer, tmp_path: Path
+) -> None:
+    """Replicas share the pods: what one deletes as released, another's watch must not take for a fault."""
+    other = open_backend(
+        KubeApi(backend_access(kube_server)),
+        tmp_path / "replica-2",
+        label_selector=stage.backend.nodes.label_selector,
+        pods=pod_settings(nats_server.url, tmp_path),
+    )
+    seen: list[ComputeSignal] = []
+
+    async def emit(signal: ComputeSignal) -> None:
+        seen.append(signal)
+
+    watching = asyncio.create_task(other.watch(emit))
+    try:
+        await until(lambda: other.pods.watches[JOBS_NAMESPACE].resource_version is not None)
+        job_id = await allocated(stage, workers=2)
+        await until(lambda: len(other.pods.of_job(job_id)) == 2)
+
+        await stage.backend.cancel(job_id)
+        await until(lambda: job_id not in other.pods.allocations())
+        await asyncio.sleep(1.0)
+    finally:
+        watching.cancel()
+        await asyncio.gather(watching, return_exceptions=True)
+        await other.close()
+    assert (stage.signals, seen) == ([], [])
+
+
 async def test_a_preempted_pod_is_one_preempted_signal(admin: Admin, stage: Stage) -> None:
     job_id = await allocated(stage, workers=1)
 

@@ -190,6 +190,21 @@ class KubeApi:
             namespace=namespace,
         )
 
+    async def annotate_pod(self, namespace: str, name: str, annotations: dict[str, str]) -> None:
+        """Add annotations to one pod (a JSON merge patch)."""
+        await self._call(
+            self.core.patch_namespaced_pod(
+                name,
+                namespace,
+                {"metadata": {"annotations": annotations}},
+                _content_type=MERGE_PATCH,
+                _request_timeout=self.timeout_s,
+            ),
+            verb="patch",
+            resource="pods",
+            namespace=namespace,
+        )
+
     async def create_pod(self, namespace: str, pod: client.V1Pod) -> client.V1Pod:
         """Create a pod; KubeConflictError when one of that name exists."""
         created = await self._call(

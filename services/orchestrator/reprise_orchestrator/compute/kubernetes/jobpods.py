@@ -29,7 +29,7 @@ from reprise_orchestrator.compute.kubernetes.api import (
 )
 from reprise_orchestrator.compute.kubernetes.models import KubernetesSpec
 from reprise_orchestrator.compute.kubernetes.nodes import NodeWatch, schedulable
-from reprise_orchestrator.compute.kubernetes.pods import JOB_LABEL, PodTemplate, PodView, agent_pod, view
+from reprise_orchestrator.compute.kubernetes.pods import JOB_LABEL, RELEASED, PodTemplate, PodView, agent_pod, view
 from reprise_orchestrator.compute.kubernetes.podwatch import PodWatch
 
 log = get_logger("reprise.orchestrator.compute.kubernetes")
@@ -211,8 +211,10 @@ class JobPods:
             log.info("Kubernetes pod exists already", extra={"job_id": job_id, "index": index})
 
     async def _delete(self, pod: PodView) -> None:
+        """Mark the pod released (so no replica's watch takes its end for a fault), then delete it."""
         self.watches[pod.namespace].released.add(pod.name)
         with contextlib.suppress(KubeNotFoundError):  # gone already
+            await self.api.annotate_pod(pod.namespace, pod.name, {RELEASED: "true"})
             await self.api.delete_pod(pod.namespace, pod.name)
 
     async def _read(self) -> list[PodView]:

@@ -24,6 +24,7 @@ JOB_LABEL = "reprise.dev/job"
 INDEX_LABEL = "reprise.dev/index"
 SIZE_LABEL = "reprise.dev/size"  # how many pods the allocation holds: a requeue restores that many
 SPARE_LABEL = "reprise.dev/spare"
+RELEASED = "reprise.dev/released"  # annotation: Reprise deletes this pod itself (every replica's watch reads it)
 MANAGED_BY = {"app.kubernetes.io/managed-by": "reprise"}
 CONTAINER = "agent"
 SEED_VOLUME = "node-seed"
@@ -121,6 +122,7 @@ class PodView:
     size: int  # how many pods the allocation holds (0: not said)
     node: str  # "" while not bound
     deleting: bool  # a deletionTimestamp is set
+    released: bool  # Reprise marked it before deleting it: its end is no fault
     ended: bool  # Failed or Succeeded
     node_selector: dict[str, str]
     service_account: str | None
@@ -145,6 +147,7 @@ def view(pod: client.V1Pod) -> PodView:
         size=int(size) if size.isdigit() else 0,
         node=(spec.node_name if spec is not None else None) or "",
         deleting=meta.deletion_timestamp is not None,
+        released=RELEASED in (meta.annotations or {}),
         ended=status is not None and status.phase in ENDED_PHASES,
         node_selector=dict((spec.node_selector if spec is not None else None) or {}),
         service_account=spec.service_account_name if spec is not None else None,

@@ -2,7 +2,8 @@
 
 A pod that fails (evicted, OOM-killed, its agent ended), is preempted, or is deleted by someone else is signalled
 once: one signal per pod, whichever of these comes first, with an event id from the pod's uid. Pods Reprise itself
-deletes (the job is over, or a requeue replaces them) are `released` first and give no signal. The first list is the
+deletes (the job is over, or a requeue replaces them) are annotated `reprise.dev/released` first and give no signal,
+on whichever replica watches them. The first list is the
 baseline: a pod already failed then is not signalled (its agent's silence is what the detector already saw).
 """
 
@@ -72,7 +73,7 @@ class PodWatch(ListWatch):
         self.signalled.discard(pod.uid)
 
     async def _signal(self, pod: PodView, kind: ComputeSignalKind, what: str, *, emit: SignalSink) -> None:
-        if pod.name in self.released or pod.uid in self.signalled:
+        if pod.released or pod.name in self.released or pod.uid in self.signalled:
             return
         self.signalled.add(pod.uid)
         signal = pod_signal(pod, kind, what, backend=self.backend)

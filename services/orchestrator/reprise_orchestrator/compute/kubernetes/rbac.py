@@ -13,7 +13,7 @@ from typing import Any
 
 NAME = "reprise-orchestrator"
 NODE_VERBS = ("get", "list", "watch", "patch")
-POD_VERBS = ("create", "delete", "get", "list", "watch")
+POD_VERBS = ("create", "delete", "get", "list", "patch", "watch")  # patch: marking a pod Reprise releases
 
 
 def service_account(namespace: str, name: str = NAME) -> dict[str, Any]:
