@@ -25,7 +25,7 @@ RUNTIME ?= process
 
 .PHONY: venv slurm-deps netns-deps docker-deps compose-images kube-deps test lint typecheck pytest chaos soak up demo clean bench-agent bench-sdk bench-registry bench-detector bench-orchestrator \
 	bench-orchestrator-concurrent bench-vs-torchrun bench-hang-limits bench-standby bench-recovery bench-ettr bench-slurm \
-	bench-checkpoint
+	bench-kubernetes bench-checkpoint
 
 venv: $(STAMP)
 
@@ -95,7 +95,7 @@ docker-deps:
 # What `docker-compose -p reprise up --build` needs that no registry gives (docs/compose.md): the platform image built
 # from Debian's packages and the services' wheels, into the Docker Engine at $DOCKER_HOST (default: the system's).
 compose-images: $(STAMP) docker-deps
-	$(BIN)/python -m reprise_cli.dockerd
+	$(BIN)/python -m reprise_cli.compose_images
 
 # The real Kubernetes API server of services/orchestrator/tests/kubernetes (docs/kubernetes.md): kube-apiserver built
 # once from Debian's source package, cached under /var/cache/reprise (about 5 min the first time). Never fails: where
@@ -179,3 +179,8 @@ bench-ettr: $(STAMP)
 # e.g. --rounds 5) -> bench/results/slurm.json and the table in docs/slurm.md
 bench-slurm: $(STAMP) slurm-deps
 	$(BIN)/python -m bench.bench_slurm $(BENCH_SLURM_ARGS)
+
+# The same on a local kube-apiserver with the kubelet double (BENCH_KUBERNETES_ARGS, e.g. --rounds 3)
+# -> bench/results/kubernetes.json and the table in docs/kubernetes.md
+bench-kubernetes: $(STAMP) kube-deps
+	$(BIN)/python -m bench.bench_schedulers --scheduler kubernetes $(BENCH_KUBERNETES_ARGS)

@@ -28,8 +28,9 @@ from typing import Any
 import pytest
 import yaml
 
+from reprise_cli.compose_images import prepare_compose
 from reprise_cli.creds import ADMIN, init_credentials, seed_file
-from reprise_cli.dockerd import DockerDaemon, cache_dir, docker_unavailable_reason, prepare_compose
+from reprise_cli.dockerd import DockerDaemon, cache_dir, docker_unavailable_reason
 from reprise_common.errors import ConfigError
 
 docker = pytest.importorskip("docker", reason="the docker SDK is not installed")
