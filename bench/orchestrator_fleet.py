@@ -47,6 +47,7 @@ from reprise_common.events import (
     LaunchCommand,
     NodeReport,
     PingCommand,
+    PrepareStandbysCommand,
     RankStatus,
     StopCommand,
     Wire,
@@ -170,7 +171,9 @@ class Fleet:
             self._acks.setdefault(key, {})[node_id] = time.time()  # wall clock: compared with the publisher's
             self._acked.notify_all()
 
-    async def _execute(self, node: SimNode, command: PingCommand | LaunchCommand | StopCommand) -> CommandReply:
+    async def _execute(
+        self, node: SimNode, command: PingCommand | LaunchCommand | StopCommand | PrepareStandbysCommand
+    ) -> CommandReply:
         if isinstance(command, LaunchCommand):
             epoch = command.args.restart_epoch
             per_epoch = self._launches.setdefault(command.job_id, {}).setdefault(node.node_id, {})
@@ -196,6 +199,8 @@ class Fleet:
                 del node.ranks[key]
             node.report = None
             data = {"stopped": [{"rank": rank, "exit_code": None, "signal": "SIGTERM"} for _job, rank in stopped]}
+        elif isinstance(command, PrepareStandbysCommand):
+            data = {"standbys": 0}  # simulated nodes keep no standbys
         else:
             data = {"ranks": len(node.ranks), "spare": False}
         return CommandReply(command_id=command.command_id, node_id=node.node_id, result=CommandResult.DONE, data=data)

@@ -3,8 +3,9 @@
 The stack runs a dockerd of its own and imports the base image built from Debian's packages; its agents get the
 daemon's URL and the mount roots. The job is the process cells' with a `container` section: the base image, the
 host's Python and the checkout's .venv, SDK and examples read-only, its own directory (checkpoints) read-write under
-the stack's jobs directory, which is also its working directory. Warm standbys serve processes only, so a container
-cell has none: a replaced rank starts in a new container and imports torch there.
+the stack's jobs directory, which is also its working directory. On the fast path the agents keep standby containers
+of the job's image, on its nodes and (told at each launch) on the spares, so a replaced rank starts in a container
+that imported torch already.
 """
 
 from __future__ import annotations

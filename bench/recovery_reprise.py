@@ -27,7 +27,7 @@ import httpx
 
 from bench.recovery_containers import containerized, job_root
 from bench.recovery_track import CellRun, FaultRecord, FaultTracker, RecoverySettings, System
-from bench.vs_torchrun_common import Fault
+from bench.vs_torchrun_common import Fault, step_of
 from bench.vs_torchrun_reprise import (
     RankZeroLogs,
     follow_job,
@@ -84,18 +84,19 @@ class NodeReports:
             if standby.ready and standby.rss_bytes:
                 self.rss_bytes[standby.pid] = max(standby.rss_bytes, self.rss_bytes.get(standby.pid, 0))
 
-    def ready_standbys(self) -> dict[str, int]:
-        """Ready standbys per live node."""
+    def ready_standbys(self, *, serving: bool = False) -> dict[str, int]:
+        """Ready standbys per live node (`serving`: only the nodes that run ranks or are spares, which keep a
+        containerized job's standbys; a cordoned node the job left keeps none)."""
         now = time.time()
         return {
             node: sum(s.ready for s in report.standbys)
             for node, (seen, report) in list(self.latest.items())
-            if now - seen < REPORT_FRESH_S
+            if now - seen < REPORT_FRESH_S and (not serving or report.ranks or report.spare)
         }
 
-    def warm(self, at_least: int) -> bool:
-        """Every live node (the spares too) has `at_least` ready standbys."""
-        ready = self.ready_standbys()
+    def warm(self, at_least: int, *, serving: bool = False) -> bool:
+        """Every live node (the spares too; `serving`: see ready_standbys) has `at_least` ready standbys."""
+        ready = self.ready_standbys(serving=serving)
         return bool(ready) and all(count >= at_least for count in ready.values())
 
     def memory(self) -> dict[str, Any]:
@@ -219,10 +220,18 @@ class _Run:
         """Inject each fault when due, until the digest, a stopped job, or the run timeout."""
         tracker, cell = FaultTracker(self.settings), self.cell
         cell.records = tracker.records
+        # Containers: the process standbys and at least one of the job's standby containers on each node serving it.
+        containers = cell.system.in_containers
+        wanted, serving = (self.settings.standbys + 1, True) if containers else (1, False)
 
         def on_line(line: str) -> None:
             tracker.feed(line)
-            if tracker.due(line) and (reports is None or reports.warm(1)):
+            if not tracker.due(line):
+                return
+            if reports is None or reports.warm(wanted, serving=serving):
+                self._inject(job["id"], tracker)
+            elif (step_of(line) or (0, 0.0))[0] + self.settings.checkpoint_every > self.settings.steps:
+                cell.notes.append("standbys not ready by the last fault step: the fault hit without them")
                 self._inject(job["id"], tracker)
 
         end = follow_job(

@@ -29,7 +29,7 @@ class System(StrEnum):
     PEER = "peer"  # as fast, and the ranks go on from the survivors' state (reprise_sdk.torch.replica)
     LOOP = "loop"  # `until torchrun ...; do :; done`
     COLD_CONTAINER = "cold-container"  # as cold, each rank in a container (bench/recovery_containers.py)
-    FAST_CONTAINER = "fast-container"  # as fast, each rank in a container; no standbys: they serve processes only
+    FAST_CONTAINER = "fast-container"  # as fast, each rank in a container; warm standbys in containers
 
     @property
     def in_place(self) -> bool:
@@ -43,8 +43,9 @@ class System(StrEnum):
 
     @property
     def standbys(self) -> bool:
-        """The agents keep warm standbys for the job's replacement ranks."""
-        return self.in_place and not self.in_containers
+        """The agents keep warm standbys for the job's replacement ranks (in containers: of the job's image, the
+        spares' too)."""
+        return self.in_place
 
 
 FAULTS = (Fault.RANK_CRASH, Fault.XID79, Fault.HANG, Fault.NODE_LOSS)

@@ -89,6 +89,7 @@ class Agent:
         self.reporter = NodeReporter(
             settings, bus, gpus=self.gpus, supervisor=self.supervisor, progress=self.progress,
             stack_sampler=self.stack_sampler, standbys=self.standbys, lost=lambda: self.node_lost,
+            container_standbys=self.supervisor.containers.standby_statuses if self.supervisor.containers else list,
         )  # fmt: skip
         self.progress.on_rank_training(self.reporter.soon)
         self._tasks: list[asyncio.Task[None]] = []

@@ -1,5 +1,6 @@
 """What the node's commands do: ping, launch a job's ranks here, stop them (a hang's stacks captured first, parked
-where a restart in place follows). Fencing and idempotency around them are the CommandBook's (commands.py)."""
+where a restart in place follows), keep a containerized job's standbys (a spare). Fencing and idempotency around
+them are the CommandBook's (commands.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from reprise_agent import foreign_restore, node_events
 from reprise_agent.commands import CommandBook
 from reprise_agent.depchecks.checker import DependencyChecker
 from reprise_agent.foreign_checkpoints import ForeignCheckpoints
+from reprise_agent.launch.container_policy import LaunchRefusedError
+from reprise_agent.launch.spare_standbys import standby_env, standby_launch
 from reprise_agent.numeric import NumericWatcher
 from reprise_agent.outbox import Outbox
 from reprise_agent.progress.book import ProgressBook
@@ -26,8 +29,12 @@ from reprise_common.events import (
     PingCommand,
     PingData,
     PingReply,
+    PrepareStandbysCommand,
+    PrepareStandbysData,
+    PrepareStandbysReply,
     RankStopped,
     StackCapture,
+    StandbyOrder,
     StopCommand,
     StopData,
     StopReply,
@@ -80,12 +87,14 @@ class CommandExecutor:
             )
         return await self.book.run(command, self._execute)
 
-    async def _execute(self, command: PingCommand | LaunchCommand | StopCommand) -> AgentReply:
+    async def _execute(self, command: PingCommand | LaunchCommand | StopCommand | PrepareStandbysCommand) -> AgentReply:
         done = {"command_id": command.command_id, "node_id": self.node_id, "result": CommandResult.DONE}
         if isinstance(command, PingCommand):
             return PingReply(**done, data=PingData(ranks=len(self.supervisor.ranks()), spare=self.spare))
         if isinstance(command, StopCommand):
             return StopReply(**done, data=await self._stop(command))
+        if isinstance(command, PrepareStandbysCommand):
+            return PrepareStandbysReply(**done, data=self._prepare_standbys(command))
         try:
             return LaunchReply(**done, data=await self._launch(command))
         except foreign_restore.RestoreRefusedError as exc:  # no rank starts on it: the recovery falls back
@@ -108,6 +117,22 @@ class CommandExecutor:
         for assignment in spec.ranks:  # startup begins now; a no-op for a rank that already reported
             self.progress.begin(command.job_id, assignment.rank, restart_epoch=spec.restart_epoch)
         return LaunchData(pids=pids, in_place=in_place)
+
+    def _prepare_standbys(self, command: PrepareStandbysCommand) -> PrepareStandbysData:
+        """Keep (or drop) standby containers of a job whose ranks may move here; refused as a launch of it would be
+        (no Docker daemon, this node's rules, its image missing)."""
+        containers, args = self.supervisor.containers, command.args
+        if containers is None:
+            raise LaunchRefusedError("container: this node runs no containers (its agent has no REPRISE_DOCKER_URL)")
+        if args.order is StandbyOrder.DROP:
+            containers.drop_standbys(command.job_id)
+            return PrepareStandbysData(standbys=0)
+        launch = standby_launch(args, node_id=self.node_id)
+        env = standby_env(
+            command.job_id, launch, node_id=self.node_id, sdk_socket=self.supervisor.sdk_socket,
+            inbox_dir=self.supervisor.inbox_dir,
+        )  # fmt: skip
+        return PrepareStandbysData(standbys=containers.prepare_standbys(launch, env, hold_s=args.hold_s))
 
     async def _stop(self, command: StopCommand) -> StopData:
         """Stop the job's ranks here (a hang's stacks first); for a restart in place, the culprits first, then park

@@ -18,7 +18,7 @@ from reprise_agent.stack_sampler import StackSampler
 from reprise_common import subjects
 from reprise_common.bus import Bus
 from reprise_common.errors import BusError
-from reprise_common.events import NodeReport, RankStatus
+from reprise_common.events import NodeReport, RankStatus, StandbyStatus
 from reprise_common.logging import get_logger
 
 log = get_logger("reprise.agent")
@@ -40,11 +40,13 @@ class NodeReporter:
         stack_sampler: StackSampler,
         standbys: StandbyPool,
         lost: Callable[[], bool],
+        container_standbys: Callable[[], list[StandbyStatus]] = list,
     ) -> None:
         self.settings, self.bus, self.gpus = settings, bus, gpus
         self.supervisor, self.progress = supervisor, progress
         self.stack_sampler, self.standbys = stack_sampler, standbys
         self.lost = lost
+        self.container_standbys = container_standbys  # the containerized jobs' standbys, listed beside the processes'
         self.stopping = False  # the agent is stopping: its last report says so
         self.skipped = 0  # reports not sent: not connected
         self.early = 0  # reports sent ahead of the interval because a rank of a launch began training
@@ -62,7 +64,7 @@ class NodeReporter:
             gpu_error=self.gpus.error,
             gpus=gpus,
             ranks=[self._rank_status(rank) for rank in self.supervisor.ranks()],
-            standbys=self.standbys.statuses(),
+            standbys=self.standbys.statuses() + self.container_standbys(),
             spare=self.settings.spare,
             stopping=self.stopping,
             connection=self.bus.connection,

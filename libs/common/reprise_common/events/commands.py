@@ -1,11 +1,12 @@
-"""Commands to one agent (request/reply, not events): ping, launch, stop; the agent's replies are in replies.py."""
+"""Commands to one agent (request/reply, not events): ping, launch, stop, prepare standbys; the agent's replies are in
+replies.py."""
 
 from __future__ import annotations
 
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import AwareDatetime, Field, NonNegativeInt, TypeAdapter, ValidationError, field_validator
+from pydantic import AwareDatetime, ConfigDict, Field, NonNegativeInt, TypeAdapter, ValidationError, field_validator
 
 from reprise_common.clock import utcnow
 from reprise_common.events.base import Wire, malformed
@@ -21,6 +22,7 @@ class CommandAction(StrEnum):
     PING = "ping"
     LAUNCH = "launch"
     STOP = "stop"
+    PREPARE_STANDBYS = "prepare_standbys"
 
 
 class StepSpan(Wire):
@@ -94,6 +96,35 @@ class StopArgs(Wire):
     )
 
 
+class StandbyOrder(StrEnum):
+    """What a spare's agent does with a containerized job's standbys."""
+
+    KEEP = "keep"  # start them (or keep them) and hold them for `hold_s`
+    DROP = "drop"  # remove them: the job ended, or will not move here
+
+
+STANDBY_HOLD_MAX_S = 86_400.0
+
+
+class PrepareStandbysArgs(Wire):
+    """A containerized job a spare may take ranks of: what its agent's standby containers are made from, as a
+    launch of the job would make its ranks' (docs/containers.md). Unknown fields are refused."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    order: StandbyOrder = StandbyOrder.KEEP
+    container: ContainerSpec
+    command: list[str] = Field(min_length=1, max_length=4096, description="the job's training command, argv style")
+    env: dict[str, str] = Field(
+        default_factory=dict, max_length=4096, description="the job's extra environment for every rank"
+    )
+    cwd: str | None = Field(default=None, max_length=4096)
+    checkpoints: CheckpointWatch | None = None
+    hold_s: float = Field(
+        default=3600.0, gt=0, le=STANDBY_HOLD_MAX_S, description="how long they wait with no rank of the job here"
+    )
+
+
 class AgentCommand(Wire):
     """What every fenced, idempotent command to one agent carries; the action's own class adds its arguments."""
 
@@ -123,11 +154,19 @@ class StopCommand(AgentCommand):
     args: StopArgs = Field(default_factory=StopArgs)
 
 
-AnyCommand = Annotated[PingCommand | LaunchCommand | StopCommand, Field(discriminator="action")]
-_ANY_COMMAND: TypeAdapter[PingCommand | LaunchCommand | StopCommand] = TypeAdapter(AnyCommand)
+class PrepareStandbysCommand(AgentCommand):
+    """Keep (or drop) standby containers of a containerized job on this node, a spare its ranks may move to."""
+
+    action: Literal[CommandAction.PREPARE_STANDBYS] = CommandAction.PREPARE_STANDBYS
+    args: PrepareStandbysArgs
 
 
-def parse_command(data: bytes) -> PingCommand | LaunchCommand | StopCommand:
+Command = PingCommand | LaunchCommand | StopCommand | PrepareStandbysCommand
+AnyCommand = Annotated[Command, Field(discriminator="action")]
+_ANY_COMMAND: TypeAdapter[Command] = TypeAdapter(AnyCommand)
+
+
+def parse_command(data: bytes) -> Command:
     """Parse a command by its ``action``; raises MalformedEventError with a one-line reason."""
     try:
         return _ANY_COMMAND.validate_json(data)

@@ -70,6 +70,12 @@ class StopData(ReplyData):
     parked: list[NonNegativeInt] = Field(default_factory=list)
 
 
+class PrepareStandbysData(ReplyData):
+    """How many standby containers of the job this node keeps now (0 after a drop, or where it keeps none)."""
+
+    standbys: NonNegativeInt = 0
+
+
 class ReplyEnvelope(Wire):
     """What every reply carries besides its data; a repeated command id gets the first answer again."""
 
@@ -102,6 +108,12 @@ class StopReply(AgentReply):
     """The answer to a stop."""
 
     data: StopData = Field(default_factory=StopData)
+
+
+class PrepareStandbysReply(AgentReply):
+    """The answer to a prepare-standbys command."""
+
+    data: PrepareStandbysData = Field(default_factory=PrepareStandbysData)
 
 
 class CommandReply(ReplyEnvelope):

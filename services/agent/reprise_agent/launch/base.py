@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import Mapping, Sequence, Set
 from typing import Any, Protocol
 
-from reprise_common.events import LaunchArgs
+from reprise_common.events import LaunchArgs, StandbyStatus
 from reprise_common.procs import ProcessSample
 
 
@@ -99,6 +99,18 @@ class ImageLaunchers(Protocol):
     def adopt(self, record: Mapping[str, Any]) -> RankHandle | None:
         """Supervise on a containerized rank an earlier process of this agent started, when it still runs; None when
         it does not (it is then to be removed with `kill_lost`)."""
+        ...
+
+    def prepare_standbys(self, spec: LaunchArgs, env: Mapping[str, str], *, hold_s: float) -> int:
+        """Keep standbys of the job ready before any rank of it starts here (a spare), for `hold_s`; how many."""
+        ...
+
+    def drop_standbys(self, job_id: str) -> None:
+        """Remove the job's prepared standbys."""
+        ...
+
+    def standby_statuses(self) -> list[StandbyStatus]:
+        """Every standby waiting here, as the node report lists them."""
         ...
 
     def close(self) -> None:

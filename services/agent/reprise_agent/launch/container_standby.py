@@ -8,6 +8,10 @@ in the container, like a rank's inbox): the boot reads its stdin, which a prelud
 environment is the image's with the rank's own on top, as in a container started for it. A job's standbys are made
 from its latest launch (its launcher and one rank's environment as the template) and retired once none of its ranks
 started here runs and none started for RETIRE_AFTER_S, or when a launch changes its container spec.
+
+A spare, whose agent never ran the job, is told to `prepare` them (a PrepareStandbysCommand the orchestrator sends
+with a containerized job's launch): the same pool, made from the job's spec before any rank of it starts here, held
+for the command's `hold_s` (renewed by each prepare) and removed when told to drop them.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import docker.errors
 from docker.models.containers import Container
@@ -29,10 +33,38 @@ from docker.models.containers import Container
 from reprise_agent.launch.container_handle import ContainerHandle
 from reprise_agent.launch.standby import BOOT_SOURCE, READY, READY_TIMEOUT_S, RETRY_AFTER_S, unfit_arguments
 from reprise_common.errors import RepriseError
+from reprise_common.events import ContainerSpec, LaunchArgs, StandbyStatus
 from reprise_common.logging import get_logger
+from reprise_common.procs import sample_process
 
-if TYPE_CHECKING:
-    from reprise_agent.launch.containers import ContainerLauncher
+
+class _Engine(Protocol):
+    @property
+    def gpus(self) -> bool: ...  # GPUs are device requests fixed when a container is made: no standby takes one
+
+
+class ContainerLauncher(Protocol):
+    """What the pool needs of a job's container launcher (launch/containers.py's, which makes its standbys too)."""
+
+    @property
+    def engine(self) -> _Engine: ...
+
+    @property
+    def job(self) -> LaunchArgs: ...
+
+    @property
+    def spec(self) -> ContainerSpec: ...
+
+    def link_inbox(self, pid: int, inbox: Path | None) -> Path | None: ...
+
+    def new_inbox(self, env: Mapping[str, str]) -> Path | None: ...
+
+    def env_changes(self, env: Mapping[str, str]) -> dict[str, str]: ...
+
+    def run(
+        self, argv: list[str], env: dict[str, str], changes: dict[str, str], cwd: str | None, inbox: Path | None
+    ) -> tuple[Container, int, int]: ...
+
 
 log = get_logger("reprise.agent.containers")
 
@@ -42,6 +74,7 @@ FIFO_ENV = "REPRISE_STANDBY_FIFO"
 PRELUDE = f"import os as _o\n_f = _o.open(_o.environ['{FIFO_ENV}'], _o.O_RDWR)\n_o.dup2(_f, 0)\n_o.close(_f)\n"
 RETIRE_AFTER_S = 60.0  # a job none of whose ranks runs here, and none started for this long, needs no standby
 CHECK_S = 5.0  # how often a full pool looks whether its job is over
+PREPARED_JOBS_MAX = 8  # jobs a node keeps standbys of before any of their ranks started here (a spare's)
 
 
 @dataclass
@@ -66,13 +99,15 @@ class JobStandbys:
     standbys: list[ContainerStandby] = field(default_factory=list)
     handles: list[ContainerHandle] = field(default_factory=list)  # its ranks started here, on a standby or not
     last_start: float = field(default_factory=time.monotonic)
+    hold_until: float = 0.0  # a prepared pool (a spare's): kept until then with no rank of the job here
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
 
     def over(self) -> bool:
         """None of its ranks runs here, and none started lately: the job ended (or moved)."""
         self.handles = [h for h in self.handles if h.returncode is None]
-        return not self.handles and time.monotonic() - self.last_start > RETIRE_AFTER_S
+        idle_since = max(self.last_start + RETIRE_AFTER_S, self.hold_until)
+        return not self.handles and time.monotonic() > idle_since
 
 
 class ContainerStandbys:
@@ -135,6 +170,46 @@ class ContainerStandbys:
         self.taken += 1
         return handle
 
+    def prepare(
+        self, launcher: ContainerLauncher, argv: Sequence[str], env: Mapping[str, str], *, hold_s: float
+    ) -> int:
+        """Keep the job's standbys ready before any rank of it starts here (a spare), for `hold_s` from now; how many
+        this node keeps for it (0: none, e.g. with real GPUs, or too many jobs prepared already)."""
+        job_id = env.get("REPRISE_JOB_ID", "")
+        if self.size == 0 or not job_id or not env.get("REPRISE_SDK_INBOX_DIR") or launcher.engine.gpus:
+            return 0
+        pool = self._jobs.get(job_id)
+        if pool is not None and _made_by(pool) != _made_by(launcher):
+            self._retire(job_id)
+            pool = None
+        if pool is None:
+            prepared = sum(1 for p in self._jobs.values() if p.hold_until > 0 and not p.handles)
+            if prepared >= PREPARED_JOBS_MAX:
+                log.warning("too many jobs' standbys prepared here: none for this one", extra={"job_id": job_id})
+                return 0
+            pool = self._jobs[job_id] = JobStandbys(launcher, argv[0], dict(env))
+            pool.task = asyncio.create_task(self._keep_full(job_id, pool), name=f"container-standbys:{job_id}")
+        pool.hold_until = max(pool.hold_until, time.monotonic() + hold_s)
+        pool.wake.set()
+        return self.size
+
+    def drop(self, job_id: str) -> None:
+        """Remove the job's standbys now (told so: it ended, or will not move here); a pool a rank of it started on
+        here stays (the ranks' own idle rule retires it)."""
+        pool = self._jobs.get(job_id)
+        if pool is not None and not pool.handles:
+            self._retire(job_id)
+
+    def statuses(self) -> list[StandbyStatus]:
+        """Every standby container waiting now, ready or still importing, as the node report shows process ones."""
+        found = []
+        for pool in self._jobs.values():
+            for standby in pool.standbys:
+                sample = sample_process(standby.pid)
+                rss = sample.rss_bytes if sample is not None else None
+                found.append(StandbyStatus(pid=standby.pid, ready=standby.ready, rss_bytes=rss))
+        return found
+
     def ready(self, job_id: str) -> int:
         """How many of the job's standbys are ready now."""
         pool = self._jobs.get(job_id)
@@ -164,8 +239,12 @@ class ContainerStandbys:
         env = {**pool.template, "RANK": "standby", FIFO_ENV: f"{inner}/{FIFO}"}
         changes = launcher.env_changes(pool.template)  # the SDK socket's directory mounted, as for its rank
         argv = [pool.python, "-c", PRELUDE + BOOT_SOURCE, *self.preload]
+        run = asyncio.ensure_future(asyncio.to_thread(launcher.run, argv, env, changes, None, inbox))
         try:
-            container, init_pid, pid = await asyncio.to_thread(launcher.run, argv, env, changes, None, inbox)
+            container, init_pid, pid = await asyncio.shield(run)
+        except asyncio.CancelledError:  # retired meanwhile (dropped, or the agent stops): removed once it exists
+            run.add_done_callback(lambda done: _remove_started(done, inbox))
+            raise
         except RepriseError as exc:
             shutil.rmtree(inbox, ignore_errors=True)
             log.warning("a container standby could not start", extra={"error": str(exc)})
@@ -258,6 +337,15 @@ def _await_ready(container: Container) -> bool:
             return False
         time.sleep(0.05)
     return False
+
+
+def _remove_started(done: asyncio.Future[tuple[Container, int, int]], inbox: Path) -> None:
+    """Remove a standby whose creation finished after its job's standbys were retired."""
+    if done.cancelled() or done.exception() is not None:
+        shutil.rmtree(inbox, ignore_errors=True)
+        return
+    standby = ContainerStandby(done.result()[0], 0, 0, inbox, {})
+    asyncio.get_running_loop().run_in_executor(None, _remove, standby)
 
 
 def _remove_all(standbys: list[ContainerStandby]) -> None:

@@ -29,7 +29,7 @@ from reprise_agent.launch.container_policy import ContainerPolicy, DockerUnavail
 from reprise_agent.launch.container_procs import namespace_pid, rank_pid
 from reprise_agent.launch.container_restart import LABEL, adopt, kill_orphan, sdk_socket_link
 from reprise_agent.launch.container_standby import ContainerStandbys
-from reprise_common.events import ContainerSpec, LaunchArgs
+from reprise_common.events import ContainerSpec, LaunchArgs, StandbyStatus
 
 __all__ = ["LABEL", "ContainerEngine", "ContainerHandle", "ContainerLauncher"]
 
@@ -288,6 +288,19 @@ class ContainerEngine:
         except (docker.errors.DockerException, OSError) as exc:
             raise DockerUnavailableError(f"the Docker daemon at {self.base_url} did not answer: {exc}") from exc
         return [stray.id for stray in strays]
+
+    def prepare_standbys(self, spec: LaunchArgs, env: Mapping[str, str], *, hold_s: float) -> int:
+        """Keep standbys of the job ready here before any of its ranks starts (a spare), after this node's rules and a
+        look for its image (as a launch); how many (0: none here)."""
+        return self.standbys.prepare(self.for_job(spec), spec.command, env, hold_s=hold_s)
+
+    def drop_standbys(self, job_id: str) -> None:
+        """Remove the job's prepared standbys."""
+        self.standbys.drop(job_id)
+
+    def standby_statuses(self) -> list[StandbyStatus]:
+        """Every standby container waiting here."""
+        return self.standbys.statuses()
 
     def close(self) -> None:
         """Remove the waiting standbys; close the client's connections."""

@@ -3,10 +3,13 @@
 Each command carries an id (`<operation>:<action>:<node>`, so a resend is executed once) and the job's fence (an
 agent refuses one lower than the highest it saw for the job). A node where nothing listens answers at once that no
 one will reply: its agent is gone. The usable nodes are the ones whose reports are fresh and whose GPUs are usable.
+A containerized job's launch also tells the pool's spares to keep standby containers of its image ready, so that a
+rank moved to one (XID 79, node loss) starts warm there too (docs/containers.md).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping, Sequence, Set
 
 from reprise_common import subjects
@@ -17,6 +20,9 @@ from reprise_common.events import (
     AgentCommand,
     LaunchCommand,
     LaunchReply,
+    PrepareStandbysArgs,
+    PrepareStandbysCommand,
+    PrepareStandbysReply,
     RankAssignment,
     StackCapture,
     StopArgs,
@@ -59,6 +65,7 @@ class AgentsBackend:
         self.stop_grace_s = stop_grace_s
         self.stack_capture_s = stack_capture_s
         self.in_place_limit_s = in_place_limit_s
+        self._preparing: set[asyncio.Task[None]] = set()  # spares told to keep a job's standby containers
 
     def pool(self, *, exclude: Set[str] = frozenset(), job_id: str | None = None) -> NodePool:
         """Nodes with fresh reports and usable GPUs, workers and spares apart (any job may use any of them)."""
@@ -87,7 +94,36 @@ class AgentsBackend:
             )
             for node_id, ranks in by_node.items()
         }
+        self._prepare_spares(request, exclude=set(by_node), operation_id=operation_id, fence=fence)
         return await self._command(commands, LaunchReply, timeout_s=self.command_timeout_s)
+
+    def _prepare_spares(self, request: LaunchRequest, *, exclude: Set[str], operation_id: str, fence: int) -> None:
+        """Tell the spares a containerized job's ranks may move to to keep standby containers of it (in the
+        background: the launch does not wait for them)."""
+        args = request.args
+        spares = [node_id for node_id in self.pool().spares if node_id not in exclude]
+        if args.container is None or not spares:
+            return
+        order = PrepareStandbysArgs(
+            container=args.container, command=args.command, env=args.env, cwd=args.cwd, checkpoints=args.checkpoints
+        )
+        commands = {
+            node_id: PrepareStandbysCommand(
+                command_id=f"{operation_id}:prepare-standbys:{node_id}", job_id=request.job_id, fence=fence, args=order
+            )
+            for node_id in spares
+        }
+        task = asyncio.create_task(self._prepare(request.job_id, commands), name=f"prepare-standbys:{request.job_id}")
+        self._preparing.add(task)
+        task.add_done_callback(self._preparing.discard)
+
+    async def _prepare(self, job_id: str, commands: Mapping[str, AgentCommand]) -> None:
+        answers = await self._command(commands, PrepareStandbysReply, timeout_s=self.command_timeout_s)
+        for answer in answers.items:
+            if answer.reply is None or answer.reply.data.standbys == 0:
+                detail = answer.reply.detail if answer.reply is not None else str(answer.error)
+                where = {"job_id": job_id, "node_id": answer.node_id, "why": detail}
+                log.info("a spare keeps no standbys", extra=where)
 
     async def stop(
         self,
@@ -145,8 +181,10 @@ class AgentsBackend:
         return
 
     async def close(self) -> None:
-        """The bus belongs to the orchestrator: nothing to release."""
-        return
+        """The bus belongs to the orchestrator; the spares' preparations still being sent are cancelled."""
+        for task in list(self._preparing):
+            task.cancel()
+        await asyncio.gather(*self._preparing, return_exceptions=True)
 
 
 async def command_nodes(
