@@ -9,6 +9,7 @@ orchestrator's `REPRISE_COMPUTE_BACKEND` setting (compute/choose.py).
 
 from __future__ import annotations
 
+import hashlib
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence, Set
 from dataclasses import dataclass, field
@@ -17,7 +18,15 @@ from typing import Generic, Protocol, TypeVar
 from pydantic import BaseModel, Field
 
 from reprise_common.errors import BusError, NoRespondersError
-from reprise_common.events import AgentReply, CommandResult, ComputeSignal, LaunchArgs, LaunchReply, StopReply
+from reprise_common.events import (
+    AgentReply,
+    CommandResult,
+    ComputeSignal,
+    ComputeSignalKind,
+    LaunchArgs,
+    LaunchReply,
+    StopReply,
+)
 
 ReplyT = TypeVar("ReplyT", bound=AgentReply)
 
@@ -202,3 +211,28 @@ class ComputeBackend(Protocol):
     async def close(self) -> None:
         """Release what the backend holds."""
         ...
+
+
+def compute_signal(
+    backend: str,
+    kind: ComputeSignalKind,
+    key: Sequence[str],
+    *,
+    node_id: str | None = None,
+    job_id: str | None = None,
+    detail: str,
+    label: str | None = None,
+) -> ComputeSignal:
+    """A backend's signal, its event id a digest of what identifies the fault (`label`, by default the kind, and
+    `key`): every replica that sees the same fault publishes it under one message id, so it counts once."""
+    label = label or kind.value
+    digest = hashlib.sha256("\0".join((backend, label, *key)).encode()).hexdigest()[:32]
+    return ComputeSignal(
+        event_id=f"{backend}-{label}-{digest}",
+        source="orchestrator",
+        backend=backend,
+        kind=kind,
+        node_id=node_id,
+        job_id=job_id,
+        detail=detail[:2000],
+    )

@@ -10,7 +10,6 @@ else is the pod watch's to tell (podwatch.py).
 
 from __future__ import annotations
 
-import hashlib
 import re
 from dataclasses import dataclass
 
@@ -18,7 +17,7 @@ from kubernetes.aio import client
 
 from reprise_common.events import ComputeSignal, ComputeSignalKind
 from reprise_orchestrator.compute.allocation import AgentLaunch
-from reprise_orchestrator.compute.kubernetes.signals import SOURCE
+from reprise_orchestrator.compute.backend import compute_signal
 
 JOB_LABEL = "reprise.dev/job"
 INDEX_LABEL = "reprise.dev/index"
@@ -184,13 +183,5 @@ def pod_signal(pod: PodView, kind: ComputeSignalKind, what: str, *, backend: str
     """The signal of the pod's fault: its node, its job, and an event id from the pod's uid (one per pod: replicas
     that see it publish it under one message id)."""
     node, job_id, name = pod.node or None, pod.job_id, f"{pod.namespace}/{pod.name}"
-    digest = hashlib.sha256("\0".join((backend, "pod", pod.uid)).encode()).hexdigest()[:32]
-    return ComputeSignal(
-        event_id=f"{backend}-pod-{digest}",
-        source=SOURCE,
-        backend=backend,
-        kind=kind,
-        node_id=node,
-        job_id=job_id,
-        detail=f"Kubernetes pod {name} of job {job_id} on node {node}: {what}"[:2000],
-    )
+    detail = f"Kubernetes pod {name} of job {job_id} on node {node}: {what}"
+    return compute_signal(backend, kind, (pod.uid,), node_id=node, job_id=job_id, detail=detail, label="pod")

@@ -9,14 +9,12 @@ publish it under one message id and the COMPUTE stream keeps it once.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
 from kubernetes.aio.client import V1Node
 
 from reprise_common.events import ComputeSignal, ComputeSignalKind
-
-SOURCE = "orchestrator"
+from reprise_orchestrator.compute.backend import compute_signal
 
 
 @dataclass(frozen=True)
@@ -71,17 +69,7 @@ def node_signals(name: str, before: NodeHealth | None, after: NodeHealth, *, bac
             detail = f"Kubernetes shows node {name} {kind}={bad}"
             if condition.reason or condition.message:
                 detail += f": {condition.reason} {condition.message}".rstrip()
-            found.append(_signal(backend, signal_kind, (name, kind, bad, condition.since), node_id=name, detail=detail))
+            found.append(
+                compute_signal(backend, signal_kind, (name, kind, bad, condition.since), node_id=name, detail=detail)
+            )
     return found
-
-
-def _signal(backend: str, kind: ComputeSignalKind, key: tuple[str, ...], *, node_id: str, detail: str) -> ComputeSignal:
-    digest = hashlib.sha256("\0".join((backend, kind.value, *key)).encode()).hexdigest()[:32]
-    return ComputeSignal(
-        event_id=f"{backend}-{kind.value}-{digest}",
-        source=SOURCE,
-        backend=backend,
-        kind=kind,
-        node_id=node_id,
-        detail=detail[:2000],
-    )

@@ -11,15 +11,14 @@ platform's job id, and other users' jobs are not ours to report.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 from reprise_common.events import ComputeSignal, ComputeSignalKind
+from reprise_orchestrator.compute.backend import compute_signal
 from reprise_orchestrator.compute.slurm.models import SlurmJob, SlurmJobState, SlurmNode
 
 ALLOCATION_PREFIX = "reprise-"
-SOURCE = "orchestrator"
 
 # A node flag that appears is a signal: Slurm lost contact with the node's slurmd, or set the node down.
 _NODE_FLAGS = (("NOT_RESPONDING", ComputeSignalKind.NODE_NOT_RESPONDING), ("DOWN", ComputeSignalKind.NODE_DOWN))
@@ -80,7 +79,7 @@ def _node_signals(before: SlurmView, after: SlurmView, backend: str) -> Iterator
                 detail = f"Slurm shows node {name} {'+'.join(sorted(node.state))}" + (
                     f": {node.reason}" if node.reason else ""
                 )
-                yield _signal(backend, kind, (name, node.reason), node_id=name, detail=detail)
+                yield compute_signal(backend, kind, (name, node.reason), node_id=name, detail=detail)
 
 
 def _job_signals(before: SlurmView, after: SlurmView, backend: str) -> Iterator[ComputeSignal]:
@@ -107,7 +106,7 @@ def _job_signals(before: SlurmView, after: SlurmView, backend: str) -> Iterator[
         else:
             continue
         key = (str(slurm_id), str(job.restart_count))
-        yield _signal(backend, kind, key, node_id=failed, job_id=job_id, detail=detail)
+        yield compute_signal(backend, kind, key, node_id=failed, job_id=job_id, detail=detail)
 
 
 def controller_unavailable(backend: str, job_id: str, *, since: str, detail: str) -> ComputeSignal:
@@ -115,25 +114,6 @@ def controller_unavailable(backend: str, job_id: str, *, since: str, detail: str
     which keys the outage)."""
     text = f"the {backend} controller does not answer ({detail}): the job runs on, but nothing can be placed, drained"
     text += " or requeued until it does"
-    return _signal(backend, ComputeSignalKind.CONTROLLER_UNAVAILABLE, (job_id, since), job_id=job_id, detail=text)
-
-
-def _signal(
-    backend: str,
-    kind: ComputeSignalKind,
-    key: tuple[str, ...],
-    *,
-    node_id: str | None = None,
-    job_id: str | None = None,
-    detail: str,
-) -> ComputeSignal:
-    digest = hashlib.sha256("\0".join((backend, kind.value, *key)).encode()).hexdigest()[:32]
-    return ComputeSignal(
-        event_id=f"{backend}-{kind.value}-{digest}",
-        source=SOURCE,
-        backend=backend,
-        kind=kind,
-        node_id=node_id,
-        job_id=job_id,
-        detail=detail[:2000],
+    return compute_signal(
+        backend, ComputeSignalKind.CONTROLLER_UNAVAILABLE, (job_id, since), job_id=job_id, detail=text
     )
