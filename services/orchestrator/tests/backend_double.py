@@ -49,6 +49,7 @@ class Calls:
     stacks_for: list[str | None] = field(default_factory=list)  # what each stop asked to capture stacks for
     cordons: list[tuple[str, str]] = field(default_factory=list)  # (node, reason)
     uncordons: list[str] = field(default_factory=list)
+    dropped_standbys: list[str] = field(default_factory=list)  # jobs whose spares' standbys were let go
 
 
 CALLS = Calls()  # one backend per test process: the test reads what the app's backend was asked
@@ -104,6 +105,10 @@ class SchedulerDouble:
         for node in node_ids:
             self.ranks[node] = [r for r in self.ranks.get(node, []) if r.job_id != job_id]
         return self._done(node_ids, f"{operation_id}:stop", StopReply)
+
+    async def drop_standbys(self, job_id: str, *, operation_id: str, fence: int) -> None:
+        """Record it."""
+        CALLS.dropped_standbys.append(job_id)
 
     async def cordon(self, node_id: str, *, reason: str) -> None:
         """Record it (a scheduler would drain the node with the reason)."""

@@ -133,6 +133,28 @@ def test_the_first_stop_of_a_hangs_recovery_asks_for_the_ranks_stacks_and_a_cras
     assert calls.stacks_for == ["inc-hang", None, None, "inc-held"]
 
 
+def test_a_containerized_jobs_end_lets_the_spares_drop_its_standbys_and_a_plain_jobs_does_not(
+    admin_client: AdminClient, nats_server: NatsServer, registry: str, double: object
+) -> None:
+    calls = double.CALLS  # type: ignore[attr-defined]
+    settings = {"compute_backend": "backend_double:create", "registry_url": registry, "stop_grace_s": 1}
+    with admin_client(nats_server.url, **settings) as client:
+        plain = {"name": "plain", "node_count": 2, "command": ["train"], "policy": {"max_restarts": 0}}
+        boxed = {**plain, "name": "boxed", "container": {"image": "reprise/train:local"}}
+        cancelled = client.post("/v1/jobs", json=boxed).raise_for_status().json()
+        client.post(f"/v1/jobs/{cancelled['id']}/cancel").raise_for_status()
+        bare = client.post("/v1/jobs", json=plain).raise_for_status().json()
+        client.post(f"/v1/jobs/{bare['id']}/cancel").raise_for_status()
+        assert calls.dropped_standbys == [cancelled["id"]]
+
+        failed = client.post("/v1/jobs", json=boxed).raise_for_status().json()  # no restart allowed: it fails
+        crash = incidents.incident(incident_id="inc-end", job_id=failed["id"], culprit=Culprit(node_id="d-1", rank=0))
+        asyncio.run(_publish(nats_server.url, crash))
+        poll(lambda: client.get(f"/v1/jobs/{failed['id']}").json(), lambda j: j["state"] == "failed", timeout_s=30)
+        poll(lambda: list(calls.dropped_standbys), lambda d: len(d) == 2, timeout_s=10)
+    assert calls.dropped_standbys == [cancelled["id"], failed["id"]]
+
+
 @pytest.mark.parametrize(
     ("name", "message"),
     [

@@ -6,7 +6,16 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import AwareDatetime, ConfigDict, Field, NonNegativeInt, TypeAdapter, ValidationError, field_validator
+from pydantic import (
+    AwareDatetime,
+    ConfigDict,
+    Field,
+    NonNegativeInt,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from reprise_common.clock import utcnow
 from reprise_common.events.base import Wire, malformed
@@ -108,13 +117,16 @@ STANDBY_HOLD_MAX_S = 86_400.0
 
 class PrepareStandbysArgs(Wire):
     """A containerized job a spare may take ranks of: what its agent's standby containers are made from, as a
-    launch of the job would make its ranks' (docs/containers.md). Unknown fields are refused."""
+    launch of the job would make its ranks' (docs/containers.md); a drop needs nothing but the job. Unknown fields are
+    refused."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     order: StandbyOrder = StandbyOrder.KEEP
-    container: ContainerSpec
-    command: list[str] = Field(min_length=1, max_length=4096, description="the job's training command, argv style")
+    container: ContainerSpec | None = None
+    command: list[str] = Field(
+        default_factory=list, max_length=4096, description="the job's training command, argv style"
+    )
     env: dict[str, str] = Field(
         default_factory=dict, max_length=4096, description="the job's extra environment for every rank"
     )
@@ -123,6 +135,12 @@ class PrepareStandbysArgs(Wire):
     hold_s: float = Field(
         default=3600.0, gt=0, le=STANDBY_HOLD_MAX_S, description="how long they wait with no rank of the job here"
     )
+
+    @model_validator(mode="after")
+    def _keep_names_the_job(self) -> PrepareStandbysArgs:
+        if self.order is StandbyOrder.KEEP and (self.container is None or not self.command):
+            raise ValueError("container and command: required to keep standbys (only a drop goes without them)")
+        return self
 
 
 class AgentCommand(Wire):

@@ -1,8 +1,8 @@
 """A spare's standby containers of a job it never ran, on a real dockerd through a real agent: told by a
 PrepareStandbysCommand, the agent keeps a container of the job's image waiting (listed in its node report like a
 process standby), a repeated command keeps that one, a rank of the job moved here starts on it, and a drop removes
-them; the orchestrator's agents backend sends it to the pool's spares with a containerized job's launch. The command
-refuses unknown fields."""
+them; the orchestrator's agents backend sends it to the pool's spares with a containerized job's launch, and the drop
+at its end. The command refuses unknown fields; a keep names the job's image and command, a drop needs neither."""
 
 from __future__ import annotations
 
@@ -132,6 +132,9 @@ def test_the_order_refuses_unknown_fields_and_unbounded_holds() -> None:
         PrepareStandbysArgs.model_validate({**base, "surprise": 1})
     with pytest.raises(pydantic.ValidationError, match="hold_s"):
         PrepareStandbysArgs.model_validate({**base, "hold_s": 10**6})
+    assert PrepareStandbysArgs.model_validate({"order": "drop"}).container is None  # a drop names only the job
+    with pytest.raises(pydantic.ValidationError, match="required to keep"):
+        PrepareStandbysArgs.model_validate({"command": ["python", "train.py"]})
 
 
 async def test_a_containerized_launch_tells_the_pools_spares_to_keep_standbys(
@@ -155,4 +158,6 @@ async def test_a_containerized_launch_tells_the_pools_spares_to_keep_standbys(
         answers = await backend.launch(LaunchRequest(job_id="job-1", args=args), operation_id="op-1", fence=1)
         assert answers.gone() == ["w1"]  # no agent there: the launch's own answer, not waiting for the spare's
         assert await wait_for(lambda: len(standbys(client)) == 1, timeout_s=60)  # the spare keeps one of the job
+        await backend.drop_standbys("job-1", operation_id="op-1:end", fence=1)  # the job ended
+        assert await wait_for(lambda: standbys(client) == [], timeout_s=30)
         await backend.close()

@@ -196,6 +196,11 @@ class ComputeBackend(Protocol):
         """
         ...
 
+    async def drop_standbys(self, job_id: str, *, operation_id: str, fence: int) -> None:
+        """The containerized job runs nowhere now: what was kept ready for it on nodes it does not run on (the spares'
+        standby containers) is let go, in the background (nothing waits for it)."""
+        ...
+
     async def cordon(self, node_id: str, *, reason: str) -> None:
         """Give the node no new work in the backend too (the orchestrator keeps its own cordon record)."""
         ...

@@ -28,7 +28,7 @@ from reprise_common.logging import get_logger
 from reprise_orchestrator.compute.allocation import AllocatingBackend, Allocation, AllocationRequest, AllocationState
 from reprise_orchestrator.deps import Deps
 from reprise_orchestrator.jobs import service
-from reprise_orchestrator.jobs.launch import check_placement_fits, publish_inactive, start_job
+from reprise_orchestrator.jobs.launch import check_placement_fits, end_placement, start_job
 from reprise_orchestrator.jobs.models import Job, JobCreate, JobState, SlurmSpec
 from reprise_orchestrator.jobs.placement import PlacementDecision, assign_ranks, replacements, replan
 from reprise_orchestrator.nodes import service as nodes_service
@@ -236,7 +236,9 @@ class AllocationReconciler:
                     return False
                 service.update_fenced(session, job_id=job.id, fence=handle.fence, state=JobState.FAILED, detail=detail)
             log.error("job failed on its allocation", extra={"job_id": job.id, "detail": detail})
-            await publish_inactive(self.deps.bus, job, msg_id=f"{job.id}:allocation-gone:{handle.fence}")
+            await end_placement(
+                self.deps, job, operation_id=f"{job.id}:allocation-gone:{handle.fence}", fence=handle.fence
+            )
             return True
         finally:
             await self.deps.locks.release(handle)

@@ -12,7 +12,7 @@ from reprise_common.logging import get_logger
 from reprise_orchestrator.compute.allocation import AllocatingBackend
 from reprise_orchestrator.deps import Deps
 from reprise_orchestrator.jobs import allocations, service
-from reprise_orchestrator.jobs.launch import check_placement_fits, publish_inactive, start_job
+from reprise_orchestrator.jobs.launch import check_placement_fits, end_placement, start_job
 from reprise_orchestrator.jobs.models import Job, JobCreate, JobState
 from reprise_orchestrator.jobs.placement import assign_ranks, choose_nodes
 from reprise_orchestrator.nodes import service as nodes_service
@@ -88,7 +88,7 @@ async def complete_finished(deps: Deps) -> list[str]:
                 service.update_fenced(session, job_id=job.id, fence=handle.fence, state=JobState.COMPLETED)
             operation = f"{job.id}:complete:{handle.fence}"
             await deps.compute.stop(job.id, job.nodes(), operation_id=operation, fence=handle.fence)
-            await publish_inactive(deps.bus, job, msg_id=operation)
+            await end_placement(deps, job, operation_id=operation, fence=handle.fence)
             log.info("job completed", extra={"job_id": job.id})
             done.append(job.id)
         finally:

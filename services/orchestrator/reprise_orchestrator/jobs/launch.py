@@ -159,12 +159,16 @@ async def start_job(deps: Deps, *, job_id: str, spec: JobCreate, ranks: list[Ran
             )
         if state is JobState.FAILED:
             log.error("job launch failed", extra={"job_id": job_id, "answers": answers.record().model_dump()})
+            with Session(deps.engine) as session:
+                job = service.get(session, job_id=job_id)
+            await end_placement(deps, job, operation_id=f"{job_id}:submit:failed", fence=handle.fence)
     finally:
         await deps.locks.release(handle)
 
 
-async def publish_inactive(bus: Bus, job: Job, *, msg_id: str) -> None:
-    """Tell the detector the job runs nowhere now (it stops expecting progress from it)."""
+async def end_placement(deps: Deps, job: Job, *, operation_id: str, fence: int) -> None:
+    """The job runs nowhere now (completed, failed, held, cancelled, its allocation gone): tell the detector, which
+    stops expecting progress from it, and, for a containerized job, the spares, which drop its standby containers."""
     event = JobPlacement(
         source="orchestrator",
         job_id=job.id,
@@ -174,6 +178,8 @@ async def publish_inactive(bus: Bus, job: Job, *, msg_id: str) -> None:
         labels=job.labels,
     )
     try:
-        await bus.publish(subjects.placement(job.id), event, msg_id=msg_id)
+        await deps.bus.publish(subjects.placement(job.id), event, msg_id=operation_id)
     except BusError as exc:
         log.warning("could not publish the end of a placement", extra={"job_id": job.id, "error": str(exc)})
+    if job.job_spec().container is not None:
+        await deps.compute.drop_standbys(job.id, operation_id=operation_id, fence=fence)

@@ -28,7 +28,7 @@ from reprise_common.events import RecoveryChange, RecoveryChangeKind
 from reprise_common.logging import get_logger
 from reprise_orchestrator.deps import Deps
 from reprise_orchestrator.jobs import service as jobs
-from reprise_orchestrator.jobs.launch import publish_inactive
+from reprise_orchestrator.jobs.launch import end_placement
 from reprise_orchestrator.jobs.models import Job, JobState
 from reprise_orchestrator.locks import LockHandle
 from reprise_orchestrator.recoveries import facts, fences, rules, service
@@ -266,7 +266,7 @@ class RecoveryFlow:
         await self.deps.compute.stop(
             run.job.id, node_ids, operation_id=operation, fence=run.handle.fence, stacks_for=stacks_for
         )
-        await publish_inactive(self.deps.bus, run.job, msg_id=f"{run.recovery_id}:inactive")
+        await end_placement(self.deps, run.job, operation_id=f"{run.recovery_id}:inactive", fence=run.handle.fence)
 
     async def _publish(
         self,
@@ -342,7 +342,7 @@ async def cancel(deps: Deps, job_id: str) -> Job:
         job = jobs.get(session, job_id=job_id)
     operation = f"{job_id}:cancel:{fence}"
     await deps.compute.stop(job_id, job.nodes(), operation_id=operation, fence=fence)
-    await publish_inactive(deps.bus, job, msg_id=operation)
+    await end_placement(deps, job, operation_id=operation, fence=fence)
     log.info("job cancelled", extra={"job_id": job_id, "fence": fence})
     return job
 

@@ -4,7 +4,7 @@ Each command carries an id (`<operation>:<action>:<node>`, so a resend is execut
 agent refuses one lower than the highest it saw for the job). A node where nothing listens answers at once that no
 one will reply: its agent is gone. The usable nodes are the ones whose reports are fresh and whose GPUs are usable.
 A containerized job's launch also tells the pool's spares to keep standby containers of its image ready, so that a
-rank moved to one (XID 79, node loss) starts warm there too (docs/containers.md).
+rank moved to one (XID 79, node loss) starts warm there too, and its end tells them to drop them (docs/containers.md).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from reprise_common.events import (
     PrepareStandbysReply,
     RankAssignment,
     StackCapture,
+    StandbyOrder,
     StopArgs,
     StopCommand,
     StopReply,
@@ -113,17 +114,36 @@ class AgentsBackend:
             )
             for node_id in spares
         }
-        task = asyncio.create_task(self._prepare(request.job_id, commands), name=f"prepare-standbys:{request.job_id}")
+        self._tell_spares(request.job_id, commands)
+
+    async def drop_standbys(self, job_id: str, *, operation_id: str, fence: int) -> None:
+        """Tell the pool's spares to drop the job's standby containers (in the background); a spare missed (gone, or
+        not a spare now) drops them when their `hold_s` runs out."""
+        order = PrepareStandbysArgs(order=StandbyOrder.DROP)
+        commands = {
+            node_id: PrepareStandbysCommand(
+                command_id=f"{operation_id}:drop-standbys:{node_id}", job_id=job_id, fence=fence, args=order
+            )
+            for node_id in self.pool().spares
+        }
+        if commands:
+            self._tell_spares(job_id, commands)
+
+    def _tell_spares(self, job_id: str, commands: Mapping[str, PrepareStandbysCommand]) -> None:
+        task = asyncio.create_task(self._send_spares(job_id, commands), name=f"standbys:{job_id}")
         self._preparing.add(task)
         task.add_done_callback(self._preparing.discard)
 
-    async def _prepare(self, job_id: str, commands: Mapping[str, AgentCommand]) -> None:
+    async def _send_spares(self, job_id: str, commands: Mapping[str, PrepareStandbysCommand]) -> None:
+        """Send the spares their standby orders; a spare that keeps none, or did not take a drop, is logged."""
         answers = await self._command(commands, PrepareStandbysReply, timeout_s=self.command_timeout_s)
         for answer in answers.items:
-            if answer.reply is None or answer.reply.data.standbys == 0:
-                detail = answer.reply.detail if answer.reply is not None else str(answer.error)
-                where = {"job_id": job_id, "node_id": answer.node_id, "why": detail}
-                log.info("a spare keeps no standbys", extra=where)
+            kept = answer.reply.data.standbys if answer.reply is not None and answer.ok else None
+            if commands[answer.node_id].args.order is StandbyOrder.DROP:
+                if kept is None:
+                    log.info("a spare did not drop the job's standbys", extra=_why(job_id, answer))
+            elif not kept:
+                log.info("a spare keeps no standbys", extra=_why(job_id, answer))
 
     async def stop(
         self,
@@ -185,6 +205,11 @@ class AgentsBackend:
         for task in list(self._preparing):
             task.cancel()
         await asyncio.gather(*self._preparing, return_exceptions=True)
+
+
+def _why(job_id: str, answer: NodeAnswer[PrepareStandbysReply]) -> dict[str, str]:
+    detail = answer.reply.detail if answer.reply is not None else str(answer.error)
+    return {"job_id": job_id, "node_id": answer.node_id, "why": detail}
 
 
 async def command_nodes(

@@ -38,3 +38,7 @@ class AgentsDelegate:
         return await self.agents.stop(
             job_id, node_ids, operation_id=operation_id, fence=fence, stacks_for=stacks_for, in_place=in_place
         )
+
+    async def drop_standbys(self, job_id: str, *, operation_id: str, fence: int) -> None:
+        """The agents of the pool's spares drop the job's standby containers."""
+        await self.agents.drop_standbys(job_id, operation_id=operation_id, fence=fence)
