@@ -81,6 +81,7 @@ class DockerDaemon:
 
     directory: Path
     data_root: Path | None = None  # default: <directory>/data
+    live_restore: bool = False  # containers keep running while the daemon is down, and it takes them up again
     process: ManagedProcess | None = None
 
     @property
@@ -121,6 +122,7 @@ class DockerDaemon:
             "--bridge", "none",  # ranks use host networking; no docker0 to fight over with other daemons
             "--iptables=false",
             "--ip-masq=false",
+            *(["--live-restore"] if self.live_restore else []),
         ]  # fmt: skip
         self.process = ManagedProcess("dockerd", argv, self.directory / "dockerd.log")
         self.process.start()

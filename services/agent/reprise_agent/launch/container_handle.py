@@ -11,6 +11,7 @@ import signal
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,7 @@ class ContainerHandle:
     oom: bool = False
     output: asyncio.StreamReader = field(init=False)
     _exited: asyncio.Event = field(init=False)
+    _ended: threading.Event = field(init=False)
 
     def __post_init__(self) -> None:
         self.started = start_ticks(self.pid)
@@ -51,34 +53,88 @@ class ContainerHandle:
         copied twice) and wait for its exit (the SDK's calls block); on the loop."""
         self.output = asyncio.StreamReader()
         self._exited = asyncio.Event()
+        self._ended = threading.Event()  # its exit status is known (set by the waiting thread)
         pump = threading.Thread(target=self._pump, args=(loop, since), name=f"ctr-out-{self.pid}", daemon=True)
         pump.start()
         threading.Thread(target=self._wait, args=(loop, pump), name=f"ctr-wait-{self.pid}", daemon=True).start()
 
     def _pump(self, loop: asyncio.AbstractEventLoop, since: float | None) -> None:
+        """Copy its output until it exits. A daemon that goes away ends the stream: once it answers again with the
+        container still running (live restore), the output is taken up after the last line copied."""
+        last: str | None = None  # the daemon's timestamp of the last line copied (RFC 3339, nanoseconds, UTC)
         try:
-            for chunk in self.container.logs(stream=True, follow=True, stdout=True, stderr=True, since=since):
-                _tell(loop, self.output.feed_data, chunk)
-        except (docker.errors.DockerException, OSError) as exc:
-            log.warning("container output lost", extra={"container": self.container.short_id, "error": str(exc)})
+            while True:
+                try:
+                    stream = self.container.logs(
+                        stream=True, follow=True, stdout=True, stderr=True, timestamps=True, since=since
+                    )
+                    for chunk in stream:
+                        stamp, data = _stamped(chunk)
+                        if last is not None and stamp is not None and stamp <= last:
+                            continue  # copied before the daemon went away
+                        last = stamp or last
+                        _tell(loop, self.output.feed_data, data)
+                except (docker.errors.DockerException, OSError) as exc:
+                    log.warning(
+                        "container output lost", extra={"container": self.container.short_id, "error": str(exc)}
+                    )
+                if not self._still_running():
+                    return
+                since = _unix_time(last) if last is not None else since
         finally:
             _tell(loop, self.output.feed_eof)
 
+    def _still_running(self) -> bool:
+        """After its output stream ended: False once its exit is known; True when the daemon answers again with the
+        container running (the stream ended because the daemon went away, and it is back: live restore)."""
+        while not self._ended.wait(0.2):
+            try:
+                self.container.client.ping()
+                state = self.container.client.api.inspect_container(self.container.id)["State"]
+            except (docker.errors.DockerException, OSError):
+                continue
+            if state.get("Running"):
+                return True
+        return False
+
     def _wait(self, loop: asyncio.AbstractEventLoop, pump: threading.Thread) -> None:
-        try:
-            status = int(self.container.wait()["StatusCode"])
-            self.container.reload()
-            self.oom = bool(self.container.attrs["State"].get("OOMKilled"))
-        except (docker.errors.DockerException, OSError) as exc:  # the daemon went away: its init tells the end
-            log.warning("docker lost a container", extra={"container": self.container.short_id, "error": str(exc)})
-            while start_ticks(self.init_pid) == self.init_started and self.init_started is not None:
-                threading.Event().wait(0.2)
-            status = SIGNAL_EXIT_BASE + signal.SIGKILL
+        """The exit is told as soon as the daemon reports it (and, for a failure, whether the container saw an OOM
+        kill); the container and its inbox are removed after, so their removal never delays a recovery."""
+        status = self._status()
+        self._ended.set()
+        _tell(loop, self._exit, exit_code(status))
         pump.join(timeout=5.0)
         with contextlib.suppress(docker.errors.DockerException, OSError):
             self.container.remove(force=True)
         self._forget_inbox()
-        _tell(loop, self._exit, exit_code(status))
+
+    def _status(self) -> int:
+        """Its exit status, from the daemon. A daemon that goes away is waited on again once it answers (with live
+        restore the container ran on meanwhile); a container whose init ends while the daemon is away ended, as far
+        as anyone can tell, by SIGKILL."""
+        while True:
+            try:
+                status = int(self.container.wait()["StatusCode"])
+                if status != 0:
+                    self.container.reload()
+                    self.oom = bool(self.container.attrs["State"].get("OOMKilled"))
+                return status
+            except (docker.errors.DockerException, OSError) as exc:
+                log.warning("docker lost a container", extra={"container": self.container.short_id, "error": str(exc)})
+            if not self._daemon_back():
+                return SIGNAL_EXIT_BASE + signal.SIGKILL
+
+    def _daemon_back(self) -> bool:
+        """Until the daemon answers again (True) or the container's init ends (False)."""
+        while self._init_alive():
+            threading.Event().wait(0.2)
+            with contextlib.suppress(docker.errors.DockerException, OSError):
+                self.container.client.ping()
+                return True
+        return False
+
+    def _init_alive(self) -> bool:
+        return self.init_started is not None and start_ticks(self.init_pid) == self.init_started
 
     def _exit(self, returncode: int) -> None:
         self.returncode = returncode
@@ -103,7 +159,7 @@ class ContainerHandle:
         if sig == signal.SIGKILL:
             self.kill()
             return
-        if start_ticks(self.init_pid) != self.init_started or self.init_started is None:
+        if not self._init_alive():
             return
         for pid in list(descendants(self.init_pid)):
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -151,6 +207,22 @@ def _tell(loop: asyncio.AbstractEventLoop, callback: Callable[..., object], *arg
     """Call back on the loop; nothing once it closed (its agent is gone, or, in a test, its supervisor)."""
     with contextlib.suppress(RuntimeError):
         loop.call_soon_threadsafe(callback, *args)
+
+
+def _stamped(chunk: bytes) -> tuple[str | None, bytes]:
+    """A chunk of a timestamped log stream (one message each) as its timestamp and its text."""
+    head, space, rest = chunk.partition(b" ")
+    if not space or not head.endswith(b"Z") or b"T" not in head:
+        return None, chunk
+    return head.decode("ascii", errors="replace"), rest
+
+
+def _unix_time(stamp: str) -> float:
+    """The daemon's timestamp (``2026-12-06T23:40:00.123456789Z``) as a Unix time, a microsecond early (a float
+    cannot hold nanoseconds): the lines from there on that were copied already are told by their timestamps."""
+    whole, _, fraction = stamp.rstrip("Z").partition(".")
+    seconds = datetime.fromisoformat(whole).replace(tzinfo=UTC).timestamp()
+    return seconds + float(f"0.{fraction or 0}") - 1e-6
 
 
 def _text(path: Path | None) -> str | None:

@@ -1,13 +1,17 @@
 """The Docker daemon SIGKILLed and restarted under a real agent whose job's rank runs in a container (a daemon of this
 test's own, without live restore): the agent reports the dependency fault while the rank trains on; the restarted
-daemon ends the rank's container, whose death the agent reports once (SIGKILL), and the job's relaunch (what the
+daemon ends the rank's container, whose death the agent reports once, and the job's relaunch (what the
 orchestrator's recovery sends) runs its rank in a new container on the daemon that is back. An agent restarted while
-its daemon is away cannot adopt: it kills its predecessor's containers from the host and reports their ranks lost."""
+its daemon is away cannot adopt: it kills its predecessor's containers from the host and reports their ranks lost.
+With live restore the rank trains on through the restart: its output is taken up after the last line copied (none
+lost, none twice) and its exit is reported once, with its own code."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 from reprise_agent.launch.container_policy import ContainerPolicy
@@ -35,46 +39,68 @@ async def launch(harness: Harness, image: str, job_dir: Path, *, epoch: int) -> 
     return int(reply.data["pids"][0])
 
 
+def rank_log(root: Path) -> list[str]:
+    """The lines of rank 0's log of epoch 0, wherever under `root` the agent keeps it."""
+    [log] = root.glob("**/epoch-0-rank-0.log")
+    return log.read_text().splitlines()
+
+
 def stepping(harness: Harness, epoch: int) -> bool:
     reports = [e for e in harness.events if isinstance(e, NodeReport)]
     return bool(reports) and any(r.restart_epoch == epoch and r.step for r in reports[-1].ranks)
 
 
-async def test_a_daemon_killed_mid_job_is_reported_and_the_job_runs_again_once_it_is_back(
-    nats_server: NatsServer, tmp_path: Path, docker_engine: Engine
-) -> None:
+@contextlib.asynccontextmanager
+async def daemon_killed_under_a_rank(
+    nats_server: NatsServer, tmp_path: Path, engine: Engine, script: str, *, live_restore: bool
+) -> AsyncIterator[tuple[Harness, DockerDaemon, Path, int]]:
+    """A real agent's rank stepping in a container of a daemon of the test's own, that daemon SIGKILLed and its
+    dependency fault reported: the agent, the daemon (to start again), the job's directory, the rank's pid."""
     job_dir = tmp_path / "job"
     job_dir.mkdir()
-    (job_dir / "train.py").write_text(HEARTBEATS)
-    daemon = DockerDaemon(tmp_path / "dockerd")
+    (job_dir / "train.py").write_text(script)
+    daemon = DockerDaemon(tmp_path / "dockerd", live_restore=live_restore)
     daemon.start()
     roots = [*(Path(m.source) for m in python_mounts()), tmp_path]
     try:
-        assert await asyncio.to_thread(ensure_base_image, daemon.url) == docker_engine.image  # from the cache
+        assert await asyncio.to_thread(ensure_base_image, daemon.url) == engine.image  # from the cache
         async with running_agent(
             nats_server, tmp_path, report_interval_s=0.1, docker_url=daemon.url, container_mount_roots=roots,
             dependency_interval_s=0.2,
         ) as harness:  # fmt: skip
-            pid = await launch(harness, docker_engine.image, job_dir, epoch=0)
+            pid = await launch(harness, engine.image, job_dir, epoch=0)
             assert await wait_for(lambda: stepping(harness, 0), timeout_s=30)
-
             assert daemon.process is not None
             daemon.process.signal(signal.SIGKILL)
             assert await wait_for(lambda: harness.of_type(DependencyFailed), timeout_s=30)
             failed = [e for e in harness.events if isinstance(e, DependencyFailed)]
             assert {e.dependency for e in failed} == {"docker"} and failed[0].node_id == "n1"
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(1.0)  # its output meanwhile waits in the container's pipe
             assert process_alive(pid) and not harness.of_type(RankExited)  # the rank trains on without its daemon
-
-            await asyncio.to_thread(daemon.start)  # no live restore: it ends the containers it had
-            assert await wait_for(lambda: harness.of_type(RankExited), timeout_s=60)
-            relaunched = await launch(harness, docker_engine.image, job_dir, epoch=1)  # the recovery's relaunch
-            assert relaunched != pid
-            assert await wait_for(lambda: stepping(harness, 1), timeout_s=30)
-            exits = [e for e in harness.events if isinstance(e, RankExited)]
-            assert [(e.rank, e.restart_epoch, e.signal) for e in exits] == [(0, 0, "SIGKILL")]  # once
+            yield harness, daemon, job_dir, pid
     finally:
         daemon.stop()
+
+
+async def test_a_daemon_killed_mid_job_is_reported_and_the_job_runs_again_once_it_is_back(
+    nats_server: NatsServer, tmp_path: Path, docker_engine: Engine
+) -> None:
+    async with daemon_killed_under_a_rank(nats_server, tmp_path, docker_engine, HEARTBEATS, live_restore=False) as (
+        harness,
+        daemon,
+        job_dir,
+        pid,
+    ):
+        await asyncio.to_thread(daemon.start)  # no live restore: it ends the containers it had
+        assert await wait_for(lambda: harness.of_type(RankExited), timeout_s=60)
+        relaunched = await launch(harness, docker_engine.image, job_dir, epoch=1)  # the recovery's relaunch
+        assert relaunched != pid
+        assert await wait_for(lambda: stepping(harness, 1), timeout_s=30)
+        exits = [e for e in harness.events if isinstance(e, RankExited)]
+        assert [(e.rank, e.restart_epoch) for e in exits] == [(0, 0)]  # once
+        # The daemon's stop (SIGTERM) when it answered before the init's end was seen; else a kill, as far as anyone
+        # could tell then.
+        assert exits[0].signal in ("SIGTERM", "SIGKILL"), exits
 
 
 async def test_an_agent_restarted_while_its_daemon_is_down_ends_its_ranks_and_reports_them_lost(
@@ -110,3 +136,43 @@ async def test_an_agent_restarted_while_its_daemon_is_down_ends_its_ranks_and_re
         assert await wait_for(lambda: not first.ranks()[0].alive, timeout_s=30)  # (the dead agent's threads end)
     finally:
         daemon.stop()
+
+
+UNTIL_TOLD = """
+import os, time, reprise_sdk
+
+def train(info):
+    step = 0
+    while not os.path.exists(os.path.join(os.path.dirname(os.path.abspath(__file__)), "stop")):
+        step += 1
+        reprise_sdk.heartbeat(step)
+        print(f"step {step}", flush=True)
+        time.sleep(0.05)
+    print("told to stop", flush=True)
+    os._exit(3)
+
+reprise_sdk.run(train)
+"""
+
+
+async def test_with_live_restore_the_rank_trains_through_a_daemon_restart_with_its_output_and_exit_its_own(
+    nats_server: NatsServer, tmp_path: Path, docker_engine: Engine
+) -> None:
+    async with daemon_killed_under_a_rank(nats_server, tmp_path, docker_engine, UNTIL_TOLD, live_restore=True) as (
+        harness,
+        daemon,
+        job_dir,
+        pid,
+    ):
+        await asyncio.to_thread(daemon.start)  # live restore: it takes the running container up again
+        await asyncio.sleep(2.0)
+        assert process_alive(pid) and not harness.of_type(RankExited)  # it trains on under the daemon back
+        (job_dir / "stop").touch()
+        assert await wait_for(lambda: harness.of_type(RankExited), timeout_s=30)
+        exits = [e for e in harness.events if isinstance(e, RankExited)]
+        assert [(e.rank, e.exit_code, e.signal) for e in exits] == [(0, 3, None)]  # its own code, not a kill
+
+    lines = rank_log(tmp_path)
+    steps = [int(line.split()[1]) for line in lines if line.startswith("step ")]
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) > 60, lines[:5]  # none lost, none twice
+    assert lines[-1] == "told to stop"

@@ -1,6 +1,7 @@
 """The Docker daemon killed and restarted under a running containerized rank (a daemon of this test's own): the rank
 trains on while the daemon is away, and the restarted daemon (no live restore) ends its container, whose end is
-reported as the rank's SIGKILL: one exit, found without the daemon's word."""
+reported once: with the daemon's word (its stop's SIGTERM) when it answers first, else as a SIGKILL found from the
+container's init."""
 
 from __future__ import annotations
 
@@ -38,7 +39,9 @@ async def test_a_rank_outlives_its_daemons_death_and_the_restarted_daemon_ends_i
         assert process_alive(handle.pid) and handle.returncode is None  # no daemon, and the rank trains on
 
         await asyncio.to_thread(daemon.start)
-        assert await asyncio.wait_for(handle.wait(), 60) == -signal.SIGKILL
+        # The daemon's own stop when it answered before the init's end was seen; else a kill, as far as anyone could
+        # tell then. Either way one exit.
+        assert await asyncio.wait_for(handle.wait(), 60) in (-signal.SIGTERM, -signal.SIGKILL)
     finally:
         daemon.stop()
 
