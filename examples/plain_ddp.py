@@ -133,6 +133,7 @@ def main(args: Any) -> None:
             Path(args.output).parent.mkdir(parents=True, exist_ok=True)
             torch.save(model.state_dict(), args.output)
         print(f"params-sha256 {digest(model)}", flush=True)
+    dist.barrier()  # every rank done (rank 0's file written) before any tears the group down
     dist.destroy_process_group()
 
 
