@@ -17,6 +17,7 @@ import msgspec
 from reprise_common.clock import utcnow
 from reprise_common.errors import MalformedEventError
 from reprise_common.events import WHERE_MAX, GpuHealth
+from reprise_common.events.containers import IMAGES_MAX, ROOTS_MAX
 
 EMPTY_ARRAY = msgspec.Raw(b"[]")  # an empty `gpus` or `ranks` kept undecoded
 
@@ -62,9 +63,20 @@ class RankSeen(msgspec.Struct, frozen=True, gc=False):
     still_s: Annotated[float, msgspec.Meta(ge=0)] | None = None
 
 
+HostPath = Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
+ImageName = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
+
+
+class ContainersSeen(msgspec.Struct, frozen=True, gc=False):
+    """What the node lets containerized jobs use (ContainerSupport, every field)."""
+
+    mount_roots: Annotated[tuple[HostPath, ...], msgspec.Meta(max_length=ROOTS_MAX)] = ()
+    images: Annotated[tuple[ImageName, ...], msgspec.Meta(max_length=IMAGES_MAX)] | None = None
+
+
 class ReportSeen(msgspec.Struct, frozen=True, gc=False):
     """A node report's time (timezone-aware, as every event's; the reader's clock when absent), where the node is
-    reached, whether it is a spare, its GPUs and ranks; the envelope is not read."""
+    reached, whether it is a spare, its GPUs and ranks, what containers may use there; the envelope is not read."""
 
     time: Annotated[datetime, msgspec.Meta(tz=True)] = msgspec.field(default_factory=utcnow)
     address: str = ""
@@ -72,6 +84,7 @@ class ReportSeen(msgspec.Struct, frozen=True, gc=False):
     gpus: tuple[GpuSeen, ...] = ()
     ranks: tuple[RankSeen, ...] = ()
     stopping: bool = False  # the agent's last report before a graceful stop
+    containers: ContainersSeen | None = None  # None: the node runs no containers
 
 
 _DECODER = msgspec.json.Decoder(ReportSeen)

@@ -10,13 +10,14 @@ import pytest
 from pydantic import BaseModel, ValidationError
 
 from reprise_common.errors import MalformedEventError
-from reprise_common.events import GpuHealth, GpuStatus, NodeReport, RankStatus
-from reprise_common.report_view import GpuSeen, RankSeen, ReportSeen, read_report
+from reprise_common.events import ContainerSupport, GpuHealth, GpuStatus, NodeReport, RankStatus
+from reprise_common.report_view import ContainersSeen, GpuSeen, RankSeen, ReportSeen, read_report
 
 PAIRS: list[tuple[type[msgspec.Struct], type[BaseModel]]] = [
     (GpuSeen, GpuStatus),
     (RankSeen, RankStatus),
     (ReportSeen, NodeReport),
+    (ContainersSeen, ContainerSupport),
 ]
 
 
@@ -85,6 +86,10 @@ REPORTS = {
     "negative gpu index": _report(gpus=[{"index": -1}]),
     "ranks not a list": _report(ranks={"0": {}}),
     "every gpu health": _report(gpus=[{"index": i, "health": h.value} for i, h in enumerate(GpuHealth)]),
+    "containers": _report(containers={"mount_roots": ["/data", "/scratch"], "images": ["team/t:1"]}),
+    "containers, any image": _report(containers={"mount_roots": ["/data"]}),
+    "an empty mount root": _report(containers={"mount_roots": [""]}),
+    "too many images": _report(containers={"images": [f"i{n}" for n in range(2000)]}),
 }
 
 
@@ -93,7 +98,7 @@ def _schema_reads(data: bytes) -> dict[str, Any] | None:
         report = NodeReport.model_validate_json(data)
     except ValidationError:
         return None
-    return report.model_dump(include={"time", "gpus", "ranks"}) | {
+    return report.model_dump(include={"time", "gpus", "ranks", "containers"}) | {
         "gpus": [g.model_dump(include={"index", "health", "last_xid"}) for g in report.gpus]
     }
 
@@ -107,6 +112,7 @@ def _view_reads(data: bytes) -> dict[str, Any] | None:
         "time": report.time,
         "gpus": [msgspec.structs.asdict(g) for g in report.gpus],
         "ranks": [msgspec.structs.asdict(r) for r in report.ranks],
+        "containers": None if report.containers is None else json.loads(msgspec.json.encode(report.containers)),
     }
 
 

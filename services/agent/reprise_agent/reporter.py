@@ -47,6 +47,8 @@ class NodeReporter:
         self.stack_sampler, self.standbys = stack_sampler, standbys
         self.lost = lost
         self.container_standbys = container_standbys  # the containerized jobs' standbys, listed beside the processes'
+        containers = supervisor.containers
+        self.container_support = containers.support() if containers is not None else None  # settings: fixed
         self.stopping = False  # the agent is stopping: its last report says so
         self.skipped = 0  # reports not sent: not connected
         self.early = 0  # reports sent ahead of the interval because a rank of a launch began training
@@ -65,6 +67,7 @@ class NodeReporter:
             gpus=gpus,
             ranks=[self._rank_status(rank) for rank in self.supervisor.ranks()],
             standbys=self.standbys.statuses() + self.container_standbys(),
+            containers=self.container_support,
             spare=self.settings.spare,
             stopping=self.stopping,
             connection=self.bus.connection,

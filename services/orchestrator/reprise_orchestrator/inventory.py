@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import Set
 from dataclasses import dataclass
 from datetime import datetime
@@ -21,9 +22,9 @@ from reprise_common import subjects
 from reprise_common.bus import Bus
 from reprise_common.clock import Clock
 from reprise_common.errors import MalformedEventError
-from reprise_common.events import GpuHealth, NodeReport
+from reprise_common.events import ContainerSpec, ContainerSupport, GpuHealth, NodeReport
 from reprise_common.logging import get_logger
-from reprise_common.report_view import RankSeen, ReportSeen, read_report
+from reprise_common.report_view import ContainersSeen, RankSeen, ReportSeen, read_report
 
 log = get_logger("reprise.orchestrator.nodes")
 RankKey = tuple[str, int | None]  # (job id, restart epoch)
@@ -45,6 +46,7 @@ class NodeInfo:
     healthy_gpus: int  # GPUs reported OK
     gpus_usable: bool  # every GPU is OK or DEGRADED: the node can take ranks
     ranks: tuple[RankSeen, ...]
+    containers: ContainersSeen | None  # what containerized jobs may use there; None: it runs none
 
     @classmethod
     def of(cls, report: ReportSeen, seen_mono: float) -> NodeInfo:
@@ -59,6 +61,7 @@ class NodeInfo:
             healthy_gpus=health.count(GpuHealth.OK),
             gpus_usable=all(h in (GpuHealth.OK, GpuHealth.DEGRADED) for h in health),
             ranks=report.ranks,
+            containers=report.containers,
         )
 
 
@@ -74,6 +77,13 @@ class NodePublic(BaseModel):
     stale: bool
     cordoned: bool = False
     cordon_reason: str = ""
+
+
+@functools.lru_cache(maxsize=64)
+def _support(seen: ContainersSeen) -> ContainerSupport:
+    """A node's container rules as the shared model (nodes of one fleet report the same few: parsed once each)."""
+    images = None if seen.images is None else list(seen.images)
+    return ContainerSupport(mount_roots=list(seen.mount_roots), images=images)
 
 
 class Inventory:
@@ -229,6 +239,21 @@ class Inventory:
         self._absorb()
         info = self._nodes.get(node_id)
         return info.address if info is not None and info.address else node_id
+
+    def container_refusal(
+        self, node_id: str, container: ContainerSpec, checkpoints_dir: str | None
+    ) -> tuple[tuple[str | int, ...], str] | None:
+        """Why the node's agent would refuse a job's container, as its last report says what it allows (the node
+        applies the same rule at launch, its symlinks resolved): the field and the reason; None when it runs it, or
+        when it never reported (a backend whose nodes run no agent of ours: only the launch can tell)."""
+        self._absorb()
+        info = self._nodes.get(node_id)
+        if info is None:
+            return None
+        if info.containers is None:
+            return ("container",), f"node {node_id} runs no containers (its agent has no REPRISE_DOCKER_URL)"
+        refused = _support(info.containers).refusal(container, checkpoints_dir)
+        return None if refused is None else (refused[0], f"node {node_id}: {refused[1]}")
 
     def gpu_count(self, node_id: str) -> int:
         """How many GPUs a node reported."""

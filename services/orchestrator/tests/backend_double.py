@@ -18,6 +18,7 @@ from reprise_common.events import (
     CommandResult,
     ComputeSignal,
     ComputeSignalKind,
+    ContainerSupport,
     GpuStatus,
     LaunchReply,
     NodeReport,
@@ -162,6 +163,7 @@ class SchedulerDouble:
                 gpus=[GpuStatus(index=0)],
                 ranks=stepped,
                 spare=node in SPARES,
+                containers=ContainerSupport(),  # any image, nothing mounted
             )
             await self.bus.publish_snapshot(subjects.node_report(node), report)
 

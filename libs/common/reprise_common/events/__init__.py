@@ -47,6 +47,8 @@ from reprise_common.events.containers import (
     CAPABILITIES_ALLOWED,
     ContainerMount,
     ContainerSpec,
+    ContainerSupport,
+    field_name,
     mount_refusal,
 )
 from reprise_common.events.faults import PROCESS_FAULTS, FaultKind, InjectFault, InjectReply
@@ -149,6 +151,7 @@ __all__ = [
     "ComputeSignalKind",
     "ContainerMount",
     "ContainerSpec",
+    "ContainerSupport",
     "Culprit",
     "DeadLetter",
     "DependencyFailed",
@@ -210,6 +213,7 @@ __all__ = [
     "ThreadStack",
     "Wire",
     "event_timestamp",
+    "field_name",
     "malformed",
     "mount_refusal",
     "new_id",

@@ -1,11 +1,14 @@
 """A job's ranks in a container image: what the job spec asks for (image, mounts, limits, capabilities), and the safety
 rules that need no settings. Where a spec may mount from and which images it may name are settings of the agent
-(docs/containers.md); the rules here refuse what no setting can make safe.
+(docs/containers.md), which its node reports carry (ContainerSupport): the node applies them at launch with symlinks
+resolved, the orchestrator at submission and placement as written; the rules here refuse what no setting can make
+safe.
 """
 
 from __future__ import annotations
 
 import posixpath
+from collections.abc import Callable
 from typing import Annotated
 
 from pydantic import Field, field_validator
@@ -20,6 +23,8 @@ CAPABILITIES_ALLOWED = frozenset({"IPC_LOCK", "SYS_NICE", "SYS_PTRACE"})
 DOCKER_SOCKETS = ("/var/run/docker.sock", "/run/docker.sock", "/var/run/docker", "/run/docker")
 MOUNTS_MAX = 64
 MIB = 1024 * 1024
+ROOTS_MAX = 256  # mount roots a node reports
+IMAGES_MAX = 1024  # images on a node's allow-list
 
 
 def mount_refusal(source: str) -> str | None:
@@ -105,3 +110,47 @@ class ContainerSpec(Wire):
                 f"cap_add refused: {', '.join(refused)} (allowed: {', '.join(sorted(CAPABILITIES_ALLOWED))})"
             )
         return names
+
+
+HostPath = Annotated[str, Field(min_length=1, max_length=4096)]
+ImageName = Annotated[str, Field(min_length=1, max_length=512)]
+
+
+class ContainerSupport(Wire):
+    """What a node lets containerized jobs use, from its agent's settings (`REPRISE_CONTAINER_MOUNT_ROOTS`,
+    `REPRISE_CONTAINER_IMAGES`); its node report carries it."""
+
+    mount_roots: list[HostPath] = Field(
+        default_factory=list, max_length=ROOTS_MAX, description="host paths a mount source must lie under"
+    )
+    images: list[ImageName] | None = Field(
+        default=None, max_length=IMAGES_MAX, description="the only images allowed; None: any"
+    )
+
+    def refusal(
+        self, container: ContainerSpec, checkpoints_dir: str | None, *, real: Callable[[str], str] = posixpath.normpath
+    ) -> tuple[tuple[str | int, ...], str] | None:
+        """Why this node would refuse the job's container: the field (as a path: ``("container", "image")``) and the
+        reason; None when it runs it. `real` resolves a host path: the node resolves symlinks, the orchestrator, away
+        from the node's file system, takes the path as written."""
+        if self.images is not None and container.image not in self.images:
+            return ("container", "image"), f"{container.image!r} is not on the node's image allow-list"
+        sources: list[tuple[tuple[str | int, ...], str]] = [
+            (("container", "mounts", n, "source"), m.source) for n, m in enumerate(container.mounts)
+        ]
+        if checkpoints_dir is not None:
+            sources.append((("checkpoints", "directory"), checkpoints_dir))
+        roots = [real(root) for root in self.mount_roots]
+        for field, source in sources:
+            path = real(source)
+            why = mount_refusal(path)
+            if why is None and not any(path == root or path.startswith(root.rstrip("/") + "/") for root in roots):
+                why = f"{path} is outside the node's mount roots ({', '.join(roots) or 'none'})"
+            if why is not None:
+                return field, why
+        return None
+
+
+def field_name(field: tuple[str | int, ...]) -> str:
+    """A refused field as a message names it: ``container.mounts[2].source``."""
+    return "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in field).lstrip(".")

@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field
 
 from reprise_common.events.base import Event, Wire
+from reprise_common.events.containers import ContainerSupport
 
 
 class GpuHealth(StrEnum):
@@ -115,6 +116,9 @@ class NodeReport(Event):
         default=False, description="the agent is stopping (a graceful restart): its connection closes next, expected"
     )
     standbys: list[StandbyStatus] = Field(default_factory=list, description="warm standby interpreters waiting here")
+    containers: ContainerSupport | None = Field(
+        default=None, description="what containerized jobs may use here; None: the node runs no containers"
+    )
     connection: str = Field(
         default="",
         max_length=192,

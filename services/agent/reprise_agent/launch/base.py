@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import Mapping, Sequence, Set
 from typing import Any, Protocol
 
-from reprise_common.events import LaunchArgs, StandbyStatus
+from reprise_common.events import ContainerSupport, LaunchArgs, StandbyStatus
 from reprise_common.procs import ProcessSample
 
 
@@ -107,6 +107,10 @@ class ImageLaunchers(Protocol):
 
     def drop_standbys(self, job_id: str) -> None:
         """Remove the job's prepared standbys."""
+        ...
+
+    def support(self) -> ContainerSupport:
+        """What containerized jobs may use here (this node's mount roots and image allow-list), as its reports say."""
         ...
 
     def standby_statuses(self) -> list[StandbyStatus]:

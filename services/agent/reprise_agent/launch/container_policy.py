@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from reprise_common.errors import DependencyUnavailableError, RepriseError
-from reprise_common.events import LaunchArgs, mount_refusal
+from reprise_common.events import ContainerSupport, LaunchArgs, field_name
 
 
 class ContainerLaunchError(RepriseError):
@@ -32,29 +32,25 @@ class DockerUnavailableError(DependencyUnavailableError, ContainerLaunchError):
 @dataclass(frozen=True)
 class ContainerPolicy:
     """What this node lets a job's containers use: host paths under `mount_roots` only, and, when `images` is set,
-    only those images (the rules that need no settings are in the ContainerSpec model)."""
+    only those images (the rules that need no settings are in the ContainerSpec model). Its node reports carry it
+    (`support`), so the orchestrator applies the same rule at submission and placement."""
 
     mount_roots: tuple[Path, ...] = ()
     images: frozenset[str] | None = None
 
+    def support(self) -> ContainerSupport:
+        """The policy as the node's reports carry it: each root as configured and with its symlinks resolved, since
+        the orchestrator judges a job's paths as written."""
+        images = None if self.images is None else sorted(self.images)
+        roots = {path: None for root in self.mount_roots for path in (os.path.abspath(root), os.path.realpath(root))}
+        return ContainerSupport(mount_roots=list(roots), images=images)
+
     def check(self, spec: LaunchArgs) -> None:
-        """Raise LaunchRefusedError naming the field when the job's container spec breaks a rule of this node."""
-        container = spec.container
-        assert container is not None
-        if self.images is not None and container.image not in self.images:
-            raise LaunchRefusedError(f"container.image {container.image!r} is not on this node's image allow-list")
-        sources = [(f"container.mounts[{n}].source", m.source) for n, m in enumerate(container.mounts)]
-        if spec.checkpoints is not None:
-            sources.append(("checkpoints.directory", spec.checkpoints.directory))
-        for name, source in sources:
-            real = os.path.realpath(source)  # a symlink must not lead around the rules
-            why = mount_refusal(real)
-            if why is None and not any(_under(Path(real), root) for root in self.mount_roots):
-                why = f"{real} is outside this node's mount roots ({', '.join(map(str, self.mount_roots)) or 'none'})"
-            if why is not None:
-                raise LaunchRefusedError(f"{name} refused: {why}")
-
-
-def _under(path: Path, root: Path) -> bool:
-    real_root = Path(os.path.realpath(root))
-    return path == real_root or real_root in path.parents
+        """Raise LaunchRefusedError naming the field when the job's container spec breaks a rule of this node (every
+        path with its symlinks resolved here: a symlink must not lead around the rules)."""
+        assert spec.container is not None
+        checkpoints = spec.checkpoints.directory if spec.checkpoints is not None else None
+        refused = self.support().refusal(spec.container, checkpoints, real=os.path.realpath)
+        if refused is not None:
+            field, why = refused
+            raise LaunchRefusedError(f"{field_name(field)} refused: {why}")

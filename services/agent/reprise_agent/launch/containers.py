@@ -29,7 +29,7 @@ from reprise_agent.launch.container_policy import ContainerPolicy, DockerUnavail
 from reprise_agent.launch.container_procs import namespace_pid, rank_pid
 from reprise_agent.launch.container_restart import LABEL, adopt, kill_orphan, sdk_socket_link
 from reprise_agent.launch.container_standby import ContainerStandbys
-from reprise_common.events import ContainerSpec, LaunchArgs, StandbyStatus
+from reprise_common.events import ContainerSpec, ContainerSupport, LaunchArgs, StandbyStatus
 
 __all__ = ["LABEL", "ContainerEngine", "ContainerHandle", "ContainerLauncher"]
 
@@ -297,6 +297,10 @@ class ContainerEngine:
     def drop_standbys(self, job_id: str) -> None:
         """Remove the job's prepared standbys."""
         self.standbys.drop(job_id)
+
+    def support(self) -> ContainerSupport:
+        """This node's rules for containerized jobs, as its reports carry them."""
+        return self.policy.support()
 
     def standby_statuses(self) -> list[StandbyStatus]:
         """Every standby container waiting here."""

@@ -128,7 +128,7 @@ async def test_the_nodes_roots_and_image_allow_list_refuse_a_spec_naming_the_fie
     spec = job(docker_engine.image, mounts=[{"source": str(link), "target": "/x"}])
     with pytest.raises(LaunchRefusedError, match=r"container.mounts\[0\].source refused: .*Docker socket"):
         engine_for(docker_engine, tmp_path).for_job(spec)
-    with pytest.raises(LaunchRefusedError, match=r"container\.image .* is not on this node.s image allow-list"):
+    with pytest.raises(LaunchRefusedError, match=r"container\.image refused: .* is not on the node.s image allow-list"):
         engine_for(docker_engine, tmp_path, images=frozenset({"team/train:1"})).for_job(job(docker_engine.image))
 
 

@@ -14,7 +14,12 @@ from reprise_orchestrator.deps import Deps
 from reprise_orchestrator.jobs import allocations, service
 from reprise_orchestrator.jobs.launch import check_placement_fits, end_placement, start_job
 from reprise_orchestrator.jobs.models import Job, JobCreate, JobState
-from reprise_orchestrator.jobs.placement import assign_ranks, choose_nodes
+from reprise_orchestrator.jobs.placement import (
+    assign_ranks,
+    choose_nodes,
+    container_fit,
+    refuse_unrunnable_container,
+)
 from reprise_orchestrator.nodes import service as nodes_service
 
 log = get_logger("reprise.orchestrator.jobs")
@@ -22,7 +27,8 @@ PLACEMENT_ATTEMPTS = 3  # a submission that loses its nodes to a concurrent one 
 
 
 async def submit(deps: Deps, spec: JobCreate) -> Job:
-    """Place a new job and launch it; the job is RUNNING when every node confirmed, FAILED otherwise. On a backend
+    """Place a new job and launch it; the job is RUNNING when every node confirmed, FAILED otherwise. A containerized
+    job goes only to nodes whose agents run its container (ContainerRefusedError when none would). On a backend
     whose scheduler allocates the nodes (Slurm), the job's allocation is submitted and the job waits, PENDING, for it
     to run (jobs/allocations.py)."""
     if isinstance(deps.compute, AllocatingBackend):
@@ -30,7 +36,10 @@ async def submit(deps: Deps, spec: JobCreate) -> Job:
     with Session(deps.engine) as session:
         for _ in range(PLACEMENT_ATTEMPTS):
             unavailable = service.busy_nodes(session) | nodes_service.cordoned_ids(session)
-            nodes = choose_nodes(spec, deps.compute.pool(exclude=unavailable))
+            pool = deps.compute.pool(exclude=unavailable)
+            fit = container_fit(spec, pool, deps.inventory)
+            refuse_unrunnable_container(spec, pool, fit, deps.inventory)
+            nodes = choose_nodes(spec, fit)
             ranks = assign_ranks(nodes, ranks_per_node=spec.ranks_per_node, inventory=deps.inventory)
             check_placement_fits(deps.bus, spec, ranks)
             job = service.create(session, spec=spec, placement=ranks, backend=deps.compute.name)

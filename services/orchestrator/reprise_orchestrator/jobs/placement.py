@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from reprise_common.errors import ConflictError
+from reprise_common.errors import ConflictError, RepriseError
 from reprise_common.events import RankAssignment
 from reprise_orchestrator.compute.backend import NodePool
 from reprise_orchestrator.inventory import Inventory
@@ -53,6 +53,47 @@ def replacements(pool: NodePool, current: list[str]) -> list[str]:
     (a running job waits for nobody, while a new job can wait for capacity). `pool` holds no busy or cordoned node."""
     running = set(current)
     return [*pool.spares, *(node for node in pool.workers if node not in running)]
+
+
+class ContainerRefusedError(RepriseError):
+    """No node the job could run on runs its container: `field` names what they refuse (a 422 at submission)."""
+
+    def __init__(self, field: tuple[str | int, ...], why: str) -> None:
+        super().__init__(why)
+        self.field = field
+
+
+def container_fit(spec: JobCreate, pool: NodePool, inventory: Inventory) -> NodePool:
+    """The pool less the nodes whose agents would refuse the job's container, by what their reports say they allow
+    (the whole pool for a job without one)."""
+    if spec.container is None:
+        return pool
+    container, checkpoints = spec.container, spec.checkpoints.directory if spec.checkpoints else None
+
+    def fits(node_id: str) -> bool:
+        return inventory.container_refusal(node_id, container, checkpoints) is None
+
+    return NodePool(workers=[n for n in pool.workers if fits(n)], spares=[n for n in pool.spares if fits(n)])
+
+
+def refuse_unrunnable_container(spec: JobCreate, pool: NodePool, fit: NodePool, inventory: Inventory) -> None:
+    """ContainerRefusedError when a usable node the job names refuses its container, or, when it names none, every
+    usable node does (`fit`: container_fit of `pool`); no usable node at all is a matter of capacity, not of the
+    spec."""
+    if spec.container is None:
+        return
+    usable, fitting = pool.usable(), fit.usable()
+    if spec.nodes is not None:
+        refusing = [node for node in spec.nodes if node in usable and node not in fitting]
+    else:
+        refusing = sorted(usable) if not fitting else []
+    if not refusing:
+        return
+    checkpoints = spec.checkpoints.directory if spec.checkpoints else None
+    refused = inventory.container_refusal(refusing[0], spec.container, checkpoints)
+    assert refused is not None
+    field, why = refused
+    raise ContainerRefusedError(field, why if spec.nodes is not None else f"{why}; no usable node runs this container")
 
 
 def choose_nodes(spec: JobCreate, pool: NodePool) -> list[str]:

@@ -14,6 +14,7 @@ from reprise_orchestrator.compute.kubernetes.models import KubernetesSpec, NotAl
 from reprise_orchestrator.deps import DepsDep, SessionDep
 from reprise_orchestrator.jobs import checkpoints, flows, service
 from reprise_orchestrator.jobs.models import Job, JobCreate, JobPublic, JobsPublic, JobState
+from reprise_orchestrator.jobs.placement import ContainerRefusedError
 from reprise_orchestrator.settings import OrchestratorSettings
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
@@ -31,9 +32,9 @@ def _public(job: Job, request: Request) -> JobPublic:
 
 @router.post("", status_code=201, response_model=JobPublic)
 async def submit_job(body: JobCreate, deps: DepsDep, request: Request) -> JobPublic:
-    """Register a job, place its ranks and launch them; a `checkpoints` directory outside the checkpoint roots, or a
-    `kubernetes` namespace, node selector or service account the operator did not allow, is a 422 naming it, and
-    nothing is stored."""
+    """Register a job, place its ranks and launch them; a `checkpoints` directory outside the checkpoint roots, a
+    `kubernetes` namespace, node selector or service account the operator did not allow, or a `container` no usable
+    node's agent runs (its image allow-list, its mount roots), is a 422 naming it, and nothing is stored."""
     if body.checkpoints is not None:
         try:
             checkpoints.confine(body.checkpoints, deps.settings.checkpoint_roots)
@@ -43,7 +44,12 @@ async def submit_job(body: JobCreate, deps: DepsDep, request: Request) -> JobPub
             raise RequestValidationError([error]) from exc
     if body.kubernetes is not None:
         _allowed_on_kubernetes(body.kubernetes, deps.settings)
-    return _public(await flows.submit(deps, body), request)
+    try:
+        job = await flows.submit(deps, body)
+    except ContainerRefusedError as exc:
+        refused: dict[str, object] = {"type": "value_error", "loc": ("body", *exc.field), "msg": str(exc)}
+        raise RequestValidationError([refused]) from exc
+    return _public(job, request)
 
 
 def _allowed_on_kubernetes(spec: KubernetesSpec, settings: OrchestratorSettings) -> None:

@@ -23,7 +23,13 @@ from reprise_orchestrator.deps import Deps
 from reprise_orchestrator.jobs import checkpoints
 from reprise_orchestrator.jobs import service as jobs
 from reprise_orchestrator.jobs.launch import Rendezvous, launch, rendezvous_for
-from reprise_orchestrator.jobs.placement import PlacementDecision, assign_ranks, replacements, replan
+from reprise_orchestrator.jobs.placement import (
+    PlacementDecision,
+    assign_ranks,
+    container_fit,
+    replacements,
+    replan,
+)
 from reprise_orchestrator.nodes import flows as node_flows
 from reprise_orchestrator.nodes import service as nodes
 from reprise_orchestrator.recoveries import facts, restart, rules, service
@@ -151,7 +157,8 @@ class RecoverySteps:
         while True:
             with Session(self.deps.engine) as session:
                 unavailable = nodes.cordoned_ids(session) | jobs.busy_nodes(session, except_job=run.job.id)
-            pool = self.deps.compute.pool(exclude=unavailable | run.exclude, job_id=run.job.id)
+            offered = self.deps.compute.pool(exclude=unavailable | run.exclude, job_id=run.job.id)
+            pool = container_fit(spec, offered, self.deps.inventory)  # nodes that run its container, if it has one
             plan = replan(current, usable=pool.usable(), spares=replacements(pool, current), policy=spec.policy)
             if plan.decision is not PlacementDecision.WAIT:
                 break

@@ -102,8 +102,15 @@ class AgentsBackend:
         """Tell the spares a containerized job's ranks may move to to keep standby containers of it (in the
         background: the launch does not wait for them)."""
         args = request.args
-        spares = [node_id for node_id in self.pool().spares if node_id not in exclude]
-        if args.container is None or not spares:
+        if args.container is None:
+            return
+        checkpoints = args.checkpoints.directory if args.checkpoints is not None else None
+        spares = [
+            node_id
+            for node_id in self.pool().spares
+            if node_id not in exclude and self.inventory.container_refusal(node_id, args.container, checkpoints) is None
+        ]
+        if not spares:
             return
         order = PrepareStandbysArgs(
             container=args.container, command=args.command, env=args.env, cwd=args.cwd, checkpoints=args.checkpoints
