@@ -22,7 +22,7 @@ from docker.models.containers import Container
 from reprise_agent.launch.container_procs import SIGNAL_EXIT_BASE, descendants, exit_code
 from reprise_agent.launch.processes import io_chars
 from reprise_common.logging import get_logger
-from reprise_common.procs import ProcessSample, sample_process, start_ticks
+from reprise_common.procs import ProcessSample, process_alive, sample_process, start_ticks
 
 log = get_logger("reprise.agent.containers")
 
@@ -134,7 +134,12 @@ class ContainerHandle:
         return False
 
     def _init_alive(self) -> bool:
-        return self.init_started is not None and start_ticks(self.init_pid) == self.init_started
+        """Its init still runs: the same process (by its start time), not a zombie nobody reaped (a shim gone too)."""
+        return (
+            self.init_started is not None
+            and start_ticks(self.init_pid) == self.init_started
+            and process_alive(self.init_pid)
+        )
 
     def _exit(self, returncode: int) -> None:
         self.returncode = returncode

@@ -155,4 +155,5 @@ async def test_a_restarted_agent_adopts_its_predecessors_containers_and_supervis
         assert [(e.rank, e.signal) for e in exits] == [(1, "SIGKILL")] and "lost with" not in exits[0].log_tail[-1]
     master.close()
     containers = docker.DockerClient(base_url=docker_engine.url).containers
-    assert containers.list(all=True, filters={"label": "io.reprise.job=job-1"}) == []
+    ours = {"label": "io.reprise.job=job-1"}  # each removed right after its exit was reported
+    assert await wait_for(lambda: containers.list(all=True, filters=ours) == [], timeout_s=30)
