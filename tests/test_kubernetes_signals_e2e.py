@@ -153,7 +153,7 @@ def _start_job(cluster: Cluster, name: str, *, ddp: bool = False) -> RunningJob:
         spec["policy"] = {"elastic_min_nodes": 2, "hang_timeout_s": 15, "backoff_initial_s": 0}
     submitted = client.submit(spec)
     job = poll(lambda: client.job(submitted["id"]), lambda j: j["state"] != "pending", timeout_s=60)
-    assert job["state"] == "running", job
+    assert job["state"] == "running", (job["state"], job["detail"], job["placement"])
     workers = [r["node_id"] for r in sorted(job["placement"], key=lambda r: r["rank"])]
     pods = admin.pods(job["id"])
     spares = [p["spec"]["nodeName"] for p in pods if p["metadata"]["labels"][SPARE_LABEL] == "true"]

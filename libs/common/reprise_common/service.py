@@ -252,5 +252,6 @@ def run_http_service(app: FastAPI, settings: ServiceSettings) -> None:
         log_config=None,
         access_log=False,
         timeout_graceful_shutdown=int(settings.shutdown_grace_s),
+        timeout_keep_alive=int(settings.http_keep_alive_s),
     )
     uvicorn.Server(config).run()

@@ -33,6 +33,13 @@ class ServiceSettings(BaseSettings):
         default=None, description="NKey seed file of this service's NATS identity (`reprise creds`); none: no auth"
     )
     shutdown_grace_s: float = Field(default=10.0, gt=0)
+    http_keep_alive_s: float = Field(
+        default=30.0,
+        ge=1,
+        le=600,
+        description="an idle HTTP connection is closed after this long: longer than clients keep theirs idle "
+        "(httpx: 5 s), so no client sends on a connection the server is closing",
+    )
 
     @field_validator("nats_url")
     @classmethod

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import http.client
+import socket
+import subprocess
+import sys
+import time
 from datetime import UTC, datetime
+from pathlib import Path
 
 import httpx
 import pytest
@@ -10,11 +16,15 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from pydantic import TypeAdapter, ValidationError
 
+from reprise_cli.client import poll
+from reprise_cli.ports import free_port
 from reprise_cli.servers import NatsServer
 from reprise_common.aio import poll_until
 from reprise_common.bus import Bus
 from reprise_common.errors import BusError
 from reprise_common.service import Background, IsoDateTime, Readiness, add_ops_routes, nats_check
+
+HTTPX_KEEPALIVE_S = 5.0  # how long httpx keeps an idle connection by default (httpx.Limits.keepalive_expiry)
 
 
 async def _down() -> bool:
@@ -86,3 +96,41 @@ async def test_a_service_whose_bus_cannot_provision_is_not_ready_and_says_why(
     assert isinstance(background.failed, BusError)
     assert "could not start consuming" in caplog.text
     await background.stop()
+
+
+def test_an_idle_connection_outlives_a_client_s_keep_alive(tmp_path: Path) -> None:
+    """A client pools an idle connection for 5 s (httpx's default); a server that closes it at the same moment races
+    the client's next request, which then fails as "Server disconnected without sending a response"."""
+    port = free_port()
+    serve = (
+        "from fastapi import FastAPI\n"
+        "from reprise_common.service import add_ops_routes, run_http_service\n"
+        "from reprise_common.settings import ServiceSettings\n"
+        "app = FastAPI()\n"
+        "add_ops_routes(app, checks={})\n"
+        f"run_http_service(app, ServiceSettings(http_port={port}, state_dir={str(tmp_path)!r}))\n"
+    )
+    server = subprocess.Popen([sys.executable, "-c", serve])
+    try:
+        url = f"http://127.0.0.1:{port}/healthz"
+        assert poll(lambda: _answers(url), bool, timeout_s=30), "the service never answered"
+        conn = http.client.HTTPConnection("127.0.0.1", port)
+        conn.request("GET", "/healthz")
+        answer = conn.getresponse()
+        assert answer.status == 200 and answer.read()
+        time.sleep(HTTPX_KEEPALIVE_S + 1)
+        assert conn.sock is not None
+        conn.sock.setblocking(False)
+        with pytest.raises(BlockingIOError):  # nothing to read: the connection is open, not closed (b"")
+            conn.sock.recv(1, socket.MSG_PEEK)
+        conn.close()
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url).status_code == 200
+    except httpx.TransportError:
+        return False

@@ -47,6 +47,7 @@ class NodeInfo:
     gpus_usable: bool  # every GPU is OK or DEGRADED: the node can take ranks
     ranks: tuple[RankSeen, ...]
     containers: ContainersSeen | None  # what containerized jobs may use there; None: it runs none
+    stopping: bool  # its agent's last word before a graceful stop: nothing listens there soon
 
     @classmethod
     def of(cls, report: ReportSeen, seen_mono: float) -> NodeInfo:
@@ -62,6 +63,7 @@ class NodeInfo:
             gpus_usable=all(h in (GpuHealth.OK, GpuHealth.DEGRADED) for h in health),
             ranks=report.ranks,
             containers=report.containers,
+            stopping=report.stopping,
         )
 
 
@@ -186,7 +188,9 @@ class Inventory:
         return info is not None and self._fresh(info, self.clock.monotonic())
 
     def placeable(self, *, spares: bool = False, exclude: Set[str] = frozenset()) -> list[str]:
-        """Fresh nodes with every GPU healthy, workers (or spares), not excluded, sorted by id."""
+        """Fresh nodes with every GPU healthy, workers (or spares), not excluded, sorted by id. A node whose agent said
+        it is stopping is not one until an agent there reports again (under a scheduler, the next job's agent may start
+        there within the last report's freshness, and a launch sent before it listens would find nobody)."""
         self._absorb()
         now = self.clock.monotonic()
         return sorted(
@@ -196,6 +200,7 @@ class Inventory:
             and info.spare == spares
             and node_id not in exclude
             and node_id not in self._gone
+            and not info.stopping
             and self._fresh(info, now)
         )
 

@@ -144,6 +144,21 @@ def test_a_node_whose_agent_is_gone_is_not_placeable_until_it_reports_again() ->
     assert inventory.placeable(spares=True) == ["s-1", "s-2"]
 
 
+def test_a_node_whose_agent_said_it_stops_is_not_placeable_until_an_agent_reports_there_again() -> None:
+    """Under a scheduler a job's agents stop with its allocation and the next job's start on the same nodes: a launch
+    sent on the old agents' last, still fresh, report found nobody listening and the new job failed (CI, kubernetes)."""
+    clock = ManualClock()
+    inventory = Inventory(clock=clock, stale_s=5.0)
+    inventory.observe("node-1", _report("node-1"))
+    inventory.observe("node-2", _report("node-2"))
+    clock.advance(0.5)
+    inventory.observe("node-1", _report("node-1").model_copy(update={"stopping": True}))
+    assert inventory.placeable() == ["node-2"] and inventory.fresh("node-1")
+    clock.advance(1.0)
+    inventory.observe("node-1", _report("node-1"))  # the next agent there
+    assert inventory.placeable() == ["node-1", "node-2"]
+
+
 async def test_a_stop_that_finds_no_agent_takes_the_node_out_of_the_pool(nats_server: NatsServer) -> None:
     """A node lost a moment ago reported a second before; offered as the next spare, its launch had no responder and
     the recovery retried after its backoff, cold (seen in make bench-recovery: 2.8 s instead of 0.7 s)."""

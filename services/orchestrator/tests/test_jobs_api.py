@@ -14,6 +14,7 @@ from reprise_cli.servers import NatsServer
 from reprise_common import subjects
 from reprise_common.bus import Bus
 from reprise_common.events import Event, GpuStatus, JobPlacement, NodeReport, parse_event
+from reprise_orchestrator.compute.backend import CommandRecord, NodeOutcome
 
 LABELS = {"team": "ml", "example.com/tier": "gold", "empty": ""}
 
@@ -82,6 +83,7 @@ def test_labels_are_kept_shown_filtered_and_put_on_the_placement(client: TestCli
     job = labelled.json()
     assert job["labels"] == LABELS and job["spec"]["labels"] == LABELS
     assert job["state"] == "failed"  # no agent answered the launch; the placement was published before it
+    assert job["detail"].startswith("the first launch was not done: node-1: no_answer"), job["detail"]
     # No agent answered there, so node-1 is placeable again only once it reports again.
     client.app.state.inventory.observe("node-1", node)  # type: ignore[attr-defined]
     other = client.post("/v1/jobs", json={"name": "b", "node_count": 1, "command": ["true"], "labels": {"team": "web"}})
@@ -111,3 +113,11 @@ def test_labels_are_kept_shown_filtered_and_put_on_the_placement(client: TestCli
         response = client.get("/v1/jobs", params={"label": bad})
         assert response.status_code == 422, bad
         assert response.json()["detail"][0]["loc"] == ["query", "label", 0]
+
+
+def test_why_a_launch_was_not_done_is_one_bounded_line() -> None:
+    not_done = [NodeOutcome(node=f"node-{n}", result="failed", error="x" * 1000) for n in range(5)]
+    said = CommandRecord(nodes=5, not_done=not_done).why_not_done()
+    assert said.startswith("node-0: failed (" + "x" * 200 + "); node-1: failed") and said.endswith("; and 2 more")
+    assert len(said) < 800 and "node-3" not in said
+    assert CommandRecord(not_done=[NodeOutcome(node="a", result="no_answer")]).why_not_done() == "a: no_answer"

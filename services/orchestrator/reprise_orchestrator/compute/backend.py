@@ -58,7 +58,9 @@ class NodeAnswer(Generic[ReplyT]):
         """What a recovery records of this answer."""
         if self.reply is None:
             return NodeOutcome(node=self.node_id, result="no_answer", error=str(self.error or ""))
-        return NodeOutcome(node=self.node_id, result=self.reply.result.value, duplicate=self.reply.duplicate)
+        return NodeOutcome(
+            node=self.node_id, result=self.reply.result.value, duplicate=self.reply.duplicate, error=self.reply.detail
+        )
 
 
 class NodeOutcome(BaseModel):
@@ -67,7 +69,7 @@ class NodeOutcome(BaseModel):
     node: str
     result: str = Field(description="done, rejected_stale_fence, failed, or no_answer")
     duplicate: bool = False
-    error: str = ""
+    error: str = Field(default="", description="why: the bus error of no answer, or the agent's detail of a failure")
 
 
 class CommandRecord(BaseModel):
@@ -80,6 +82,14 @@ class CommandRecord(BaseModel):
     results: dict[str, int] = Field(default_factory=dict)
     duplicates: int = 0
     not_done: list[NodeOutcome] = Field(default_factory=list)
+
+    def why_not_done(self, *, shown: int = 3, error_chars: int = 200) -> str:
+        """The nodes that did not execute the command, and why, in a line bounded whatever the job's size."""
+        named = [
+            f"{o.node}: {o.result}" + (f" ({o.error[:error_chars]})" if o.error else "") for o in self.not_done[:shown]
+        ]
+        more = len(self.not_done) - shown
+        return "; ".join(named) + (f"; and {more} more" if more > 0 else "")
 
 
 @dataclass(frozen=True)

@@ -148,17 +148,19 @@ async def start_job(deps: Deps, *, job_id: str, spec: JobCreate, ranks: list[Ran
             restore=None,
         )
         state = JobState.RUNNING if answers.all_done else JobState.FAILED
+        record = answers.record()
         with Session(deps.engine) as session:
             service.update_fenced(
                 session,
                 job_id=job_id,
                 fence=handle.fence,
                 state=state,
+                detail="" if answers.all_done else f"the first launch was not done: {record.why_not_done()}",
                 master_port=rendezvous.master_port,
                 master_addr=rendezvous.master_addr,
             )
         if state is JobState.FAILED:
-            log.error("job launch failed", extra={"job_id": job_id, "answers": answers.record().model_dump()})
+            log.error("job launch failed", extra={"job_id": job_id, "answers": record.model_dump()})
             with Session(deps.engine) as session:
                 job = service.get(session, job_id=job_id)
             await end_placement(deps, job, operation_id=f"{job_id}:submit:failed", fence=handle.fence)
