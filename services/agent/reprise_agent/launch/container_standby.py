@@ -30,6 +30,7 @@ from typing import Protocol
 import docker.errors
 from docker.models.containers import Container
 
+from reprise_agent.launch.container_cpu import CpuShare
 from reprise_agent.launch.container_handle import ContainerHandle
 from reprise_agent.launch.standby import BOOT_SOURCE, READY, READY_TIMEOUT_S, RETRY_AFTER_S, unfit_arguments
 from reprise_common.errors import RepriseError
@@ -86,6 +87,7 @@ class ContainerStandby:
     pid: int
     inbox: Path
     base_env: dict[str, str]
+    share: CpuShare | None = None  # its container's CPU weight, lowered while it waits
     ready: bool = False
 
 
@@ -111,7 +113,9 @@ class JobStandbys:
 
 
 class ContainerStandbys:
-    """Every containerized job's standbys on this node, `size` per job (none when 0)."""
+    """Every containerized job's standbys on this node: `size` per job (none when 0), and never more than the job's
+    ranks here (a launch's ranks on this node; a spare's: the most a node of the job runs), which is the most a fault
+    can replace here at once."""
 
     def __init__(self, *, size: int, preload: Sequence[str], refill_delay_s: float = 0.0) -> None:
         self.size = size
@@ -155,6 +159,8 @@ class ContainerStandbys:
             return None
         pool.standbys.remove(standby)
         pool.wake.set()
+        if standby.share is not None:
+            standby.share.restore()  # the rank's container weighs as much as any other rank's
         _set_policy(standby.pid, os.SCHED_OTHER)  # the rank's own priority, all its threads
         since = time.time()  # its output from now on is the rank's (not its ready line)
         order = {"argv": list(argv), "env": {**standby.base_env, **env, **changes}, "cwd": cwd}
@@ -190,8 +196,9 @@ class ContainerStandbys:
             pool = self._jobs[job_id] = JobStandbys(launcher, argv[0], dict(env))
             pool.task = asyncio.create_task(self._keep_full(job_id, pool), name=f"container-standbys:{job_id}")
         pool.hold_until = max(pool.hold_until, time.monotonic() + hold_s)
+        pool.launcher = launcher
         pool.wake.set()
-        return self.size
+        return self._target(pool)
 
     def drop(self, job_id: str) -> None:
         """Remove the job's standbys now (told so: it ended, or will not move here); a pool a rank of it started on
@@ -199,6 +206,10 @@ class ContainerStandbys:
         pool = self._jobs.get(job_id)
         if pool is not None and not pool.handles:
             self._retire(job_id)
+
+    def _target(self, pool: JobStandbys) -> int:
+        """How many standbys the job keeps here."""
+        return min(self.size, len(pool.launcher.job.ranks))
 
     def statuses(self) -> list[StandbyStatus]:
         """Every standby container waiting now, ready or still importing, as the node report shows process ones."""
@@ -220,7 +231,7 @@ class ContainerStandbys:
             if pool.over():
                 self._retire(job_id)
                 return
-            if len(pool.standbys) >= self.size:
+            if len(pool.standbys) >= self._target(pool):
                 pool.wake.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(pool.wake.wait(), CHECK_S)
@@ -249,9 +260,12 @@ class ContainerStandbys:
             shutil.rmtree(inbox, ignore_errors=True)
             log.warning("a container standby could not start", extra={"error": str(exc)})
             return False
-        _set_policy(pid, os.SCHED_IDLE)  # from the host: its imports wait for the node's ranks (it has no CAP_SYS_NICE)
+        # From the host: its imports wait for the node's ranks (it has no CAP_SYS_NICE), within its container and,
+        # through its container's weight, beside the ranks' containers (launch/container_cpu.py).
+        _set_policy(pid, os.SCHED_IDLE)
+        share = CpuShare.lower(init_pid)
         own = {k: v for k, v in _environ(pid).items() if k not in env and k not in changes}  # the image's, the daemon's
-        standby = ContainerStandby(container, init_pid, pid, inbox, own)
+        standby = ContainerStandby(container, init_pid, pid, inbox, own, share)
         pool.standbys.append(standby)
         ready = await asyncio.to_thread(_await_ready, container)
         if not ready or pool not in self._jobs.values():  # it failed, or its job's standbys were retired meanwhile

@@ -13,13 +13,13 @@ UNKNOWN_MASTER = ("standby", 1)
 
 
 def standby_launch(args: PrepareStandbysArgs, *, node_id: str) -> LaunchArgs:
-    """A launch of one rank of the job on this node, carrying what its standbys are made from (image, mounts, limits,
-    command, environment, checkpoint directory)."""
+    """A launch of the job's ranks of one node here, carrying what its standbys are made from (image, mounts, limits,
+    command, environment, checkpoint directory) and how many it may need at once (its ranks here)."""
     master_addr, master_port = UNKNOWN_MASTER
+    ranks = [RankAssignment(rank=i, node_id=node_id, local_rank=i) for i in range(args.ranks_per_node)]
     return LaunchArgs(
-        restart_epoch=0, world_size=1, master_addr=master_addr, master_port=master_port, command=args.command,
-        env=args.env, cwd=args.cwd, ranks=[RankAssignment(rank=0, node_id=node_id, local_rank=0)],
-        checkpoints=args.checkpoints, container=args.container,
+        restart_epoch=0, world_size=len(ranks), master_addr=master_addr, master_port=master_port, command=args.command,
+        env=args.env, cwd=args.cwd, ranks=ranks, checkpoints=args.checkpoints, container=args.container,
     )  # fmt: skip
 
 

@@ -15,6 +15,7 @@ import docker
 import pytest
 
 from reprise_agent.launch import container_standby
+from reprise_agent.launch.container_cpu import LEAST, cgroup_cpu_file
 from reprise_agent.launch.container_procs import rank_pid
 from reprise_agent.launch.container_standby import ContainerStandbys
 from reprise_agent.launch.containers import ContainerEngine
@@ -32,6 +33,8 @@ print(os.environ["RANK"], os.environ["WHO"], os.getcwd(), sys.argv[1:], "wave" i
       os.environ.get("REPRISE_STANDBY_FIFO"), "PATH" in os.environ, os.sched_getscheduler(0), flush=True)
 sys.exit(3)
 """
+
+DOCKER_DEFAULT_WEIGHT = {"cpu.shares": "1024", "cpu.weight": "100"}  # a container made without CPU settings
 
 
 def standbys(client: docker.DockerClient) -> list[str]:
@@ -55,11 +58,14 @@ async def test_a_relaunched_rank_runs_on_a_warm_container_as_in_its_own(docker_e
         [waiting] = standbys(client)
         init_pid = client.containers.get(waiting).attrs["State"]["Pid"]
         assert os.sched_getscheduler(rank_pid(init_pid)) == os.SCHED_IDLE  # it waits at idle priority
+        weight = cgroup_cpu_file(init_pid)  # and its container at the least CPU weight beside the ranks'
+        assert weight is not None and weight.read_text().strip() == LEAST[weight.name]
 
         rank = await launcher.start(
             [PYTHON, str(job_dir / "rank.py"), "--lr", "0.1"], env={**env, "RANK": "1"}, cwd=str(job_dir), warm=True
         )
         assert rank.warm and rank.container.id == waiting
+        assert weight.read_text().strip() == DOCKER_DEFAULT_WEIGHT[weight.name]  # a rank's container's, as any other
         output = (await asyncio.wait_for(rank.output.read(), 30)).decode()
         assert output == f"1 me {job_dir} ['--lr', '0.1'] True None True {os.SCHED_OTHER}\n"  # its own only
         assert await asyncio.wait_for(rank.wait(), 30) == 3

@@ -6,6 +6,7 @@ at its end. The command refuses unknown fields; a keep names the job's image and
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from pathlib import Path
 
@@ -96,6 +97,30 @@ async def test_a_spare_keeps_a_standby_container_of_a_job_it_never_ran(
         assert await wait_for(lambda: "rank 1 True" in "".join(rank.tail), timeout_s=30)
         stop = await harness.command(CommandAction.STOP, fence=1, command_id="s1", grace_s=1.0)
         assert stop.result is CommandResult.DONE
+
+
+async def test_a_spare_keeps_no_more_standbys_of_a_job_than_a_node_of_it_runs_ranks(
+    nats_server: NatsServer, tmp_path: Path, docker_engine: Engine
+) -> None:
+    """More could never be taken at once (a node of the job moves here whole), and each one that waits holds an
+    interpreter with the job's modules imported."""
+    job_dir = tmp_path / "job"
+    job_dir.mkdir()
+    roots = [*(Path(m.source) for m in python_mounts()), tmp_path]
+    client = docker.DockerClient(base_url=docker_engine.url)
+    async with running_agent(
+        nats_server, tmp_path, report_interval_s=0.1, docker_url=docker_engine.url, container_mount_roots=roots,
+        standbys=3, standby_preload=["wave"], standby_refill_delay_s=0.0, spare=True,
+    ) as harness:  # fmt: skip
+        spec, argv = container(docker_engine.image, job_dir), [PYTHON, str(job_dir / "rank.py")]
+        order = {"container": spec, "command": argv, "cwd": str(job_dir), "ranks_per_node": 2}
+        reply = await harness.command(CommandAction.PREPARE_STANDBYS, fence=1, command_id="p1", **order)
+        assert reply.result is CommandResult.DONE and reply.data["standbys"] == 2, reply
+        engine = harness.agent.supervisor.containers
+        assert isinstance(engine, ContainerEngine)
+        assert await wait_for(lambda: engine.standbys.ready("job-1") == 2, timeout_s=120)
+        await asyncio.sleep(2.0)  # a third would be on its way by now
+        assert len(standbys(client)) == 2
 
 
 async def test_a_spare_drops_a_jobs_standbys_when_told(

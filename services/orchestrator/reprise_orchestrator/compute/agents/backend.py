@@ -10,6 +10,7 @@ rank moved to one (XID 79, node loss) starts warm there too, and its end tells t
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import Mapping, Sequence, Set
 
 from reprise_common import subjects
@@ -112,9 +113,11 @@ class AgentsBackend:
         ]
         if not spares:
             return
+        most = max(Counter(rank.node_id for rank in args.ranks).values(), default=1)
         order = PrepareStandbysArgs(
-            container=args.container, command=args.command, env=args.env, cwd=args.cwd, checkpoints=args.checkpoints
-        )
+            container=args.container, command=args.command, env=args.env, cwd=args.cwd, checkpoints=args.checkpoints,
+            ranks_per_node=most,
+        )  # fmt: skip
         commands = {
             node_id: PrepareStandbysCommand(
                 command_id=f"{operation_id}:prepare-standbys:{node_id}", job_id=request.job_id, fence=fence, args=order
