@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import nats.errors
+import nats.js.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -48,6 +49,7 @@ log = get_logger("reprise.bus")
 W = TypeVar("W", bound=Wire)
 _MAX_DEAD_PAYLOAD = 64 * 1024
 _SLOW_CONSUMER_LOG_EVERY_S = 60.0
+PUBLISH_RETRY_MIN_S, PUBLISH_RETRY_MAX_S = 0.05, 0.5  # a publish no stream answered is tried again, pausing so long
 
 
 class Bus:
@@ -247,10 +249,21 @@ class Bus:
         Returns the stream sequence. Raises BusError when the server does not confirm.
         """
         headers = {"Nats-Msg-Id": msg_id or event.event_id}
-        try:
-            ack = await self.js.publish(subject, event.to_bytes(), timeout=timeout, headers=headers)
-        except (nats.errors.Error, TimeoutError) as exc:
-            raise BusError(f"publish to {subject} failed: {exc!r}") from exc
+        data, loop = event.to_bytes(), asyncio.get_running_loop()
+        deadline, pause = loop.time() + timeout, PUBLISH_RETRY_MIN_S
+        while True:
+            try:
+                ack = await self.js.publish(subject, data, timeout=max(deadline - loop.time(), 0.01), headers=headers)
+                break
+            except nats.js.errors.NoStreamResponseError as exc:
+                # No stream answered: JetStream has no leader for it this moment (an election, a restart) or it is
+                # being provisioned. The message id makes the retry safe; it is tried again until the timeout.
+                if loop.time() + pause >= deadline:
+                    raise BusError(f"publish to {subject} failed: {exc!r}") from exc
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, PUBLISH_RETRY_MAX_S)
+            except (nats.errors.Error, TimeoutError) as exc:
+                raise BusError(f"publish to {subject} failed: {exc!r}") from exc
         EVENTS_PUBLISHED.labels(self.service, subject_kind(subject)).inc()
         return int(ack.seq)
 

@@ -110,6 +110,29 @@ async def test_publish_with_same_event_id_is_stored_once(nats_server: NatsServer
     await bus.close()
 
 
+async def test_a_publish_no_stream_answers_is_tried_again_until_one_does(nats_server: NatsServer) -> None:
+    """A stream without a leader for a moment (an election, a restart) answers nobody: the publish waits for it within
+    its timeout, where it failed at once (a submission, whose placement could not be published, was answered 503)."""
+    bus = Bus(url=nats_server.url, service="test", provision=False)
+    await bus.connect(attempts=5)
+    try:
+        event = GpuXid(source="node-1", node_id="node-1", gpu=0, xid=79)
+        subject = "test.later.one"
+        with pytest.raises(BusError, match="NoStreamResponseError"):
+            await bus.publish(subject, event, timeout=0.3)
+
+        async def stream_soon() -> None:
+            await asyncio.sleep(0.4)
+            await bus.js.add_stream(StreamConfig(name="LATER", subjects=["test.later.>"]))
+
+        made = asyncio.create_task(stream_soon())
+        sequence = await bus.publish(subject, event, timeout=5.0)
+        await made
+        assert sequence == 1 and (await bus.js.stream_info("LATER")).state.messages == 1
+    finally:
+        await bus.close()
+
+
 async def test_malformed_message_is_dead_lettered_and_consumer_keeps_going(nats_server: NatsServer) -> None:
     bus = Bus(url=nats_server.url, service="test")
     await bus.connect(attempts=5)
