@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import docker
@@ -53,6 +54,19 @@ def no_stray_standbys(docker_engine: Engine) -> None:
             stray.remove(force=True)
 
 
+@contextlib.asynccontextmanager
+async def spare_agent(
+    nats_server: NatsServer, tmp_path: Path, engine: Engine, *, standbys: int, preload: list[str], refill_delay_s: float
+) -> AsyncIterator[Harness]:
+    """A spare's real agent on the session's dockerd, whose containers may mount the checkout and `tmp_path`."""
+    roots = [*(Path(m.source) for m in python_mounts()), tmp_path]
+    async with running_agent(
+        nats_server, tmp_path, report_interval_s=0.1, docker_url=engine.url, container_mount_roots=roots,
+        standbys=standbys, standby_preload=preload, standby_refill_delay_s=refill_delay_s, spare=True,
+    ) as harness:  # fmt: skip
+        yield harness
+
+
 def ready_in_report(harness: Harness, pid: int) -> bool:
     reports = [e for e in harness.events if isinstance(e, NodeReport)]
     return bool(reports) and any(s.pid == pid and s.ready for s in reports[-1].standbys)
@@ -64,12 +78,10 @@ async def test_a_spare_keeps_a_standby_container_of_a_job_it_never_ran(
     job_dir = tmp_path / "job"
     job_dir.mkdir()
     (job_dir / "rank.py").write_text(SCRIPT)
-    roots = [*(Path(m.source) for m in python_mounts()), tmp_path]
     client = docker.DockerClient(base_url=docker_engine.url)
-    async with running_agent(
-        nats_server, tmp_path, report_interval_s=0.1, docker_url=docker_engine.url, container_mount_roots=roots,
-        standbys=1, standby_preload=["wave"], standby_refill_delay_s=0.0, spare=True,
-    ) as harness:  # fmt: skip
+    async with spare_agent(
+        nats_server, tmp_path, docker_engine, standbys=1, preload=["wave"], refill_delay_s=0.0
+    ) as harness:
         spec, argv = container(docker_engine.image, job_dir), [PYTHON, str(job_dir / "rank.py")]
         order = {"container": spec, "command": argv, "env": {"WHO": "me"}, "cwd": str(job_dir), "hold_s": 600}
         reply = await harness.command(CommandAction.PREPARE_STANDBYS, fence=1, command_id="p1", **order)
@@ -106,12 +118,10 @@ async def test_a_spare_keeps_no_more_standbys_of_a_job_than_a_node_of_it_runs_ra
     interpreter with the job's modules imported."""
     job_dir = tmp_path / "job"
     job_dir.mkdir()
-    roots = [*(Path(m.source) for m in python_mounts()), tmp_path]
     client = docker.DockerClient(base_url=docker_engine.url)
-    async with running_agent(
-        nats_server, tmp_path, report_interval_s=0.1, docker_url=docker_engine.url, container_mount_roots=roots,
-        standbys=3, standby_preload=["wave"], standby_refill_delay_s=60.0, spare=True,
-    ) as harness:  # fmt: skip
+    async with spare_agent(
+        nats_server, tmp_path, docker_engine, standbys=3, preload=["wave"], refill_delay_s=60.0
+    ) as harness:
         # The refill delay lets a node's ranks that just started import first: a spare has none, it starts at once.
         spec, argv = container(docker_engine.image, job_dir), [PYTHON, str(job_dir / "rank.py")]
         order = {"container": spec, "command": argv, "cwd": str(job_dir), "ranks_per_node": 2}
@@ -127,12 +137,8 @@ async def test_a_spare_keeps_no_more_standbys_of_a_job_than_a_node_of_it_runs_ra
 async def test_a_spare_drops_a_jobs_standbys_when_told(
     nats_server: NatsServer, tmp_path: Path, docker_engine: Engine
 ) -> None:
-    roots = [*(Path(m.source) for m in python_mounts()), tmp_path]
     client = docker.DockerClient(base_url=docker_engine.url)
-    async with running_agent(
-        nats_server, tmp_path, report_interval_s=0.1, docker_url=docker_engine.url, container_mount_roots=roots,
-        standbys=1, standby_preload=[], standby_refill_delay_s=0.0, spare=True,
-    ) as harness:  # fmt: skip
+    async with spare_agent(nats_server, tmp_path, docker_engine, standbys=1, preload=[], refill_delay_s=0.0) as harness:
         order = {"container": container(docker_engine.image, tmp_path), "command": [PYTHON, "train.py"]}
         reply = await harness.command(CommandAction.PREPARE_STANDBYS, fence=1, command_id="p1", **order)
         assert reply.result is CommandResult.DONE and reply.data["standbys"] == 1
