@@ -41,6 +41,7 @@ from reprise_common.bus import Bus
 from reprise_common.clock import utcnow
 from reprise_common.errors import BusError
 from reprise_common.events import (
+    CaptureStacksCommand,
     CommandReply,
     CommandResult,
     GpuStatus,
@@ -172,7 +173,9 @@ class Fleet:
             self._acked.notify_all()
 
     async def _execute(
-        self, node: SimNode, command: PingCommand | LaunchCommand | StopCommand | PrepareStandbysCommand
+        self,
+        node: SimNode,
+        command: PingCommand | LaunchCommand | StopCommand | PrepareStandbysCommand | CaptureStacksCommand,
     ) -> CommandReply:
         if isinstance(command, LaunchCommand):
             epoch = command.args.restart_epoch
@@ -201,6 +204,8 @@ class Fleet:
             data = {"stopped": [{"rank": rank, "exit_code": None, "signal": "SIGTERM"} for _job, rank in stopped]}
         elif isinstance(command, PrepareStandbysCommand):
             data = {"standbys": 0}  # simulated nodes keep no standbys
+        elif isinstance(command, CaptureStacksCommand):
+            data = {"captured": [], "failed": []}  # simulated ranks have no Python stacks
         else:
             data = {"ranks": len(node.ranks), "spare": False}
         return CommandReply(command_id=command.command_id, node_id=node.node_id, result=CommandResult.DONE, data=data)

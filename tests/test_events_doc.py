@@ -23,6 +23,7 @@ WIRE_CLASSES: tuple[type[events.Wire], ...] = (
     events.PingCommand,
     events.LaunchCommand,
     events.StopCommand,
+    events.CaptureStacksCommand,
     events.LaunchArgs,
     events.StopArgs,
     events.CommandReply,

@@ -1,5 +1,5 @@
-"""What the node's commands do: ping, launch a job's ranks here, stop them (a hang's stacks captured first, parked
-where a restart in place follows), keep a containerized job's standbys (a spare). Fencing and idempotency around
+"""What the node's commands do: ping, launch a job's ranks here, capture their stacks (a hang's evidence), stop them
+(parked where a restart in place follows), keep a containerized job's standbys (a spare). Fencing and idempotency around
 them are the CommandBook's (commands.py)."""
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ from reprise_common import subjects
 from reprise_common.errors import MalformedEventError
 from reprise_common.events import (
     AgentReply,
+    CaptureStacksCommand,
+    CaptureStacksData,
+    CaptureStacksReply,
     CommandResult,
     LaunchCommand,
     LaunchData,
@@ -33,7 +36,6 @@ from reprise_common.events import (
     PrepareStandbysData,
     PrepareStandbysReply,
     RankStopped,
-    StackCapture,
     StandbyOrder,
     StopCommand,
     StopData,
@@ -87,10 +89,14 @@ class CommandExecutor:
             )
         return await self.book.run(command, self._execute)
 
-    async def _execute(self, command: PingCommand | LaunchCommand | StopCommand | PrepareStandbysCommand) -> AgentReply:
+    async def _execute(
+        self, command: PingCommand | LaunchCommand | StopCommand | PrepareStandbysCommand | CaptureStacksCommand
+    ) -> AgentReply:
         done = {"command_id": command.command_id, "node_id": self.node_id, "result": CommandResult.DONE}
         if isinstance(command, PingCommand):
             return PingReply(**done, data=PingData(ranks=len(self.supervisor.ranks()), spare=self.spare))
+        if isinstance(command, CaptureStacksCommand):
+            return CaptureStacksReply(**done, data=await self._capture_stacks(command))
         if isinstance(command, StopCommand):
             return StopReply(**done, data=await self._stop(command))
         if isinstance(command, PrepareStandbysCommand):
@@ -135,14 +141,12 @@ class CommandExecutor:
         return PrepareStandbysData(standbys=containers.prepare_standbys(launch, env, hold_s=args.hold_s))
 
     async def _stop(self, command: StopCommand) -> StopData:
-        """Stop the job's ranks here (a hang's stacks first); for a restart in place, the culprits first, then park
-        whoever can. Ranks that park meanwhile were parked by the recovery: their peer errors are no evidence of a
-        lost node, so no rank.parked is published for them."""
+        """Stop the job's ranks here; for a restart in place, the culprits first, then park whoever can. Ranks that
+        park meanwhile were parked by the recovery: their peer errors are no evidence of a lost node, so no
+        rank.parked is published for them."""
         job_id, args = command.job_id, command.args
         self.stopping_jobs.add(job_id)
         try:
-            if args.capture_stacks is not None:
-                await self._capture_stacks(job_id, args.capture_stacks)
             self.depchecks.clear_rendezvous(job_id)
             kept: set[int] = set()
             stopped = []
@@ -161,10 +165,12 @@ class CommandExecutor:
         outcomes = {r.rank: RankStopped(rank=r.rank, exit_code=r.exit_code, signal=r.exit_signal) for r in stopped}
         return StopData(stopped=list(outcomes.values()), parked=sorted(kept))
 
-    async def _capture_stacks(self, job_id: str, order: StackCapture) -> None:
-        """Publish the Python stacks of the job's live ranks here, once per incident, within the order's bound."""
+    async def _capture_stacks(self, command: CaptureStacksCommand) -> CaptureStacksData:
+        """Publish the Python stacks of the job's live ranks here, once per incident, within the order's bound; the
+        ranks keep running (a stop follows once every node has captured)."""
+        job_id, order = command.job_id, command.args
         if order.incident_id in self._captured:
-            return
+            return CaptureStacksData(captured=[], failed=[])
         self._captured[order.incident_id] = None
         while len(self._captured) > CAPTURES_REMEMBERED:
             del self._captured[next(iter(self._captured))]
@@ -175,8 +181,9 @@ class CommandExecutor:
                 self.node_id, rank, incident_id=order.incident_id, found=found[rank.handle.pid]
             )
             self.outbox.put(subjects.node_event(self.node_id, event.type), event)
-        failed = [r.rank for r in ranks if found[r.handle.pid].error]
+        failed = sorted(r.rank for r in ranks if found[r.handle.pid].error)
         log.info(
             "rank stacks captured",
             extra={"job_id": job_id, "incident_id": order.incident_id, "ranks": len(ranks), "failed": failed},
         )
+        return CaptureStacksData(captured=sorted(r.rank for r in ranks), failed=failed)

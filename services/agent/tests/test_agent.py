@@ -503,18 +503,20 @@ LOOPER = [
 ]
 
 
-async def test_a_stop_for_a_hang_captures_every_ranks_stack_first_and_once_per_incident(harness: Harness) -> None:
+async def test_a_capture_reads_every_ranks_stack_leaves_them_running_and_happens_once_per_incident(
+    harness: Harness,
+) -> None:
     reply = await harness.launch(fence=1, command_id="l", command=LOOPER)
     pids = reply.data["pids"]
     assert await wait_for(lambda: all(r.tail for r in harness.agent.supervisor.ranks()))
     os.kill(pids[1], signal.SIGSTOP)  # frozen: its stack is still read, and its state says so
     # The kernel stops it once it runs to take the signal: on a loaded host it is runnable (R) until then.
     assert await wait_for(lambda: (sample_process(pids[1]) or ProcessSample("", 0)).state == "T")
-    began = time.monotonic()
     capture = {"incident_id": "inc-1", "within_s": 2.0}
-    stopped = await harness.command(CommandAction.STOP, fence=1, command_id="s", grace_s=2.0, capture_stacks=capture)
-    assert stopped.result is CommandResult.DONE and time.monotonic() - began < 2.0 + 2.0 + 1.0
-    assert not any(process_alive(pid) for pid in pids)
+    captured = await harness.command(CommandAction.CAPTURE_STACKS, fence=1, command_id="c", **capture)
+    assert captured.result is CommandResult.DONE
+    assert captured.data == {"captured": [0, 1], "failed": []}
+    assert all(process_alive(pid) for pid in pids)  # a capture stops nothing: the stop comes after every node's
     assert await wait_for(lambda: len(harness.of_type(RankStacks)) == 2)
     found = sorted((e for e in harness.of_type(RankStacks) if isinstance(e, RankStacks)), key=lambda e: e.rank)
     assert [(e.rank, e.pid, e.incident_id, e.job_id, e.error) for e in found] == [
@@ -525,35 +527,34 @@ async def test_a_stop_for_a_hang_captures_every_ranks_stack_first_and_once_per_i
     for event in found:
         assert [f.function for f in event.threads[0].frames[:2]] == ["wait_for_peers", "<module>"]
 
-    await harness.launch(fence=1, command_id="l2", command=LOOPER, restart_epoch=1)
-    again = await harness.command(CommandAction.STOP, fence=1, command_id="s2", grace_s=2.0, capture_stacks=capture)
-    assert again.result is CommandResult.DONE
+    again = await harness.command(CommandAction.CAPTURE_STACKS, fence=1, command_id="c2", **capture)
+    assert again.result is CommandResult.DONE and again.data == {"captured": [], "failed": []}
     await asyncio.sleep(0.5)
     assert len(harness.of_type(RankStacks)) == 2  # that incident's stacks were captured already
+    stopped = await harness.command(CommandAction.STOP, fence=1, command_id="s", grace_s=2.0)
+    assert stopped.result is CommandResult.DONE
+    assert not any(process_alive(pid) for pid in pids)
 
 
-async def test_a_capture_without_py_spy_or_past_its_bound_reports_why_and_the_stop_goes_on(
-    harness: Harness, tmp_path: Path
-) -> None:
+async def test_a_capture_without_py_spy_or_past_its_bound_reports_why(harness: Harness, tmp_path: Path) -> None:
     slow = tmp_path / "py-spy"
     slow.write_text("#!/bin/sh\nsleep 30\n")
     slow.chmod(0o755)
     harness.agent.executor.py_spy = slow
-    reply = await harness.launch(fence=1, command_id="l", command=LOOPER)
+    await harness.launch(fence=1, command_id="l", command=LOOPER)
     began = time.monotonic()
     capture = {"incident_id": "inc-2", "within_s": 0.5}
-    stopped = await harness.command(CommandAction.STOP, fence=1, command_id="s", grace_s=2.0, capture_stacks=capture)
-    assert stopped.result is CommandResult.DONE and time.monotonic() - began < 0.5 + 2.0 + 1.0
-    assert not any(process_alive(pid) for pid in reply.data["pids"])
+    captured = await harness.command(CommandAction.CAPTURE_STACKS, fence=1, command_id="c", **capture)
+    assert captured.result is CommandResult.DONE and time.monotonic() - began < 0.5 + 1.0
+    assert captured.data == {"captured": [0, 1], "failed": [0, 1]}
     assert await wait_for(lambda: len(harness.of_type(RankStacks)) == 2)
     assert {e.error for e in harness.of_type(RankStacks) if isinstance(e, RankStacks)} == {
         "py-spy did not answer within 0.5 s"
     }
 
     harness.agent.executor.py_spy = None
-    await harness.launch(fence=1, command_id="l2", command=LOOPER, restart_epoch=1)
     capture = {"incident_id": "inc-3", "within_s": 0.5}
-    await harness.command(CommandAction.STOP, fence=1, command_id="s2", grace_s=2.0, capture_stacks=capture)
+    await harness.command(CommandAction.CAPTURE_STACKS, fence=1, command_id="c2", **capture)
     assert await wait_for(lambda: len(harness.of_type(RankStacks)) == 4)
     assert [e.error for e in harness.of_type(RankStacks)[2:] if isinstance(e, RankStacks)] == [
         "py-spy is not installed on this node"

@@ -30,6 +30,7 @@ from reprise_common.events.checkpoints import (
 from reprise_common.events.commands import (
     AgentCommand,
     AnyCommand,
+    CaptureStacksCommand,
     CommandAction,
     LaunchArgs,
     LaunchCommand,
@@ -78,6 +79,8 @@ from reprise_common.events.jobs import (
 from reprise_common.events.replies import (
     RESTORE_REFUSED,
     AgentReply,
+    CaptureStacksData,
+    CaptureStacksReply,
     CommandReply,
     CommandResult,
     LaunchData,
@@ -139,6 +142,9 @@ __all__ = [
     "AgentReply",
     "AnyCommand",
     "AnyEvent",
+    "CaptureStacksCommand",
+    "CaptureStacksData",
+    "CaptureStacksReply",
     "Category",
     "CheckpointChange",
     "CheckpointChangeKind",

@@ -32,6 +32,7 @@ class CommandAction(StrEnum):
     LAUNCH = "launch"
     STOP = "stop"
     PREPARE_STANDBYS = "prepare_standbys"
+    CAPTURE_STACKS = "capture_stacks"
 
 
 class StepSpan(Wire):
@@ -81,18 +82,16 @@ class LaunchArgs(Wire):
 
 
 class StackCapture(Wire):
-    """Capture the ranks' Python stacks before stopping them, for an incident, within a bound."""
+    """Capture the ranks' Python stacks for an incident (a hang's), within a bound."""
 
     incident_id: str = Field(min_length=1, max_length=128)
     within_s: float = Field(default=2.0, gt=0, le=10, description="the longest the capture may hold the stop")
 
 
 class StopArgs(Wire):
-    """How an agent stops a job's ranks on its node: SIGTERM, then SIGKILL after the grace period; first their
-    stacks, when asked (once per incident)."""
+    """How an agent stops a job's ranks on its node: SIGTERM, then SIGKILL after the grace period."""
 
     grace_s: float = Field(default=5.0, gt=0, le=3600)
-    capture_stacks: StackCapture | None = None
     park_within_s: float | None = Field(
         default=None,
         gt=0,
@@ -182,7 +181,16 @@ class PrepareStandbysCommand(AgentCommand):
     args: PrepareStandbysArgs
 
 
-Command = PingCommand | LaunchCommand | StopCommand | PrepareStandbysCommand
+class CaptureStacksCommand(AgentCommand):
+    """Capture the Python stacks of the job's live ranks on this node, once per incident, and leave them running.
+    Sent to every node of a hang before any of them is told to stop: a rank stopped on one node would end its peers'
+    collective on the others, and their stacks would show that end instead of the hang."""
+
+    action: Literal[CommandAction.CAPTURE_STACKS] = CommandAction.CAPTURE_STACKS
+    args: StackCapture
+
+
+Command = PingCommand | LaunchCommand | StopCommand | PrepareStandbysCommand | CaptureStacksCommand
 AnyCommand = Annotated[Command, Field(discriminator="action")]
 _ANY_COMMAND: TypeAdapter[Command] = TypeAdapter(AnyCommand)
 

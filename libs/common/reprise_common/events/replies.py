@@ -76,6 +76,14 @@ class PrepareStandbysData(ReplyData):
     standbys: NonNegativeInt = 0
 
 
+class CaptureStacksData(ReplyData):
+    """The ranks whose stacks were captured (sorted), and those of them whose capture failed (its rank.stacks event
+    says why); both empty when this incident's stacks were captured here already."""
+
+    captured: list[NonNegativeInt] = Field(default_factory=list)
+    failed: list[NonNegativeInt] = Field(default_factory=list)
+
+
 class ReplyEnvelope(Wire):
     """What every reply carries besides its data; a repeated command id gets the first answer again."""
 
@@ -114,6 +122,12 @@ class PrepareStandbysReply(AgentReply):
     """The answer to a prepare-standbys command."""
 
     data: PrepareStandbysData = Field(default_factory=PrepareStandbysData)
+
+
+class CaptureStacksReply(AgentReply):
+    """The answer to a stack capture."""
+
+    data: CaptureStacksData = Field(default_factory=CaptureStacksData)
 
 
 class CommandReply(ReplyEnvelope):

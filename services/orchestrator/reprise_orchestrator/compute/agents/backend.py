@@ -19,6 +19,8 @@ from reprise_common.clock import utcnow
 from reprise_common.errors import BusError
 from reprise_common.events import (
     AgentCommand,
+    CaptureStacksCommand,
+    CaptureStacksReply,
     LaunchCommand,
     LaunchReply,
     PrepareStandbysArgs,
@@ -165,17 +167,20 @@ class AgentsBackend:
         stacks_for: str | None = None,
         in_place: InPlace | None = None,
     ) -> Answers[StopReply]:
-        """A stop with the grace period to each node (after the stacks' capture, when asked; parking first, for a
-        restart in place); the wait covers all of it."""
+        """A stop with the grace period to each node (parking first, for a restart in place); the wait covers all of
+        it. With `stacks_for`, every node captures its ranks' stacks first, and the stop goes to none before all have
+        answered (or the capture's bound has passed): one node's stopped rank would end its peers' collective on the
+        others before their stacks were read."""
+        if stacks_for is not None:
+            await self._capture_stacks(job_id, node_ids, operation_id=operation_id, fence=fence, incident_id=stacks_for)
         issued_at = utcnow()
-        capture = StackCapture(incident_id=stacks_for, within_s=self.stack_capture_s) if stacks_for else None
-        cold = StopArgs(grace_s=self.stop_grace_s, capture_stacks=capture)
+        cold = StopArgs(grace_s=self.stop_grace_s)
         parking = cold
         if in_place is not None:
             parking = cold.model_copy(
                 update={"park_within_s": self.in_place_limit_s, "kill_ranks": sorted(in_place.kill_ranks)}
             )
-        timeout_s = self.command_timeout_s + self.stop_grace_s + (self.stack_capture_s if capture else 0.0)
+        timeout_s = self.command_timeout_s + self.stop_grace_s
         timeout_s += self.in_place_limit_s if in_place is not None else 0.0
         commands = {
             node_id: StopCommand(
@@ -188,6 +193,26 @@ class AgentsBackend:
             for node_id in dict.fromkeys(node_ids)
         }
         return await self._command(commands, StopReply, timeout_s=timeout_s)
+
+    async def _capture_stacks(
+        self, job_id: str, node_ids: Sequence[str], *, operation_id: str, fence: int, incident_id: str
+    ) -> None:
+        """Every node's ranks' stacks for the incident, read while all of them still run (evidence only: a node
+        that does not answer is left to the stop that follows)."""
+        order = StackCapture(incident_id=incident_id, within_s=self.stack_capture_s)
+        commands = {
+            node_id: CaptureStacksCommand(
+                command_id=f"{operation_id}:stacks:{node_id}", job_id=job_id, fence=fence, args=order
+            )
+            for node_id in dict.fromkeys(node_ids)
+        }
+        answers = await self._command(
+            commands, CaptureStacksReply, timeout_s=self.command_timeout_s + self.stack_capture_s
+        )
+        for answer in answers.items:
+            if not answer.ok:
+                extra = {**_why(job_id, answer), "incident_id": incident_id}
+                log.info("a node did not capture its ranks' stacks", extra=extra)
 
     async def _command(
         self, commands: Mapping[str, AgentCommand], reply_type: type[ReplyT], *, timeout_s: float
@@ -217,7 +242,7 @@ class AgentsBackend:
         await asyncio.gather(*self._preparing, return_exceptions=True)
 
 
-def _why(job_id: str, answer: NodeAnswer[PrepareStandbysReply]) -> dict[str, str]:
+def _why(job_id: str, answer: NodeAnswer[CaptureStacksReply] | NodeAnswer[PrepareStandbysReply]) -> dict[str, str]:
     detail = answer.reply.detail if answer.reply is not None else str(answer.error)
     return {"job_id": job_id, "node_id": answer.node_id, "why": detail}
 
