@@ -40,6 +40,7 @@ from reprise_cli.demo.training import Training, job_spec
 from reprise_cli.kube_cluster import JOBS_NAMESPACE, kube_unavailable_reason, listening_ports
 from reprise_cli.stack import Stack
 from reprise_cli.topology import StackConfig
+from reprise_common.errors import ConfigError
 
 pytest.importorskip("torch", reason="PyTorch is not installed: the DDP job cannot run")
 pytestmark = [
@@ -167,8 +168,8 @@ def _rank_step(cluster: Cluster, job_id: str, *, node: str, epoch: int) -> int |
     """The last step a rank of the job's launch `epoch` on `node` completed, as its agent reports (None: not yet)."""
     try:
         status = httpx.get(cluster.stack.agent_url(node) + "/v1/status", timeout=2.0).raise_for_status().json()
-    except (httpx.HTTPError, ValueError, LookupError):
-        return None  # the pod's agent is starting, or gone
+    except (httpx.HTTPError, ValueError, LookupError, ConfigError):
+        return None  # the pod's agent is starting (no port yet), or gone
     steps = [r.get("step") for r in status["ranks"] if r.get("job_id") == job_id and r.get("restart_epoch") == epoch]
     return max((s for s in steps if s is not None), default=None)
 

@@ -51,12 +51,20 @@ def _create_path(manifest: dict[str, Any]) -> str:
 
 
 def listening_ports(pid: int) -> list[int]:
-    """The TCP ports process `pid` itself listens on (its sockets, read from /proc)."""
+    """The TCP ports process `pid` itself listens on (its sockets, read from /proc); none for a process gone. A file
+    the process closes while its descriptors are read is passed over, not taken for the process's end."""
     try:
-        links = [os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()]
+        fds = list(Path(f"/proc/{pid}/fd").iterdir())
     except OSError:
         return []
-    inodes = {link[len("socket:[") : -1] for link in links if link.startswith("socket:[")}
+    inodes = set()
+    for fd in fds:
+        try:
+            link = os.readlink(fd)
+        except OSError:
+            continue  # closed since the listing
+        if link.startswith("socket:["):
+            inodes.add(link[len("socket:[") : -1])
     ports = []
     for table in ("tcp", "tcp6"):
         try:
