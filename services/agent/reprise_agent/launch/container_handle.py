@@ -9,6 +9,7 @@ import os
 import shutil
 import signal
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -25,6 +26,9 @@ from reprise_common.logging import get_logger
 from reprise_common.procs import ProcessSample, process_alive, sample_process, start_ticks
 
 log = get_logger("reprise.agent.containers")
+# How long a rank whose container ended while its daemon was away waits for the daemon's word of its exit status (a
+# daemon restarted with live restore has it) before it is reported killed: its peers' failures are reported meanwhile.
+EXIT_WORD_S = 5.0
 
 
 @dataclass
@@ -110,8 +114,10 @@ class ContainerHandle:
 
     def _status(self) -> int:
         """Its exit status, from the daemon. A daemon that goes away is waited on again once it answers (with live
-        restore the container ran on meanwhile); a container whose init ends while the daemon is away ended, as far
-        as anyone can tell, by SIGKILL."""
+        restore the container ran on meanwhile). A container whose init ends while the daemon is away has its status
+        from the daemon if it answers within EXIT_WORD_S (a daemon back with live restore read it from the
+        container's shim); else it ended, as far as anyone can tell, by SIGKILL."""
+        last_try = False
         while True:
             try:
                 status = int(self.container.wait()["StatusCode"])
@@ -121,17 +127,35 @@ class ContainerHandle:
                 return status
             except (docker.errors.DockerException, OSError) as exc:
                 log.warning("docker lost a container", extra={"container": self.container.short_id, "error": str(exc)})
-            if not self._daemon_back():
+            if last_try:
                 return SIGNAL_EXIT_BASE + signal.SIGKILL
+            if not self._daemon_back():  # the init ended while the daemon was away
+                last_try = True
+                if not self._daemon_answers(within_s=EXIT_WORD_S):
+                    log.warning(
+                        "a container ended while its daemon was away; reported as killed",
+                        extra={"container": self.container.short_id, "waited_s": EXIT_WORD_S},
+                    )
+                    return SIGNAL_EXIT_BASE + signal.SIGKILL
 
     def _daemon_back(self) -> bool:
         """Until the daemon answers again (True) or the container's init ends (False)."""
         while self._init_alive():
             threading.Event().wait(0.2)
+            if self._daemon_answers(within_s=0.0):
+                return True
+        return False
+
+    def _daemon_answers(self, *, within_s: float) -> bool:
+        """Whether the daemon answers a ping within `within_s` (asked every 0.2 s; once for 0)."""
+        deadline = time.monotonic() + within_s
+        while True:
             with contextlib.suppress(docker.errors.DockerException, OSError):
                 self.container.client.ping()
                 return True
-        return False
+            if time.monotonic() >= deadline:
+                return False
+            threading.Event().wait(0.2)
 
     def _init_alive(self) -> bool:
         """Its init still runs: the same process (by its start time), not a zombie nobody reaped (a shim gone too)."""

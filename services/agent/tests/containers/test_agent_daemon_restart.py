@@ -4,7 +4,7 @@ daemon ends the rank's container, whose death the agent reports once, and the jo
 orchestrator's recovery sends) runs its rank in a new container on the daemon that is back. An agent restarted while
 its daemon is away cannot adopt: it kills its predecessor's containers from the host and reports their ranks lost.
 With live restore the rank trains on through the restart: its output is taken up after the last line copied (none
-lost, none twice) and its exit is reported once, with its own code."""
+lost, none twice) and its exit is reported once, with its own code, also when it ends while the daemon is away."""
 
 from __future__ import annotations
 
@@ -14,6 +14,9 @@ import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import pytest
+
+from reprise_agent.launch import container_handle
 from reprise_agent.launch.container_policy import ContainerPolicy
 from reprise_agent.launch.containers import ContainerEngine
 from reprise_agent.launch.processes import ProcessLauncher
@@ -176,3 +179,24 @@ async def test_with_live_restore_the_rank_trains_through_a_daemon_restart_with_i
     steps = [int(line.split()[1]) for line in lines if line.startswith("step ")]
     assert steps == list(range(1, len(steps) + 1)) and len(steps) > 60, lines[:5]  # none lost, none twice
     assert lines[-1] == "told to stop"
+
+
+async def test_with_live_restore_a_rank_that_ends_while_its_daemon_is_away_is_reported_with_its_own_code(
+    nats_server: NatsServer, tmp_path: Path, docker_engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The daemon's start may take longer than the handle's usual wait for its word on a loaded host.
+    monkeypatch.setattr(container_handle, "EXIT_WORD_S", 60.0)
+    async with daemon_killed_under_a_rank(nats_server, tmp_path, docker_engine, UNTIL_TOLD, live_restore=True) as (
+        harness,
+        daemon,
+        job_dir,
+        pid,
+    ):
+        (job_dir / "stop").touch()
+        assert await wait_for(lambda: not process_alive(pid), timeout_s=30)  # it ended while the daemon was away
+        await asyncio.sleep(0.5)
+        assert not harness.of_type(RankExited)  # not taken for a kill: its status waits for the daemon's word
+        await asyncio.to_thread(daemon.start)  # live restore: it reads the container's status from its shim
+        assert await wait_for(lambda: harness.of_type(RankExited), timeout_s=30)
+        exits = [e for e in harness.events if isinstance(e, RankExited)]
+        assert [(e.rank, e.exit_code, e.signal) for e in exits] == [(0, 3, None)]  # its own code, not a kill
