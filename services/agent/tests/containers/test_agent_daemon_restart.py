@@ -200,3 +200,23 @@ async def test_with_live_restore_a_rank_that_ends_while_its_daemon_is_away_is_re
         assert await wait_for(lambda: harness.of_type(RankExited), timeout_s=30)
         exits = [e for e in harness.events if isinstance(e, RankExited)]
         assert [(e.rank, e.exit_code, e.signal) for e in exits] == [(0, 3, None)]  # its own code, not a kill
+
+
+async def test_a_rank_killed_while_its_daemon_is_away_dies_at_once(
+    nats_server: NatsServer, tmp_path: Path, docker_engine: Engine
+) -> None:
+    """The kill goes to the container's init from the host (asking the daemon held the agent's loop for its round
+    trip, and with the daemon away it killed nothing)."""
+    async with daemon_killed_under_a_rank(nats_server, tmp_path, docker_engine, UNTIL_TOLD, live_restore=True) as (
+        harness,
+        daemon,
+        _job_dir,
+        pid,
+    ):
+        [rank] = harness.agent.supervisor.ranks()
+        harness.agent.supervisor.kill(rank)
+        assert await wait_for(lambda: not process_alive(pid), timeout_s=10)
+        await asyncio.to_thread(daemon.start)
+        assert await wait_for(lambda: harness.of_type(RankExited), timeout_s=30)
+        exits = [e for e in harness.events if isinstance(e, RankExited)]
+        assert [(e.rank, e.exit_code, e.signal) for e in exits] == [(0, None, "SIGKILL")]
