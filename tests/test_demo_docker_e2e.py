@@ -9,7 +9,7 @@ and the job ends with the fault-free reference's parameters, bit for bit.
 from __future__ import annotations
 
 from contextlib import closing
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +33,14 @@ pytestmark = [
 
 
 def _container_events(url: str, since: datetime, job_id: str) -> list[dict[str, Any]]:
-    """The daemon's start and die events of the job's containers since `since`."""
+    """The daemon's start and die events of the job's containers since `since`, up to now. The SDK sends `until` in
+    whole seconds (truncated): an event of this very second would be left out, so it asks up to 2 s ahead and the
+    daemon streams the events until then."""
     client = docker.DockerClient(base_url=url, timeout=30)
     try:
         events = client.events(
             since=since,
-            until=datetime.now(UTC),
+            until=datetime.now(UTC) + timedelta(seconds=2),
             decode=True,
             filters={"type": "container", "label": f"io.reprise.job={job_id}"},
         )
