@@ -17,9 +17,9 @@ per cell, a cell being a system and a fault kind:
   loop   ``until torchrun --max-restarts 0 ...; do :; done`` (bench/recovery_loop.py): every failure restarts it all
   cold-container, fast-container
          cold and fast with each rank in a container of the base image on the stack's own dockerd
-         (bench/recovery_containers.py); on the fast path the agents keep standby containers (the spares too), cold
-         has none. Each is compared with its process cell (the ratio and the recovery's launch step, the ranks'
-         start overhead) under the table
+         (bench/recovery_containers.py); on the fast path the agents keep standby containers (the first 2 spares
+         too), cold has none. Each is compared with its process cell (the ratio and the recovery's launch step, the
+         ranks' start overhead) under the table
 
 Faults, each on rank 3: a rank crash (SIGKILL), XID 79 (Reprise: the agent's simulated GPU falls off the bus and the
 rank dies; the loop: the same SIGKILL, all a process sees), a hang (SIGSTOP; Reprise's job limit hang_timeout_s 3 s),

@@ -42,8 +42,10 @@ from reprise_cli.stack import Stack
 from reprise_cli.topology import Runtime
 from reprise_common import subjects
 from reprise_common.bus import Bus
-from reprise_common.events import NodeReport
+from reprise_common.events import GpuHealth, NodeReport
+from reprise_orchestrator.settings import OrchestratorSettings
 
+STANDBY_SPARES = OrchestratorSettings.model_fields["standby_spares"].default  # spares keeping a job's standbys
 REPORT_FRESH_S = 3.0  # a node whose last report is older is gone (lost) and has no standbys to wait for
 STAMP_SLACK_S = 0.1  # incidents and injections are stamped by processes on one host, one clock: a fault owns what
 # opens from just before its injection until just before the next
@@ -84,20 +86,32 @@ class NodeReports:
             if standby.ready and standby.rss_bytes:
                 self.rss_bytes[standby.pid] = max(standby.rss_bytes, self.rss_bytes.get(standby.pid, 0))
 
-    def ready_standbys(self, *, serving: bool = False) -> dict[str, int]:
-        """Ready standbys per live node (`serving`: only the nodes that run ranks or are spares, which keep a
-        containerized job's standbys; a cordoned node the job left keeps none)."""
+    def ready_standbys(self) -> dict[str, tuple[int, str]]:
+        """Ready standbys per live node, and what the node is: "ranks" (it runs some), "spare" (a spare that could take
+        some: every GPU usable) or "" (neither: a node a fault left out)."""
         now = time.time()
-        return {
-            node: sum(s.ready for s in report.standbys)
-            for node, (seen, report) in list(self.latest.items())
-            if now - seen < REPORT_FRESH_S and (not serving or report.ranks or report.spare)
-        }
+        found = {}
+        for node, (seen, report) in list(self.latest.items()):
+            if now - seen >= REPORT_FRESH_S:
+                continue
+            usable = all(g.health in (GpuHealth.OK, GpuHealth.DEGRADED) for g in report.gpus)
+            role = "ranks" if report.ranks else "spare" if report.spare and usable else ""
+            found[node] = (sum(s.ready for s in report.standbys), role)
+        return found
 
     def warm(self, at_least: int, *, serving: bool = False) -> bool:
-        """Every live node (the spares too; `serving`: see ready_standbys) has `at_least` ready standbys."""
-        ready = self.ready_standbys(serving=serving)
-        return bool(ready) and all(count >= at_least for count in ready.values())
+        """Every live node has `at_least` ready standbys. `serving` (a containerized job, whose standbys only the
+        nodes that run its ranks and the first STANDBY_SPARES spares keep): every node that runs ranks, and as many
+        spares as the orchestrator tells to keep them (all of them, where fewer)."""
+        ready = self.ready_standbys()
+        if not ready:
+            return False
+        if not serving:
+            return all(count >= at_least for count, _ in ready.values())
+        spares = [count >= at_least for count, role in ready.values() if role == "spare"]
+        return all(count >= at_least for count, role in ready.values() if role == "ranks") and (
+            sum(spares) >= min(STANDBY_SPARES, len(spares))
+        )
 
     def memory(self) -> dict[str, Any]:
         """The ready standbys' resident memory (the largest reading of each)."""

@@ -47,6 +47,13 @@ class OrchestratorSettings(ServiceSettings, DatabaseSettings, AuthSettings, Chec
     stack_capture_s: float = Field(
         default=2.0, gt=0, le=10, description="how long a stop for a hang may wait for the ranks' stacks first"
     )
+    standby_spares: int = Field(
+        default=2,
+        ge=0,
+        le=64,
+        description="how many of the pool's spares keep standby containers of each containerized job: the ones a"
+        " recovery takes first",
+    )
     node_stale_s: float = Field(default=5.0, gt=0, description="a node without a report for this long is not placeable")
     master_port_base: int = Field(
         default=29500, ge=1024, le=64535, description="rendezvous ports are drawn from this and the 999 above it"

@@ -1,8 +1,9 @@
-"""The agents backend's stop for a hang: every node's ranks' stacks are captured before any node is told to stop.
+"""What the agents backend sends the nodes, read by agents on a real NATS server that record their commands.
 
-A rank stopped on one node ends its peers' collective on the others; a node whose capture came after that read a
-stack in torch's exception hook instead of the collective it hung in (a CI run of tests/test_stack.py). Two agents on
-a real NATS server stand in for the nodes, one of them slow to capture.
+- A stop for a hang: every node's ranks' stacks are captured before any node is told to stop. A rank stopped on one
+  node ends its peers' collective on the others; a node whose capture came after that read a stack in torch's
+  exception hook instead of the collective it hung in (a CI run of tests/test_stack.py).
+- A containerized job's launch: only the spares a recovery would take first are told to keep its standby containers.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import time
 
 from reprise_cli.servers import NatsServer
 from reprise_common import subjects
+from reprise_common.aio import poll_until
 from reprise_common.bus import Bus
 from reprise_common.clock import SystemClock
 from reprise_common.events import (
@@ -19,12 +21,20 @@ from reprise_common.events import (
     CaptureStacksData,
     CaptureStacksReply,
     CommandResult,
+    ContainerSupport,
+    GpuStatus,
+    LaunchArgs,
+    LaunchReply,
+    NodeReport,
+    PrepareStandbysCommand,
+    PrepareStandbysReply,
     StopCommand,
     StopReply,
     Wire,
     parse_command,
 )
 from reprise_orchestrator.compute.agents.backend import AgentsBackend
+from reprise_orchestrator.compute.backend import LaunchRequest
 from reprise_orchestrator.inventory import Inventory
 
 SLOW_CAPTURE_S = 0.5
@@ -67,4 +77,60 @@ async def test_a_hangs_stop_reaches_no_node_before_every_node_has_captured_its_s
         await backend.stop("job-a", ["w-1", "w-2"], operation_id="op-2", fence=3)  # not a hang: no capture
         assert sorted((node, what) for node, what, _ in seen) == [("w-1", "stop"), ("w-2", "stop")]
     finally:
+        await bus.close()
+
+
+async def test_a_containerized_launch_tells_only_the_spares_a_recovery_takes_first_to_keep_standbys(
+    nats_server: NatsServer,
+) -> None:
+    told: list[tuple[str, str]] = []  # (node, action)
+
+    def agent(node_id: str):  # type: ignore[no-untyped-def]
+        async def on_command(data: bytes) -> Wire:
+            command = parse_command(data)
+            told.append((node_id, command.action.value))
+            done = {"command_id": command.command_id, "node_id": node_id, "result": CommandResult.DONE}
+            if isinstance(command, PrepareStandbysCommand):
+                return PrepareStandbysReply(**done)
+            return LaunchReply(**done)
+
+        return on_command
+
+    def report(node_id: str, *, spare: bool) -> NodeReport:
+        return NodeReport(
+            source=node_id, node_id=node_id, interval_s=1.0, gpu_backend="sim", gpus=[GpuStatus(index=0)],
+            spare=spare, containers=ContainerSupport(),
+        )  # fmt: skip
+
+    bus = Bus(url=nats_server.url, service="test-orchestrator", provision=False)
+    await bus.connect(attempts=5)
+    inventory = Inventory(clock=SystemClock(), stale_s=30.0)
+    nodes = {"w-1": False, "s-3": True, "s-1": True, "s-2": True}
+    for node_id, spare in nodes.items():
+        inventory.observe(node_id, report(node_id, spare=spare))
+    backend = AgentsBackend(bus=bus, inventory=inventory, command_timeout_s=5.0, stop_grace_s=0.5, standby_spares=2)
+    try:
+        for node_id in nodes:
+            await bus.serve(subjects.node_command(node_id), agent(node_id))
+        args = LaunchArgs.model_validate({
+            "restart_epoch": 0, "world_size": 1, "master_addr": "w-1", "master_port": 29500,
+            "command": ["python", "train.py"], "container": {"image": "reprise-base:local"},
+            "ranks": [{"rank": 0, "node_id": "w-1", "local_rank": 0}],
+        })  # fmt: skip
+        answers = await backend.launch(LaunchRequest("job-a", args), operation_id="op-1", fence=1)
+        assert [a.node_id for a in answers.items] == ["w-1"]
+        assert await poll_until(lambda: len(told) == 3, timeout_s=10), told
+        await asyncio.sleep(0.3)  # nothing more comes
+        assert sorted(told) == [("s-1", "prepare_standbys"), ("s-2", "prepare_standbys"), ("w-1", "launch")]
+
+        told.clear()
+        await backend.launch(LaunchRequest("job-b", args), operation_id="op-2", fence=1)
+        backend.standby_spares = 0  # none: a launch tells no spare
+        await backend.launch(LaunchRequest("job-c", args), operation_id="op-3", fence=1)
+        await asyncio.sleep(0.5)
+        assert sorted(told) == [
+            ("s-1", "prepare_standbys"), ("s-2", "prepare_standbys"), ("w-1", "launch"), ("w-1", "launch")
+        ]  # fmt: skip
+    finally:
+        await backend.close()
         await bus.close()

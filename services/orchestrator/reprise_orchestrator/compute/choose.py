@@ -50,6 +50,7 @@ def _agents(context: BackendContext) -> AgentsBackend:
         stop_grace_s=settings.stop_grace_s,
         in_place_limit_s=settings.in_place_limit_s,
         stack_capture_s=settings.stack_capture_s,
+        standby_spares=settings.standby_spares,
     )
 
 

@@ -62,6 +62,7 @@ class AgentsBackend:
         stop_grace_s: float,
         stack_capture_s: float = 2.0,
         in_place_limit_s: float = 5.0,
+        standby_spares: int = 2,
     ) -> None:
         self.bus = bus
         self.inventory = inventory
@@ -69,6 +70,7 @@ class AgentsBackend:
         self.stop_grace_s = stop_grace_s
         self.stack_capture_s = stack_capture_s
         self.in_place_limit_s = in_place_limit_s
+        self.standby_spares = standby_spares
         self._preparing: set[asyncio.Task[None]] = set()  # spares told to keep a job's standby containers
 
     def pool(self, *, exclude: Set[str] = frozenset(), job_id: str | None = None) -> NodePool:
@@ -102,8 +104,9 @@ class AgentsBackend:
         return await self._command(commands, LaunchReply, timeout_s=self.command_timeout_s)
 
     def _prepare_spares(self, request: LaunchRequest, *, exclude: Set[str], operation_id: str, fence: int) -> None:
-        """Tell the spares a containerized job's ranks may move to to keep standby containers of it (in the
-        background: the launch does not wait for them)."""
+        """Tell the spares a containerized job's ranks would move to first (`standby_spares` of them, in the order
+        placement takes them) to keep standby containers of it, in the background: the launch does not wait. Every
+        spare keeping every job's standbys would hold jobs times spares containers of ~300 MB each."""
         args = request.args
         if args.container is None:
             return
@@ -112,7 +115,7 @@ class AgentsBackend:
             node_id
             for node_id in self.pool().spares
             if node_id not in exclude and self.inventory.container_refusal(node_id, args.container, checkpoints) is None
-        ]
+        ][: self.standby_spares]
         if not spares:
             return
         most = max(Counter(rank.node_id for rank in args.ranks).values(), default=1)
