@@ -1,10 +1,13 @@
-"""One containerized rank's handle: its output and exit through the Docker daemon, its signals through its init's
-pid on the host (launch/containers.py starts it; launch/container_restart.py re-attaches a later agent to it)."""
+"""One containerized rank's handle: its signals through its init's pid on the host, its exit from the kernel (the
+daemon's word where the kernel's is not to be had), its output from a file in its inbox directory the rank writes
+(through the daemon's log where it cannot): launch/containers.py starts it; launch/container_restart.py re-attaches a
+later agent to it. docs/containers.md, "Exit and output"."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import shutil
 import signal
@@ -20,15 +23,18 @@ import docker
 import docker.errors
 from docker.models.containers import Container
 
-from reprise_agent.launch.container_procs import SIGNAL_EXIT_BASE, descendants, exit_code
+from reprise_agent.launch import kernel_exits
+from reprise_agent.launch.container_procs import SIGNAL_EXIT_BASE, descendants, exit_code, kill_init
 from reprise_agent.launch.processes import io_chars
 from reprise_common.logging import get_logger
-from reprise_common.procs import ProcessSample, process_alive, sample_process, start_ticks
+from reprise_common.procs import ProcessSample, oom_kill_count, process_alive, sample_process, start_ticks
 
 log = get_logger("reprise.agent.containers")
 # How long a rank whose container ended while its daemon was away waits for the daemon's word of its exit status (a
 # daemon restarted with live restore has it) before it is reported killed: its peers' failures are reported meanwhile.
 EXIT_WORD_S = 5.0
+TAIL_MIN_S, TAIL_MAX_S = 0.02, 0.25  # how often the output file is read: soon after output, less often while quiet
+TAIL_CHUNK = 64 * 1024
 
 
 @dataclass
@@ -42,6 +48,7 @@ class ContainerHandle:
     inbox_link: Path | None = None  # <inbox dir>/<pid>.sock, pointing at the socket the SDK binds in the container
     warm: bool = False
     env_changes: dict[str, str] = field(default_factory=dict)  # what its environment says otherwise than the host's
+    output_file: Path | None = None  # where the rank writes its stdout and stderr (None: the daemon's log has them)
     returncode: int | None = None
     oom: bool = False
     output: asyncio.StreamReader = field(init=False)
@@ -51,16 +58,51 @@ class ContainerHandle:
     def __post_init__(self) -> None:
         self.started = start_ticks(self.pid)
         self.init_started = start_ticks(self.init_pid)
+        self.oom_baseline = oom_kill_count()
+        self._report_lock = threading.Lock()
 
-    def follow(self, loop: asyncio.AbstractEventLoop, *, since: float | None = None) -> None:
-        """Start the threads that copy its output (from `since`, a Unix time: an adopted container's output is not
-        copied twice) and wait for its exit (the SDK's calls block); on the loop."""
+    def follow(self, loop: asyncio.AbstractEventLoop, *, since: float | None = None, offset: int = 0) -> None:
+        """Start the threads that copy its output (from byte `offset` of its output file, or from `since`, a Unix
+        time, in the daemon's log: an adopted container's output is not copied twice) and wait for its exit (the
+        SDK's calls block); on the loop. Its init's exit is watched in the kernel's events where this host has them."""
         self.output = asyncio.StreamReader()
         self._exited = asyncio.Event()
-        self._ended = threading.Event()  # its exit status is known (set by the waiting thread)
-        pump = threading.Thread(target=self._pump, args=(loop, since), name=f"ctr-out-{self.pid}", daemon=True)
+        self._ended = threading.Event()  # its exit status is known: by the kernel's word or the daemon's
+        if self.output_file is not None:
+            copy: Callable[[], None] = functools.partial(self._tail, loop, self.output_file, offset)
+        else:
+            copy = functools.partial(self._pump, loop, since)
+        pump = threading.Thread(target=copy, name=f"ctr-out-{self.pid}", daemon=True)
         pump.start()
+        if (watch := kernel_exits.shared()) is not None and self._init_alive():
+            watch.watch(self.init_pid, lambda status: self._kernel_exit(loop, status))
         threading.Thread(target=self._wait, args=(loop, pump), name=f"ctr-wait-{self.pid}", daemon=True).start()
+
+    def _tail(self, loop: asyncio.AbstractEventLoop, path: Path, offset: int) -> None:
+        """Copy its output file from `offset` until its exit is known (every process that could write it is gone by
+        then: they end with the container's init), then what is left; the offset copied is kept beside the file for
+        an agent that adopts the container."""
+        pause = TAIL_MIN_S
+        try:
+            with path.open("rb", buffering=0) as source, _OffsetFile(path) as copied:
+                source.seek(offset)
+                while True:
+                    ended = self._ended.is_set()
+                    data = source.read(TAIL_CHUNK)
+                    if data:
+                        _tell(loop, self.output.feed_data, data)
+                        offset += len(data)
+                        copied.write(offset)
+                        pause = TAIL_MIN_S
+                        continue
+                    if ended:
+                        return
+                    self._ended.wait(pause)
+                    pause = min(pause * 2, TAIL_MAX_S)
+        except OSError as exc:
+            log.warning("container output lost", extra={"container": self.container.short_id, "error": str(exc)})
+        finally:
+            _tell(loop, self.output.feed_eof)
 
     def _pump(self, loop: asyncio.AbstractEventLoop, since: float | None) -> None:
         """Copy its output until it exits. A daemon that goes away ends the stream: once it answers again with the
@@ -101,12 +143,30 @@ class ContainerHandle:
                 return True
         return False
 
-    def _wait(self, loop: asyncio.AbstractEventLoop, pump: threading.Thread) -> None:
-        """The exit is told as soon as the daemon reports it (and, for a failure, whether the container saw an OOM
-        kill); the container and its inbox are removed after, so their removal never delays a recovery."""
-        status = self._status()
-        self._ended.set()
+    def _kernel_exit(self, loop: asyncio.AbstractEventLoop, wait_status: int) -> None:
+        """The kernel's word of its init's exit (on the watch's thread). A SIGKILL while the kernel's OOM killer acted
+        somewhere since the rank started is left to the daemon, which knows whether it acted in this container."""
+        status = kernel_exits.container_status(wait_status)
+        if status == SIGNAL_EXIT_BASE + signal.SIGKILL and oom_kill_count() != self.oom_baseline:
+            return
+        self._report(loop, status)
+
+    def _report(self, loop: asyncio.AbstractEventLoop, status: int) -> None:
+        """Tell its exit status once: the first word of it, the kernel's or the daemon's (they agree)."""
+        with self._report_lock:
+            if self._ended.is_set():
+                return
+            self._ended.set()
         _tell(loop, self._exit, exit_code(status))
+
+    def _wait(self, loop: asyncio.AbstractEventLoop, pump: threading.Thread) -> None:
+        """The exit is told as soon as the daemon reports it, unless the kernel did first (and, for a failure, whether
+        the container saw an OOM kill); the container and its inbox are removed after, so their removal never delays
+        a recovery."""
+        status = self._status()
+        self._report(loop, status)
+        if (watch := kernel_exits.shared()) is not None:
+            watch.forget(self.init_pid)
         pump.join(timeout=5.0)
         with contextlib.suppress(docker.errors.DockerException, OSError):
             self.container.remove(force=True)
@@ -207,12 +267,8 @@ class ContainerHandle:
         if self._exited.is_set():
             return
         if self.init_started is not None:
-            if not self._init_alive():
-                return  # ended already
             try:
-                os.kill(self.init_pid, signal.SIGKILL)
-                return
-            except ProcessLookupError:
+                kill_init(self.init_pid, self.init_started)  # False: it ended already
                 return
             except PermissionError:
                 pass  # the container runs as a user the agent may not signal: the daemon may
@@ -241,7 +297,7 @@ class ContainerHandle:
         return {
             "pid": self.pid, "started": self.started, "container_id": self.container.id, "init_pid": self.init_pid,
             "init_started": self.init_started, "inbox": _text(self.inbox), "inbox_link": _text(self.inbox_link),
-            "env_changes": self.env_changes,
+            "env_changes": self.env_changes, "output_file": _text(self.output_file),
         }  # fmt: skip
 
 
@@ -269,3 +325,33 @@ def _unix_time(stamp: str) -> float:
 
 def _text(path: Path | None) -> str | None:
     return None if path is None else str(path)
+
+
+class _OffsetFile:
+    """``<output file>.copied``: how many bytes of the output file were copied, for an agent that adopts the rank."""
+
+    def __init__(self, output: Path) -> None:
+        self.path = copied_path(output)
+
+    def __enter__(self) -> _OffsetFile:
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o600)
+        return self
+
+    def write(self, offset: int) -> None:
+        os.pwrite(self.fd, b"%20d" % offset, 0)
+
+    def __exit__(self, *_: object) -> None:
+        os.close(self.fd)
+
+
+def copied_path(output: Path) -> Path:
+    """Where the offset copied of a rank's output file is kept."""
+    return output.with_name(output.name + ".copied")
+
+
+def copied_offset(output: Path) -> int:
+    """How much of a rank's output file an earlier agent copied (0 when it did not say)."""
+    try:
+        return int(copied_path(output).read_text(encoding="ascii").strip() or 0)
+    except (OSError, ValueError):
+        return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -61,3 +62,14 @@ def rank_pid(init_pid: int) -> int:
             break
         time.sleep(0.005)
     return init_pid
+
+
+def kill_init(pid: int, started: int | None) -> bool:
+    """SIGKILL a container's init from the host (every process of its pid namespace dies with it), only while `pid`
+    is still the init that started at `started` (its start time): whether it was there to kill. Raises
+    PermissionError where the host may not signal it (a container of another user's)."""
+    if pid <= 0 or started is None or start_ticks(pid) != started:
+        return False
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    return True

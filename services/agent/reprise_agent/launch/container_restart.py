@@ -1,6 +1,7 @@
 """What lets a containerized rank outlive its agent's process (docs/containers.md, "An agent restarted"): the agent's
-SDK socket reached through a directory the next agent re-links, a later agent's adoption of a container its
-predecessor started, and the removal of one it cannot adopt, also while the daemon is away."""
+SDK socket reached through a directory the next agent re-links, and a later agent's adoption of a container its
+predecessor started (one it cannot adopt is removed by launch/containers.py, its init killed from the host while the
+daemon is away)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import asyncio
 import contextlib
 import os
 import secrets
-import signal
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -17,7 +17,7 @@ from typing import Any
 import docker
 import docker.errors
 
-from reprise_agent.launch.container_handle import ContainerHandle
+from reprise_agent.launch.container_handle import ContainerHandle, copied_offset
 from reprise_agent.launch.container_procs import descendants
 from reprise_common.logging import get_logger
 from reprise_common.procs import start_ticks
@@ -61,8 +61,12 @@ def adopt(client: docker.DockerClient, record: Mapping[str, Any]) -> ContainerHa
         return None
     inbox, link = _path(record.get("inbox")), _path(record.get("inbox_link"))
     changes = {str(k): str(v) for k, v in dict(record.get("env_changes") or {}).items()}
-    handle = ContainerHandle(container, init_pid=init_pid, pid=pid, inbox=inbox, inbox_link=link, env_changes=changes)
-    handle.follow(asyncio.get_running_loop(), since=_copied_until(record))
+    output = _path(record.get("output_file"))
+    handle = ContainerHandle(
+        container, init_pid=init_pid, pid=pid, inbox=inbox, inbox_link=link, env_changes=changes, output_file=output
+    )
+    offset = copied_offset(output) if output is not None else 0
+    handle.follow(asyncio.get_running_loop(), since=_copied_until(record), offset=offset)
     return handle
 
 
@@ -75,14 +79,3 @@ def _copied_until(record: Mapping[str, Any]) -> float:
     with contextlib.suppress(OSError, KeyError):
         return os.stat(str(record["log"])).st_mtime
     return time.time()
-
-
-def kill_orphan(record: Mapping[str, Any]) -> bool:
-    """SIGKILL the container's init from the host (its pid namespace ends with it), when the daemon cannot be asked:
-    only the init the record names, checked by its start time. Whether it was there to kill."""
-    init_pid, started = record.get("init_pid"), record.get("init_started")
-    if not init_pid or started is None or start_ticks(int(init_pid)) != started:
-        return False
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(int(init_pid), signal.SIGKILL)
-    return True

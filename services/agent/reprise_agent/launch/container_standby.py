@@ -36,7 +36,7 @@ from reprise_agent.launch.standby import BOOT_SOURCE, READY, READY_TIMEOUT_S, RE
 from reprise_common.errors import RepriseError
 from reprise_common.events import ContainerSpec, LaunchArgs, StandbyStatus
 from reprise_common.logging import get_logger
-from reprise_common.procs import sample_process
+from reprise_common.procs import process_alive, sample_process
 
 
 class _Engine(Protocol):
@@ -71,8 +71,21 @@ log = get_logger("reprise.agent.containers")
 
 FIFO = "standby.fifo"  # in the standby's inbox directory: where its assignment arrives
 FIFO_ENV = "REPRISE_STANDBY_FIFO"
+OUTPUT = "rank.out"  # in a rank's (or standby's) inbox directory: its stdout and stderr, which the agent reads
+OUTPUT_ENV = "REPRISE_OUTPUT_FILE"  # its path in the container, for the process that points its output there
 # The boot reads its assignment from stdin: point it at the FIFO (read-write, so opening it does not wait for a writer).
-PRELUDE = f"import os as _o\n_f = _o.open(_o.environ['{FIFO_ENV}'], _o.O_RDWR)\n_o.dup2(_f, 0)\n_o.close(_f)\n"
+# Its output (the ready line, then the rank's) goes into the output file where it has one.
+PRELUDE = f"""import os as _o
+_f = _o.open(_o.environ['{FIFO_ENV}'], _o.O_RDWR)
+_o.dup2(_f, 0)
+_o.close(_f)
+if '{OUTPUT_ENV}' in _o.environ:
+    _f = _o.open(_o.environ.pop('{OUTPUT_ENV}'), _o.O_WRONLY | _o.O_APPEND)
+    _o.dup2(_f, 1)
+    _o.dup2(_f, 2)
+    _o.close(_f)
+"""
+ROOT_USERS = (None, "", "0", "root", "0:0", "root:root")  # who may open a file the agent made (mode 0600) in there
 RETIRE_AFTER_S = 60.0  # a job none of whose ranks runs here, and none started for this long, needs no standby
 CHECK_S = 5.0  # how often a full pool looks whether its job is over
 READY_POLL_MIN_S, READY_POLL_MAX_S = 0.05, 0.5  # how often a standby's output is read for its ready line
@@ -89,6 +102,7 @@ class ContainerStandby:
     inbox: Path
     base_env: dict[str, str]
     share: CpuShare | None = None  # its container's CPU weight, lowered while it waits
+    output: Path | None = None  # its output file (None: its output is in the daemon's log)
     ready: bool = False
 
 
@@ -164,16 +178,17 @@ class ContainerStandbys:
             standby.share.restore()  # the rank's container weighs as much as any other rank's
         _set_policy(standby.pid, os.SCHED_OTHER)  # the rank's own priority, all its threads
         since = time.time()  # its output from now on is the rank's (not its ready line)
+        offset = _size(standby.output)
         order = {"argv": list(argv), "env": {**standby.base_env, **env, **changes}, "cwd": cwd}
         if not _assign(standby.inbox / FIFO, order):
             await asyncio.to_thread(_remove, standby)
             return None
         handle = ContainerHandle(
             standby.container, init_pid=standby.init_pid, pid=standby.pid, inbox=standby.inbox, warm=True,
-            env_changes=changes,
+            env_changes=changes, output_file=standby.output,
         )  # fmt: skip
         handle.inbox_link = launcher.link_inbox(standby.pid, standby.inbox)
-        handle.follow(asyncio.get_running_loop(), since=since)
+        handle.follow(asyncio.get_running_loop(), since=since, offset=offset)
         self.taken += 1
         return handle
 
@@ -250,6 +265,9 @@ class ContainerStandbys:
             return False
         os.mkfifo(inbox / FIFO, 0o600)
         env = {**pool.template, "RANK": "standby", FIFO_ENV: f"{inner}/{FIFO}"}
+        output = output_file(launcher, inbox, pool.template)
+        if output is not None:
+            env[OUTPUT_ENV] = output[1]
         changes = launcher.env_changes(pool.template)  # the SDK socket's directory mounted, as for its rank
         argv = [pool.python, "-c", PRELUDE + BOOT_SOURCE, *self.preload]
         run = asyncio.ensure_future(asyncio.to_thread(launcher.run, argv, env, changes, None, inbox))
@@ -267,9 +285,9 @@ class ContainerStandbys:
         _set_policy(pid, os.SCHED_IDLE)
         share = CpuShare.lower(init_pid)
         own = {k: v for k, v in _environ(pid).items() if k not in env and k not in changes}  # the image's, the daemon's
-        standby = ContainerStandby(container, init_pid, pid, inbox, own, share)
+        standby = ContainerStandby(container, init_pid, pid, inbox, own, share, output[0] if output else None)
         pool.standbys.append(standby)
-        ready = await asyncio.to_thread(_await_ready, container)
+        ready = await asyncio.to_thread(_await_ready, standby)
         if not ready or pool not in self._jobs.values():  # it failed, or its job's standbys were retired meanwhile
             with contextlib.suppress(ValueError):
                 pool.standbys.remove(standby)
@@ -337,27 +355,52 @@ def _assign(fifo: Path, order: Mapping[str, object]) -> bool:
         os.close(fd)
 
 
-def _await_ready(container: Container) -> bool:
+def output_file(launcher: ContainerLauncher, inbox: Path | None, env: Mapping[str, str]) -> tuple[Path, str] | None:
+    """The output file of a rank (or standby) in its inbox directory, made now: its path on the host and in the
+    container. None where it has no inbox, or runs as a user who could not open it (its output then goes through the
+    daemon's log)."""
+    inner = env.get("REPRISE_SDK_INBOX_DIR")
+    if inbox is None or not inner or launcher.spec.user not in ROOT_USERS:
+        return None
+    path = inbox / OUTPUT
+    path.touch(mode=0o600)
+    return path, f"{inner}/{OUTPUT}"
+
+
+def _size(path: Path | None) -> int:
+    try:
+        return path.stat().st_size if path is not None else 0
+    except OSError:
+        return 0
+
+
+def _await_ready(standby: ContainerStandby) -> bool:
     """Wait for the standby's ready line (its first line of output); False when it exited or never said it.
 
-    Each look is two calls to the daemon: looked for every 50 ms, a node's standbys importing side by side kept their
-    agent and the daemon busy (on the bench's 2 cores, 9 agents at 7 % each and the daemon at 17 %), which their own
-    imports then lacked. The looks grow apart up to READY_POLL_MAX_S: the imports take seconds.
+    From its output file, a look is a read on this host, every READY_POLL_MIN_S. From the daemon's log, each look is
+    two calls to the daemon: looked for every 50 ms, a node's standbys importing side by side kept their agent and the
+    daemon busy (on the bench's 2 cores, 9 agents at 7 % each and the daemon at 17 %), which their own imports then
+    lacked; those looks grow apart up to READY_POLL_MAX_S (the imports take seconds).
     """
     deadline, pause = time.monotonic() + READY_TIMEOUT_S, READY_POLL_MIN_S
     while time.monotonic() < deadline:
         try:
-            output = container.logs(stdout=True, stderr=False)
+            if standby.output is not None:
+                output = standby.output.read_bytes()
+                running = process_alive(standby.init_pid)
+            else:
+                output = standby.container.logs(stdout=True, stderr=False)
+                standby.container.reload()
+                running = standby.container.status in ("created", "running")
+                pause = min(pause * 1.5, READY_POLL_MAX_S)
             if b"\n" in output:
                 said = json.loads(output.split(b"\n", 1)[0])
                 return isinstance(said, dict) and said.get("ready") == READY
-            container.reload()
-            if container.status not in ("created", "running"):
+            if not running:
                 return False
         except (docker.errors.DockerException, OSError, ValueError):
             return False
         time.sleep(pause)
-        pause = min(pause * 1.5, READY_POLL_MAX_S)
     return False
 
 

@@ -5,6 +5,11 @@ The container runs Docker's init (tini) as its pid 1 and the rank's command as i
 reaches the rank like a process's signal would, and the rank's exit code comes back as tini's (128 + the signal for a
 signal death, as a shell reports it). The rank's handle names the command's process as the host sees it, so that
 reports, /proc samples and py-spy work on it as on a process.
+
+A Python rank (its command an interpreter named python...) writes its stdout and stderr into a file of its inbox
+directory, which the agent reads from the host: a few bytecodes put them there and exec the command (same pid), so
+that its last output is there the moment it exits, not once the daemon has copied it (docs/containers.md, "Exit and
+output"). Another command's output goes through the daemon's log.
 """
 
 from __future__ import annotations
@@ -26,12 +31,27 @@ from docker.models.containers import Container
 
 from reprise_agent.launch.container_handle import ContainerHandle
 from reprise_agent.launch.container_policy import ContainerPolicy, DockerUnavailableError, LaunchRefusedError
-from reprise_agent.launch.container_procs import namespace_pid, rank_pid
-from reprise_agent.launch.container_restart import LABEL, adopt, kill_orphan, sdk_socket_link
-from reprise_agent.launch.container_standby import ContainerStandbys
+from reprise_agent.launch.container_procs import kill_init, namespace_pid, rank_pid
+from reprise_agent.launch.container_restart import LABEL, adopt, sdk_socket_link
+from reprise_agent.launch.container_standby import OUTPUT_ENV, ContainerStandbys, output_file
 from reprise_common.events import ContainerSpec, ContainerSupport, LaunchArgs, StandbyStatus
 
 __all__ = ["LABEL", "ContainerEngine", "ContainerHandle", "ContainerLauncher"]
+
+PYTHON = re.compile(r"python[0-9.]*")  # a command whose output the rank itself writes into its output file
+# Run with `python -S -c REDIRECT <the rank's argv>`: its stdout and stderr into the output file, then its own command
+# in the same process (the pid the handle names). Where the file cannot be opened, the output stays on stdout (the
+# daemon's log), and the rank runs all the same.
+REDIRECT = f"""import os, sys
+try:
+    fd = os.open(os.environ.pop('{OUTPUT_ENV}'), os.O_WRONLY | os.O_APPEND)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+except (OSError, KeyError):
+    pass
+os.execvp(sys.argv[1], sys.argv[1:])
+"""
 
 
 def _labels(env: Mapping[str, str]) -> dict[str, str]:
@@ -73,13 +93,21 @@ class ContainerLauncher:
         self, argv: Sequence[str], env: Mapping[str, str], changes: dict[str, str], cwd: str | None
     ) -> ContainerHandle:
         inbox = self.new_inbox(env)
+        command, rank_env = list(argv), dict(env)
+        output = output_file(self, inbox, env) if PYTHON.fullmatch(os.path.basename(argv[0])) else None
+        if output is not None:
+            command = [argv[0], "-S", "-c", REDIRECT, *argv]
+            rank_env[OUTPUT_ENV] = output[1]
         try:
-            container, init_pid, pid = await asyncio.to_thread(self.run, list(argv), dict(env), changes, cwd, inbox)
+            container, init_pid, pid = await asyncio.to_thread(self.run, command, rank_env, changes, cwd, inbox)
         except BaseException:
             if inbox is not None:
                 shutil.rmtree(inbox, ignore_errors=True)
             raise
-        handle = ContainerHandle(container, init_pid=init_pid, pid=pid, inbox=inbox, env_changes=changes)
+        handle = ContainerHandle(
+            container, init_pid=init_pid, pid=pid, inbox=inbox, env_changes=changes,
+            output_file=output[0] if output is not None else None,
+        )  # fmt: skip
         handle.inbox_link = self.link_inbox(pid, inbox)
         handle.follow(asyncio.get_running_loop())
         return handle
@@ -273,7 +301,8 @@ class ContainerEngine:
         except docker.errors.NotFound:
             pass
         except (docker.errors.DockerException, OSError) as exc:
-            kill_orphan(record)
+            with contextlib.suppress(PermissionError):
+                kill_init(int(record.get("init_pid") or 0), record.get("init_started"))
             raise DockerUnavailableError(f"the Docker daemon at {self.base_url} did not answer: {exc}") from exc
 
     def remove_strays(self, node_id: str, keep: Set[str] = frozenset()) -> list[str]:

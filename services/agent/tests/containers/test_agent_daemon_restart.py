@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from reprise_agent.launch import container_handle
+from reprise_agent.launch import container_handle, kernel_exits
 from reprise_agent.launch.container_policy import ContainerPolicy
 from reprise_agent.launch.containers import ContainerEngine
 from reprise_agent.launch.processes import ProcessLauncher
@@ -181,9 +181,26 @@ async def test_with_live_restore_the_rank_trains_through_a_daemon_restart_with_i
     assert lines[-1] == "told to stop"
 
 
-async def test_with_live_restore_a_rank_that_ends_while_its_daemon_is_away_is_reported_with_its_own_code(
+async def test_a_rank_that_ends_while_its_daemon_is_away_is_reported_at_once_with_its_code_and_last_output(
+    nats_server: NatsServer, tmp_path: Path, docker_engine: Engine
+) -> None:
+    """The kernel's word of its container's exit and its output file need no daemon (docs/containers.md, "Exit and
+    output")."""
+    killed = daemon_killed_under_a_rank(nats_server, tmp_path, docker_engine, UNTIL_TOLD, live_restore=True)
+    async with killed as (harness, _daemon, job_dir, _pid):
+        (job_dir / "stop").touch()  # the daemon stays away: nothing of this exit can come from it
+        assert await wait_for(lambda: harness.of_type(RankExited), timeout_s=30)
+        [exited] = harness.of_type(RankExited)
+        assert (exited.rank, exited.exit_code, exited.signal) == (0, 3, None)  # its own code, not a kill
+        assert exited.log_tail[-1] == "told to stop"
+
+
+async def test_without_the_kernels_word_a_rank_that_ends_while_its_daemon_is_away_waits_for_the_daemons(
     nats_server: NatsServer, tmp_path: Path, docker_engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """An agent the kernel does not tell exits (no CAP_NET_ADMIN): with live restore, the rank's status waits for the
+    daemon back (within EXIT_WORD_S), and is its own code, not a kill."""
+    monkeypatch.setattr(kernel_exits, "shared", lambda: None)
     # The daemon's start may take longer than the handle's usual wait for its word on a loaded host.
     monkeypatch.setattr(container_handle, "EXIT_WORD_S", 60.0)
     async with daemon_killed_under_a_rank(nats_server, tmp_path, docker_engine, UNTIL_TOLD, live_restore=True) as (
