@@ -3,7 +3,8 @@
 - A stop for a hang: every node's ranks' stacks are captured before any node is told to stop. A rank stopped on one
   node ends its peers' collective on the others; a node whose capture came after that read a stack in torch's
   exception hook instead of the collective it hung in (a CI run of tests/test_stack.py).
-- A containerized job's launch: only the spares a recovery would take first are told to keep its standby containers.
+- A containerized job's launch: only the spares a recovery would take first are told to keep its standby containers,
+  and only once the launch's ranks train (or after a bound, for ranks that report no step).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from reprise_common.events import (
     NodeReport,
     PrepareStandbysCommand,
     PrepareStandbysReply,
+    RankStatus,
     StopCommand,
     StopReply,
     Wire,
@@ -96,10 +98,10 @@ async def test_a_containerized_launch_tells_only_the_spares_a_recovery_takes_fir
 
         return on_command
 
-    def report(node_id: str, *, spare: bool) -> NodeReport:
+    def report(node_id: str, *, spare: bool, ranks: list[RankStatus] | None = None) -> NodeReport:
         return NodeReport(
             source=node_id, node_id=node_id, interval_s=1.0, gpu_backend="sim", gpus=[GpuStatus(index=0)],
-            spare=spare, containers=ContainerSupport(),
+            spare=spare, containers=ContainerSupport(), ranks=ranks or [],
         )  # fmt: skip
 
     bus = Bus(url=nats_server.url, service="test-orchestrator", provision=False)
@@ -108,7 +110,9 @@ async def test_a_containerized_launch_tells_only_the_spares_a_recovery_takes_fir
     nodes = {"w-1": False, "s-3": True, "s-1": True, "s-2": True}
     for node_id, spare in nodes.items():
         inventory.observe(node_id, report(node_id, spare=spare))
-    backend = AgentsBackend(bus=bus, inventory=inventory, command_timeout_s=5.0, stop_grace_s=0.5, standby_spares=2)
+    backend = AgentsBackend(
+        bus=bus, inventory=inventory, command_timeout_s=5.0, stop_grace_s=0.5, standby_spares=2, prepare_wait_s=30.0
+    )
     try:
         for node_id in nodes:
             await bus.serve(subjects.node_command(node_id), agent(node_id))
@@ -119,15 +123,20 @@ async def test_a_containerized_launch_tells_only_the_spares_a_recovery_takes_fir
         })  # fmt: skip
         answers = await backend.launch(LaunchRequest("job-a", args), operation_id="op-1", fence=1)
         assert [a.node_id for a in answers.items] == ["w-1"]
+        await asyncio.sleep(0.5)
+        assert told == [("w-1", "launch")]  # its rank does not train yet: no spare is told
+        trains = RankStatus(job_id="job-a", rank=0, restart_epoch=0, step=1)
+        inventory.observe("w-1", report("w-1", spare=False, ranks=[trains]))
         assert await poll_until(lambda: len(told) == 3, timeout_s=10), told
         await asyncio.sleep(0.3)  # nothing more comes
         assert sorted(told) == [("s-1", "prepare_standbys"), ("s-2", "prepare_standbys"), ("w-1", "launch")]
 
         told.clear()
+        backend.prepare_wait_s = 0.5  # its rank reports no step: the spares are told after this
         await backend.launch(LaunchRequest("job-b", args), operation_id="op-2", fence=1)
         backend.standby_spares = 0  # none: a launch tells no spare
         await backend.launch(LaunchRequest("job-c", args), operation_id="op-3", fence=1)
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(1.5)
         assert sorted(told) == [
             ("s-1", "prepare_standbys"), ("s-2", "prepare_standbys"), ("w-1", "launch"), ("w-1", "launch")
         ]  # fmt: skip

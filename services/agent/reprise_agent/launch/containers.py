@@ -20,6 +20,7 @@ import os
 import re
 import secrets
 import shutil
+import time
 from collections.abc import Mapping, Sequence, Set
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,7 @@ from reprise_common.events import ContainerSpec, ContainerSupport, LaunchArgs, S
 
 __all__ = ["LABEL", "ContainerEngine", "ContainerHandle", "ContainerLauncher"]
 
+IMAGE_SEEN_S = 60.0  # how long the daemon's word that it has an image is taken for granted
 PYTHON = re.compile(r"python[0-9.]*")  # a command whose output the rank itself writes into its output file
 # Run with `python -S -c REDIRECT <the rank's argv>`: its stdout and stderr into the output file, then its own command
 # in the same process (the pid the handle names). Where the file cannot be opened, the output stays on stdout (the
@@ -172,6 +174,7 @@ class ContainerLauncher:
                 self.spec.image, argv, **self._options(env, changes, cwd, inbox), detach=True
             )
         except docker.errors.ImageNotFound as exc:
+            self.engine.images_seen.pop(self.spec.image, None)
             raise LaunchRefusedError(
                 f"container.image {self.spec.image!r} is not on this node (images are never pulled): {exc.explanation}"
             ) from exc
@@ -257,6 +260,7 @@ class ContainerEngine:
         self.gpus = gpus
         self.timeout_s = timeout_s
         self.standbys = standbys or ContainerStandbys(size=0, preload=())  # per containerized job: warm containers
+        self.images_seen: dict[str, float] = {}  # image → when the daemon last said it has it (monotonic)
         self._client: docker.DockerClient | None = None
 
     def client(self) -> docker.DockerClient:
@@ -269,17 +273,26 @@ class ContainerEngine:
         return self._client
 
     def for_job(self, spec: LaunchArgs) -> ContainerLauncher:
-        """A launcher for the job's ranks, after this node's rules and a look for its image (nothing is pulled)."""
+        """A launcher for the job's ranks, after this node's rules and a look for its image (nothing is pulled).
+
+        The look asks the daemon once per IMAGE_SEEN_S for an image: it blocked the agent's loop for a round trip on
+        every launch, also a recovery's that restarts every rank here in place or on a standby (no container made, no
+        daemon needed). An image removed meanwhile fails the first container made of it, with the same error."""
         assert spec.container is not None
         self.policy.check(spec)
+        image, now = spec.container.image, time.monotonic()
+        if now - self.images_seen.get(image, -IMAGE_SEEN_S) < IMAGE_SEEN_S:
+            return ContainerLauncher(self, spec)
         try:
-            self.client().images.get(spec.container.image)
+            self.client().images.get(image)
         except docker.errors.ImageNotFound as exc:
             raise LaunchRefusedError(
-                f"container.image {spec.container.image!r} is not on this node (images are never pulled)"
+                f"container.image {image!r} is not on this node (images are never pulled)"
             ) from exc
         except (docker.errors.DockerException, OSError) as exc:
             raise DockerUnavailableError(f"the Docker daemon at {self.base_url} did not answer: {exc}") from exc
+        self.images_seen = {name: at for name, at in self.images_seen.items() if now - at < IMAGE_SEEN_S}
+        self.images_seen[image] = now
         return ContainerLauncher(self, spec)
 
     def adopt(self, record: Mapping[str, Any]) -> ContainerHandle | None:

@@ -110,6 +110,26 @@ async def test_a_missing_image_is_a_clear_non_retryable_error(docker_engine: Eng
     assert not err.value.retryable
 
 
+async def test_an_image_the_daemon_had_is_not_asked_for_again_and_one_removed_meanwhile_fails_clearly(
+    docker_engine: Engine, tmp_path: Path
+) -> None:
+    """The look for the image took a daemon round trip, on the agent's loop, at every launch: also a recovery's that
+    restarts every rank in place or on a standby, which needs no daemon."""
+    client = docker.DockerClient(base_url=docker_engine.url)
+    client.images.get(docker_engine.image).tag("reprise-test/seen", "1")
+    engine = engine_for(docker_engine, tmp_path)
+    engine.for_job(job("reprise-test/seen:1"))
+    client.images.remove("reprise-test/seen:1")  # the tag only: the test image stays
+    live_url = engine.base_url
+    engine.base_url, engine._client = f"unix://{tmp_path / 'no-daemon.sock'}", None
+    launcher = engine.for_job(job("reprise-test/seen:1"))  # no call to the daemon: none answers here
+    engine.base_url, engine._client = live_url, None
+    with pytest.raises(LaunchRefusedError, match=r"container\.image .reprise-test/seen:1. is not on this node"):
+        await launcher.start([PYTHON, "-c", "pass"], env=ENV, cwd=None, warm=False)
+    with pytest.raises(LaunchRefusedError, match="is not on this node"):  # forgotten: asked again, and refused
+        engine.for_job(job("reprise-test/seen:1"))
+
+
 async def test_a_refused_create_is_a_clear_non_retryable_error(docker_engine: Engine, tmp_path: Path) -> None:
     launcher = engine_for(docker_engine, tmp_path).for_job(job(docker_engine.image, user="no-such-user"))
     with pytest.raises(LaunchRefusedError, match="refused") as err:

@@ -18,15 +18,19 @@ import pytest
 
 from reprise_agent.launch.containers import ContainerEngine
 from reprise_cli.servers import NatsServer, free_port
+from reprise_common import subjects
 from reprise_common.clock import SystemClock
 from reprise_common.events import (
     CommandAction,
     CommandResult,
     ContainerSpec,
     LaunchArgs,
+    LaunchReply,
     NodeReport,
     PrepareStandbysArgs,
     RankAssignment,
+    Wire,
+    parse_command,
 )
 from reprise_orchestrator.compute.agents.backend import AgentsBackend
 from reprise_orchestrator.compute.backend import LaunchRequest
@@ -180,7 +184,15 @@ async def test_a_containerized_launch_tells_the_pools_spares_to_keep_standbys(
     ) as harness:  # fmt: skip
         inventory = Inventory(clock=SystemClock(), stale_s=30.0)
         inventory.observe("n1", await harness.agent.reporter.report())  # the spare, as its report says
-        backend = AgentsBackend(bus=harness.client, inventory=inventory, command_timeout_s=5.0, stop_grace_s=1.0)
+        backend = AgentsBackend(
+            bus=harness.client, inventory=inventory, command_timeout_s=5.0, stop_grace_s=1.0, prepare_wait_s=0.5
+        )  # w1's rank reports no step: the spare is told after 0.5 s
+
+        async def worker(data: bytes) -> Wire:  # the job's node: it launches (the rank itself does not matter here)
+            command = parse_command(data)
+            return LaunchReply(command_id=command.command_id, node_id="w1", result=CommandResult.DONE)
+
+        await harness.client.serve(subjects.node_command("w1"), worker)
         spec = ContainerSpec.model_validate(container(docker_engine.image, tmp_path))
         args = LaunchArgs(
             restart_epoch=0, world_size=1, master_addr="127.0.0.1", master_port=free_port(),
@@ -188,7 +200,7 @@ async def test_a_containerized_launch_tells_the_pools_spares_to_keep_standbys(
             ranks=[RankAssignment(rank=0, node_id="w1", local_rank=0)],
         )  # fmt: skip
         answers = await backend.launch(LaunchRequest(job_id="job-1", args=args), operation_id="op-1", fence=1)
-        assert answers.gone() == ["w1"]  # no agent there: the launch's own answer, not waiting for the spare's
+        assert answers.all_done  # the launch's own answer, not waiting for the spare's
         assert await wait_for(lambda: len(standbys(client)) == 1, timeout_s=60)  # the spare keeps one of the job
         await backend.drop_standbys("job-1", operation_id="op-1:end", fence=1)  # the job ended
         assert await wait_for(lambda: standbys(client) == [], timeout_s=30)

@@ -47,6 +47,11 @@ from reprise_orchestrator.inventory import Inventory
 
 log = get_logger("reprise.orchestrator.compute")
 
+# A containerized launch's spares are told to keep its standby containers once its ranks train, or this long after it
+# (a job whose ranks report no step); the reports are looked at every PREPARE_LOOK_S at most.
+PREPARE_WAIT_S = 60.0
+PREPARE_LOOK_S = 0.05
+
 
 class AgentsBackend:
     """Runs ranks through the platform's own agents."""
@@ -63,6 +68,7 @@ class AgentsBackend:
         stack_capture_s: float = 2.0,
         in_place_limit_s: float = 5.0,
         standby_spares: int = 2,
+        prepare_wait_s: float = PREPARE_WAIT_S,
     ) -> None:
         self.bus = bus
         self.inventory = inventory
@@ -71,6 +77,7 @@ class AgentsBackend:
         self.stack_capture_s = stack_capture_s
         self.in_place_limit_s = in_place_limit_s
         self.standby_spares = standby_spares
+        self.prepare_wait_s = prepare_wait_s
         self._preparing: set[asyncio.Task[None]] = set()  # spares told to keep a job's standby containers
 
     def pool(self, *, exclude: Set[str] = frozenset(), job_id: str | None = None) -> NodePool:
@@ -100,22 +107,39 @@ class AgentsBackend:
             )
             for node_id, ranks in by_node.items()
         }
-        self._prepare_spares(request, exclude=set(by_node), operation_id=operation_id, fence=fence)
-        return await self._command(commands, LaunchReply, timeout_s=self.command_timeout_s)
+        answers = await self._command(commands, LaunchReply, timeout_s=self.command_timeout_s)
+        if request.args.container is not None and self.standby_spares > 0 and answers.all_done:
+            task = asyncio.create_task(
+                self._prepare_spares(
+                    request, self.standby_spares, exclude=set(by_node), operation_id=operation_id, fence=fence
+                ),
+                name=f"standbys:{request.job_id}",
+            )
+            self._preparing.add(task)
+            task.add_done_callback(self._preparing.discard)
+        return answers
 
-    def _prepare_spares(self, request: LaunchRequest, *, exclude: Set[str], operation_id: str, fence: int) -> None:
-        """Tell the spares a containerized job's ranks would move to first (`standby_spares` of them, in the order
+    async def _prepare_spares(
+        self, request: LaunchRequest, count: int, *, exclude: Set[str], operation_id: str, fence: int
+    ) -> None:
+        """Tell the spares a containerized job's ranks would move to first (`count` of them, in the order
         placement takes them) to keep standby containers of it, in the background: the launch does not wait. Every
-        spare keeping every job's standbys would hold jobs times spares containers of ~300 MB each."""
+        spare keeping every job's standbys would hold jobs times spares containers of ~300 MB each.
+
+        They are told once the launch's ranks train (every one reported a step), or `prepare_wait_s` after the launch
+        (a job whose ranks report none): making a standby container costs the daemon and the host CPU, which a
+        launch's ranks, starting or recovering, need more (where nodes share a host, as in the bench,
+        the spare's work competes with them for the same cores). The spares are chosen then, among the nodes still
+        placeable (not one whose agent a command just found gone, as a recovery's stop finds a lost node's)."""
+        await self._until_training(request)
         args = request.args
-        if args.container is None:
-            return
+        assert args.container is not None
         checkpoints = args.checkpoints.directory if args.checkpoints is not None else None
         spares = [
             node_id
             for node_id in self.pool().spares
             if node_id not in exclude and self.inventory.container_refusal(node_id, args.container, checkpoints) is None
-        ][: self.standby_spares]
+        ][:count]
         if not spares:
             return
         most = max(Counter(rank.node_id for rank in args.ranks).values(), default=1)
@@ -129,7 +153,19 @@ class AgentsBackend:
             )
             for node_id in spares
         }
-        self._tell_spares(request.job_id, commands)
+        await self._send_spares(request.job_id, commands)
+
+    async def _until_training(self, request: LaunchRequest) -> None:
+        """Until every rank of the launch reported a step (in its restart epoch), at most `prepare_wait_s`."""
+        wanted = {rank.rank for rank in request.args.ranks}
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.prepare_wait_s
+        while (left := deadline - loop.time()) > 0:
+            seen = self.inventory.ranks_of(request.job_id, restart_epoch=request.args.restart_epoch)
+            if all(rank in seen and seen[rank].step is not None for rank in wanted):
+                return
+            await self.inventory.next_reports(min(left, 1.0))
+            await asyncio.sleep(min(PREPARE_LOOK_S, max(deadline - loop.time(), 0)))
 
     async def drop_standbys(self, job_id: str, *, operation_id: str, fence: int) -> None:
         """Tell the pool's spares to drop the job's standby containers (in the background); a spare missed (gone, or
@@ -142,12 +178,9 @@ class AgentsBackend:
             for node_id in self.pool().spares
         }
         if commands:
-            self._tell_spares(job_id, commands)
-
-    def _tell_spares(self, job_id: str, commands: Mapping[str, PrepareStandbysCommand]) -> None:
-        task = asyncio.create_task(self._send_spares(job_id, commands), name=f"standbys:{job_id}")
-        self._preparing.add(task)
-        task.add_done_callback(self._preparing.discard)
+            task = asyncio.create_task(self._send_spares(job_id, commands), name=f"standbys:{job_id}")
+            self._preparing.add(task)
+            task.add_done_callback(self._preparing.discard)
 
     async def _send_spares(self, job_id: str, commands: Mapping[str, PrepareStandbysCommand]) -> None:
         """Send the spares their standby orders; a spare that keeps none, or did not take a drop, is logged."""
