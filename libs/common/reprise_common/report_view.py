@@ -16,7 +16,7 @@ import msgspec
 
 from reprise_common.clock import utcnow
 from reprise_common.errors import MalformedEventError
-from reprise_common.events import WHERE_MAX, GpuHealth
+from reprise_common.events import WAITS_IN_MAX, WHERE_MAX, GpuHealth
 from reprise_common.events.containers import IMAGES_MAX, ROOTS_MAX
 
 EMPTY_ARRAY = msgspec.Raw(b"[]")  # an empty `gpus` or `ranks` kept undecoded
@@ -59,7 +59,7 @@ class RankSeen(msgspec.Struct, frozen=True, gc=False):
     resumed_step: Annotated[int, msgspec.Meta(ge=0)] | None = None
     resumed_why: Annotated[str, msgspec.Meta(max_length=512)] = ""
     where: Annotated[str, msgspec.Meta(max_length=WHERE_MAX)] = ""
-    waits_in: Annotated[str, msgspec.Meta(max_length=64)] = ""
+    waits_in: Annotated[str, msgspec.Meta(max_length=WAITS_IN_MAX)] = ""
     still_s: Annotated[float, msgspec.Meta(ge=0)] | None = None
 
 

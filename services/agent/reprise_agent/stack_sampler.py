@@ -24,9 +24,10 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from reprise_agent.ranks import RankProcess
-from reprise_agent.stacks import capture, collective_of, top_frame
-from reprise_common.events import WHERE_MAX, ThreadStack
+from reprise_agent.stacks import capture
+from reprise_common.events import WAITS_IN_MAX, WHERE_MAX, ThreadStack
 from reprise_common.logging import get_logger
+from reprise_common.thread_stacks import top_frame, waits_in
 
 log = get_logger("reprise.agent.stack_sampler")
 Frames = tuple[tuple[str, str, int | None], ...]
@@ -170,16 +171,16 @@ class StackSampler:
     @staticmethod
     def _next(last: Where | None, pid: int, threads: list[ThreadStack], now: float, work: Work) -> Where:
         """The rank's Where after a sample: still when the stack is the last one's and it idled in between."""
-        key, waits_in = stack_key(threads), collective_of(threads) or ""
+        key, collective = stack_key(threads), (waits_in(threads) or "")[:WAITS_IN_MAX]
         top = top_frame(threads)[:WHERE_MAX]
         if (
             last is None
             or last.pid != pid
             or not same_place(last.key, key)
-            or not work.idle_since(last, now, bool(waits_in))
+            or not work.idle_since(last, now, bool(collective))
         ):
-            return Where(pid, key, top, waits_in, now, now, work.cpu_s, work.io_chars)
-        return Where(pid, key, top, waits_in, last.first_at, now, work.cpu_s, work.io_chars, still=True)
+            return Where(pid, key, top, collective, now, now, work.cpu_s, work.io_chars)
+        return Where(pid, key, top, collective, last.first_at, now, work.cpu_s, work.io_chars, still=True)
 
     def fields(self, rank: RankProcess) -> dict[str, Any]:
         """The rank's sample as RankStatus fields (where, waits_in, still_s); none for a rank not sampled."""

@@ -113,27 +113,3 @@ def threads_of(dump: list[dict[str, Any]]) -> list[ThreadStack]:
         )
         for thread in threads[:STACK_THREADS_MAX]
     ]
-
-
-# The detector reads captured stacks the same way (reprise_detector.stacks): a frame of this package in the main
-# thread means the rank waits in a collective.
-COLLECTIVES_PATH = "torch/distributed/"
-
-
-def collective_of(threads: Sequence[ThreadStack]) -> str | None:
-    """The torch.distributed function the main thread (the first) is in, innermost first; None when it is not."""
-    if not threads:
-        return None
-    for frame in threads[0].frames:
-        if COLLECTIVES_PATH in frame.file.replace("\\", "/"):
-            return frame.function[:64]
-    return None
-
-
-def top_frame(threads: Sequence[ThreadStack]) -> str:
-    """Where the main thread is: its innermost frame, "function (file:line)"; "" without frames."""
-    if not threads or not threads[0].frames:
-        return ""
-    frame = threads[0].frames[0]
-    where = frame.file.replace("\\", "/").rsplit("/", 1)[-1]
-    return f"{frame.function} ({where}:{frame.line})" if frame.line is not None else f"{frame.function} ({where})"

@@ -5,7 +5,8 @@ When a hang's recovery stops the job, each agent first captures the Python stack
 torch.distributed call (all_reduce, barrier, ...): the one elsewhere is the culprit — stuck in its data loader, in a
 lock, in a loop. A rank whose process the kernel holds (stopped, or in uninterruptible sleep) is the culprit
 whatever its stack says, as for the hang itself (progress.stalls.HELD_STATES). How one rank's stacks read (where its
-main thread waits, its top frame) is the kind's (kinds/rank_stacks.py).
+main thread waits, its top frame) is the shared library's (reprise_common.thread_stacks), as the agent's sampler
+reads it.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from reprise_detector.kinds.rank_stacks import top_frame, waits_in
+from reprise_common.thread_stacks import top_frame, waits_in
 from reprise_detector.progress.stalls import HELD_STATES
 
 __all__ = ["StackView", "Verdict", "culprit", "top_frame", "waits_in"]

@@ -96,6 +96,7 @@ from reprise_common.events.replies import (
     StopReply,
 )
 from reprise_common.events.reports import (
+    WAITS_IN_MAX,
     WHERE_MAX,
     AgentLifecycle,
     GpuHealth,
@@ -136,6 +137,7 @@ __all__ = [
     "SCHEMA_VERSION",
     "STACK_FRAMES_MAX",
     "STACK_THREADS_MAX",
+    "WAITS_IN_MAX",
     "WHERE_MAX",
     "AgentCommand",
     "AgentLifecycle",

@@ -132,7 +132,10 @@ class PrepareStandbysArgs(Wire):
     cwd: str | None = Field(default=None, max_length=4096)
     checkpoints: CheckpointWatch | None = None
     ranks_per_node: int = Field(
-        default=1, ge=1, le=64, description="the most ranks of the job one node runs: a spare keeps no more standbys"
+        default=1,
+        ge=1,
+        le=64,
+        description="the most ranks of the job one node runs: a spare keeps at most one more standby",
     )
     hold_s: float = Field(
         default=3600.0, gt=0, le=STANDBY_HOLD_MAX_S, description="how long they wait with no rank of the job here"

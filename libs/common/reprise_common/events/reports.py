@@ -46,6 +46,7 @@ class GpuStatus(Wire):
 
 
 WHERE_MAX = 160  # RankStatus.where: "function (file:line)", cut to this
+WAITS_IN_MAX = 64  # RankStatus.waits_in: a torch.distributed function's name, cut to this
 
 
 class RankStatus(Wire):
@@ -84,7 +85,9 @@ class RankStatus(Wire):
     where: str = Field(
         default="", max_length=WHERE_MAX, description="its main thread's innermost frame at the last stack sample"
     )
-    waits_in: str = Field(default="", max_length=64, description="the torch.distributed call `where` is in; '' none")
+    waits_in: str = Field(
+        default="", max_length=WAITS_IN_MAX, description="the torch.distributed call `where` is in; '' none"
+    )
     still_s: float | None = Field(
         default=None, ge=0, description="seconds its main thread has stood idle at the same stack, in every sample"
     )

@@ -74,8 +74,10 @@ class ContainerHandle:
             copy = functools.partial(self._pump, loop, since)
         pump = threading.Thread(target=copy, name=f"ctr-out-{self.pid}", daemon=True)
         pump.start()
-        if (watch := kernel_exits.shared()) is not None and self._init_alive():
+        if (watch := kernel_exits.shared()) is not None:
             watch.watch(self.init_pid, lambda status: self._kernel_exit(loop, status))
+            if not self._init_alive():  # it ended before the watch began (its pid may be another's next): the daemon
+                watch.forget(self.init_pid)  # tells that exit
         threading.Thread(target=self._wait, args=(loop, pump), name=f"ctr-wait-{self.pid}", daemon=True).start()
 
     def _tail(self, loop: asyncio.AbstractEventLoop, path: Path, offset: int) -> None:

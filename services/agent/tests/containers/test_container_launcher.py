@@ -15,10 +15,11 @@ import pytest
 
 from reprise_agent.launch.container_policy import ContainerPolicy, DockerUnavailableError, LaunchRefusedError
 from reprise_agent.launch.containers import ContainerEngine, ContainerHandle
-from reprise_agent.stacks import capture, find_py_spy, top_frame
+from reprise_agent.stacks import capture, find_py_spy
 from reprise_common.aio import poll_until
 from reprise_common.events import ContainerSpec, LaunchArgs, RankAssignment
 from reprise_common.procs import ProcessSample
+from reprise_common.thread_stacks import top_frame
 
 from .conftest import PYTHON, REPO, Engine, python_mounts
 

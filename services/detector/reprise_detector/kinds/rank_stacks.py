@@ -2,19 +2,18 @@
 agent (RankStacks); classified by the `rank_stacks` section of rules.yaml (evidence for the hang's incident, never a
 cause of its own: the culprit they name is stacks.py's); it counts for its job alone.
 
-How a rank's stacks read (`waits_in`, `top_frame`, `summary`) is here; stacks.py names the culprit from them.
+A rank's stacks in one line (`summary`; how they read is reprise_common.thread_stacks); stacks.py names the
+culprit from them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
-from reprise_common.events import RankStacks, ThreadStack
+from reprise_common.events import RankStacks
+from reprise_common.thread_stacks import top_frame, waits_in
 from reprise_detector.kinds.base import Scope
 from reprise_detector.kinds.wire import Template
-
-COLLECTIVES_PATH = "torch/distributed/"  # a frame of this package in a rank's main thread: it waits in a collective
 
 
 class RankStacksKind(Template[RankStacks]):
@@ -34,25 +33,6 @@ class RankStacksKind(Template[RankStacks]):
     def detail(self, event: RankStacks) -> str:
         """Their summary."""
         return summary(event)
-
-
-def waits_in(threads: Sequence[ThreadStack]) -> str | None:
-    """The torch.distributed function the main thread (the first) is in, innermost first; None when it is not."""
-    if not threads:
-        return None
-    for frame in threads[0].frames:
-        if COLLECTIVES_PATH in frame.file.replace("\\", "/"):
-            return frame.function
-    return None
-
-
-def top_frame(threads: Sequence[ThreadStack]) -> str:
-    """Where the main thread is: its innermost frame, "function (file:line)"; "" without frames."""
-    if not threads or not threads[0].frames:
-        return ""
-    frame = threads[0].frames[0]
-    where = frame.file.rsplit("/", 1)[-1]
-    return f"{frame.function} ({where}:{frame.line})" if frame.line is not None else f"{frame.function} ({where})"
 
 
 def summary(event: RankStacks) -> str:
