@@ -135,7 +135,7 @@ class PrepareStandbysArgs(Wire):
         default=1,
         ge=1,
         le=64,
-        description="the most ranks of the job one node runs: a spare keeps at most one more standby",
+        description="the most ranks of the job one node runs: a spare keeps no more standbys",
     )
     hold_s: float = Field(
         default=3600.0, gt=0, le=STANDBY_HOLD_MAX_S, description="how long they wait with no rank of the job here"

@@ -128,10 +128,10 @@ class JobStandbys:
 
 
 class ContainerStandbys:
-    """Every containerized job's standbys on this node: `size` per job (none when 0), and never more than one beyond the
-    job's ranks here (a launch's ranks on this node; a spare's: the most a node of the job runs): the most one fault can
-    replace here at once, and one for a second fault before the first one's replacement is back (the refill delay and
-    an import of torch: with one per rank, the bench's second crash on a node started cold, 2.8 s against 0.4 s)."""
+    """Every containerized job's standbys on this node: `size` per job (none when 0), and never more than the job's
+    ranks here (a launch's ranks on this node; a spare's: the most a node of the job runs), which is the most a fault
+    can replace here at once. (One more, for a second fault before the first one's replacement is back, made the
+    bench's standbys come later on its 2 cores, and fewer of its faults fit: docs/containers.md.)"""
 
     def __init__(self, *, size: int, preload: Sequence[str], refill_delay_s: float = 0.0) -> None:
         self.size = size
@@ -226,7 +226,7 @@ class ContainerStandbys:
 
     def _target(self, pool: JobStandbys) -> int:
         """How many standbys the job keeps here."""
-        return min(self.size, len(pool.launcher.job.ranks) + 1)
+        return min(self.size, len(pool.launcher.job.ranks))
 
     def statuses(self) -> list[StandbyStatus]:
         """Every standby container waiting now, ready or still importing, as the node report shows process ones."""

@@ -115,11 +115,11 @@ async def test_a_spare_keeps_a_standby_container_of_a_job_it_never_ran(
         assert stop.result is CommandResult.DONE
 
 
-async def test_a_spare_keeps_one_standby_of_a_job_beyond_the_ranks_a_node_of_it_runs(
+async def test_a_spare_keeps_no_more_standbys_of_a_job_than_a_node_of_it_runs_ranks(
     nats_server: NatsServer, tmp_path: Path, docker_engine: Engine
 ) -> None:
-    """A node of the job moving here whole takes `ranks_per_node`, and one more serves a second fault before the first
-    one's replacement is back; each one that waits holds an interpreter with the job's modules imported."""
+    """More could never be taken at once (a node of the job moves here whole), and each one that waits holds an
+    interpreter with the job's modules imported."""
     job_dir = tmp_path / "job"
     job_dir.mkdir()
     client = docker.DockerClient(base_url=docker_engine.url)
@@ -128,7 +128,7 @@ async def test_a_spare_keeps_one_standby_of_a_job_beyond_the_ranks_a_node_of_it_
     ) as harness:
         # The refill delay lets a node's ranks that just started import first: a spare has none, it starts at once.
         spec, argv = container(docker_engine.image, job_dir), [PYTHON, str(job_dir / "rank.py")]
-        order = {"container": spec, "command": argv, "cwd": str(job_dir), "ranks_per_node": 1}
+        order = {"container": spec, "command": argv, "cwd": str(job_dir), "ranks_per_node": 2}
         reply = await harness.command(CommandAction.PREPARE_STANDBYS, fence=1, command_id="p1", **order)
         assert reply.result is CommandResult.DONE and reply.data["standbys"] == 2, reply
         engine = harness.agent.supervisor.containers
