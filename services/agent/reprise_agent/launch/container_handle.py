@@ -24,6 +24,7 @@ import docker.errors
 from docker.models.containers import Container
 
 from reprise_agent.launch import kernel_exits
+from reprise_agent.launch.container_output import OffsetFile
 from reprise_agent.launch.container_procs import SIGNAL_EXIT_BASE, descendants, exit_code, kill_init
 from reprise_agent.launch.processes import io_chars
 from reprise_common.logging import get_logger
@@ -86,7 +87,7 @@ class ContainerHandle:
         an agent that adopts the container."""
         pause = TAIL_MIN_S
         try:
-            with path.open("rb", buffering=0) as source, _OffsetFile(path) as copied:
+            with path.open("rb", buffering=0) as source, OffsetFile(path) as copied:
                 source.seek(offset)
                 while True:
                     ended = self._ended.is_set()
@@ -327,33 +328,3 @@ def _unix_time(stamp: str) -> float:
 
 def _text(path: Path | None) -> str | None:
     return None if path is None else str(path)
-
-
-class _OffsetFile:
-    """``<output file>.copied``: how many bytes of the output file were copied, for an agent that adopts the rank."""
-
-    def __init__(self, output: Path) -> None:
-        self.path = copied_path(output)
-
-    def __enter__(self) -> _OffsetFile:
-        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o600)
-        return self
-
-    def write(self, offset: int) -> None:
-        os.pwrite(self.fd, b"%20d" % offset, 0)
-
-    def __exit__(self, *_: object) -> None:
-        os.close(self.fd)
-
-
-def copied_path(output: Path) -> Path:
-    """Where the offset copied of a rank's output file is kept."""
-    return output.with_name(output.name + ".copied")
-
-
-def copied_offset(output: Path) -> int:
-    """How much of a rank's output file an earlier agent copied (0 when it did not say)."""
-    try:
-        return int(copied_path(output).read_text(encoding="ascii").strip() or 0)
-    except (OSError, ValueError):
-        return 0

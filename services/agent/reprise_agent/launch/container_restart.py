@@ -17,7 +17,8 @@ from typing import Any
 import docker
 import docker.errors
 
-from reprise_agent.launch.container_handle import ContainerHandle, copied_offset
+from reprise_agent.launch.container_handle import ContainerHandle
+from reprise_agent.launch.container_output import copied_offset
 from reprise_agent.launch.container_procs import descendants
 from reprise_common.logging import get_logger
 from reprise_common.procs import start_ticks

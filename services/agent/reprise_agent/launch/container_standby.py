@@ -32,6 +32,7 @@ from docker.models.containers import Container
 
 from reprise_agent.launch.container_cpu import CpuShare
 from reprise_agent.launch.container_handle import ContainerHandle
+from reprise_agent.launch.container_output import OUTPUT_ENV, STANDBY_REDIRECT, output_file, size
 from reprise_agent.launch.standby import BOOT_SOURCE, READY, READY_TIMEOUT_S, RETRY_AFTER_S, unfit_arguments
 from reprise_common.errors import RepriseError
 from reprise_common.events import ContainerSpec, LaunchArgs, StandbyStatus
@@ -71,21 +72,13 @@ log = get_logger("reprise.agent.containers")
 
 FIFO = "standby.fifo"  # in the standby's inbox directory: where its assignment arrives
 FIFO_ENV = "REPRISE_STANDBY_FIFO"
-OUTPUT = "rank.out"  # in a rank's (or standby's) inbox directory: its stdout and stderr, which the agent reads
-OUTPUT_ENV = "REPRISE_OUTPUT_FILE"  # its path in the container, for the process that points its output there
 # The boot reads its assignment from stdin: point it at the FIFO (read-write, so opening it does not wait for a writer).
 # Its output (the ready line, then the rank's) goes into the output file where it has one.
 PRELUDE = f"""import os as _o
 _f = _o.open(_o.environ['{FIFO_ENV}'], _o.O_RDWR)
 _o.dup2(_f, 0)
 _o.close(_f)
-if '{OUTPUT_ENV}' in _o.environ:
-    _f = _o.open(_o.environ.pop('{OUTPUT_ENV}'), _o.O_WRONLY | _o.O_APPEND)
-    _o.dup2(_f, 1)
-    _o.dup2(_f, 2)
-    _o.close(_f)
-"""
-ROOT_USERS = (None, "", "0", "root", "0:0", "root:root")  # who may open a file the agent made (mode 0600) in there
+{STANDBY_REDIRECT}"""
 RETIRE_AFTER_S = 60.0  # a job none of whose ranks runs here, and none started for this long, needs no standby
 CHECK_S = 5.0  # how often a full pool looks whether its job is over
 READY_POLL_MIN_S, READY_POLL_MAX_S = 0.05, 0.5  # how often a standby's output is read for its ready line
@@ -179,7 +172,7 @@ class ContainerStandbys:
             standby.share.restore()  # the rank's container weighs as much as any other rank's
         _set_policy(standby.pid, os.SCHED_OTHER)  # the rank's own priority, all its threads
         since = time.time()  # its output from now on is the rank's (not its ready line)
-        offset = _size(standby.output)
+        offset = size(standby.output)
         order = {"argv": list(argv), "env": {**standby.base_env, **env, **changes}, "cwd": cwd}
         if not _assign(standby.inbox / FIFO, order):
             await asyncio.to_thread(_remove, standby)
@@ -266,7 +259,7 @@ class ContainerStandbys:
             return False
         os.mkfifo(inbox / FIFO, 0o600)
         env = {**pool.template, "RANK": "standby", FIFO_ENV: f"{inner}/{FIFO}"}
-        output = output_file(launcher, inbox, pool.template)
+        output = output_file(launcher.spec.user, inbox, pool.template)
         if output is not None:
             env[OUTPUT_ENV] = output[1]
         changes = launcher.env_changes(pool.template)  # the SDK socket's directory mounted, as for its rank
@@ -354,25 +347,6 @@ def _assign(fifo: Path, order: Mapping[str, object]) -> bool:
         return False
     finally:
         os.close(fd)
-
-
-def output_file(launcher: ContainerLauncher, inbox: Path | None, env: Mapping[str, str]) -> tuple[Path, str] | None:
-    """The output file of a rank (or standby) in its inbox directory, made now: its path on the host and in the
-    container. None where it has no inbox, or runs as a user who could not open it (its output then goes through the
-    daemon's log)."""
-    inner = env.get("REPRISE_SDK_INBOX_DIR")
-    if inbox is None or not inner or launcher.spec.user not in ROOT_USERS:
-        return None
-    path = inbox / OUTPUT
-    path.touch(mode=0o600)
-    return path, f"{inner}/{OUTPUT}"
-
-
-def _size(path: Path | None) -> int:
-    try:
-        return path.stat().st_size if path is not None else 0
-    except OSError:
-        return 0
 
 
 def _await_ready(standby: ContainerStandby) -> bool:

@@ -31,29 +31,16 @@ import docker.types
 from docker.models.containers import Container
 
 from reprise_agent.launch.container_handle import ContainerHandle
+from reprise_agent.launch.container_output import OUTPUT_ENV, PYTHON, REDIRECT, output_file
 from reprise_agent.launch.container_policy import ContainerPolicy, DockerUnavailableError, LaunchRefusedError
 from reprise_agent.launch.container_procs import kill_init, namespace_pid, rank_pid
 from reprise_agent.launch.container_restart import LABEL, adopt, sdk_socket_link
-from reprise_agent.launch.container_standby import OUTPUT_ENV, ContainerStandbys, output_file
+from reprise_agent.launch.container_standby import ContainerStandbys
 from reprise_common.events import ContainerSpec, ContainerSupport, LaunchArgs, StandbyStatus
 
 __all__ = ["LABEL", "ContainerEngine", "ContainerHandle", "ContainerLauncher"]
 
 IMAGE_SEEN_S = 60.0  # how long the daemon's word that it has an image is taken for granted
-PYTHON = re.compile(r"python[0-9.]*")  # a command whose output the rank itself writes into its output file
-# Run with `python -S -c REDIRECT <the rank's argv>`: its stdout and stderr into the output file, then its own command
-# in the same process (the pid the handle names). Where the file cannot be opened, the output stays on stdout (the
-# daemon's log), and the rank runs all the same.
-REDIRECT = f"""import os, sys
-try:
-    fd = os.open(os.environ.pop('{OUTPUT_ENV}'), os.O_WRONLY | os.O_APPEND)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-except (OSError, KeyError):
-    pass
-os.execvp(sys.argv[1], sys.argv[1:])
-"""
 
 
 def _labels(env: Mapping[str, str]) -> dict[str, str]:
@@ -96,7 +83,7 @@ class ContainerLauncher:
     ) -> ContainerHandle:
         inbox = self.new_inbox(env)
         command, rank_env = list(argv), dict(env)
-        output = output_file(self, inbox, env) if PYTHON.fullmatch(os.path.basename(argv[0])) else None
+        output = output_file(self.spec.user, inbox, env) if PYTHON.fullmatch(os.path.basename(argv[0])) else None
         if output is not None:
             command = [argv[0], "-S", "-c", REDIRECT, *argv]
             rank_env[OUTPUT_ENV] = output[1]

@@ -1,0 +1,88 @@
+"""A containerized rank's output file (docs/containers.md, "Exit and output"): made by the agent in the rank's inbox
+directory, which its container mounts; pointed at by the rank's own process (the few lines a Python rank's container
+runs before its command, or a standby's prelude); and the offset the agent copied of it, kept beside it for an agent
+that adopts the container. Every process that could write it ends with the container's init, so once the init's exit
+is known, what the file holds is all the rank wrote."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+
+OUTPUT = "rank.out"  # in a rank's (or standby's) inbox directory: its stdout and stderr, which the agent reads
+OUTPUT_ENV = "REPRISE_OUTPUT_FILE"  # its path in the container, for the process that points its output there
+ROOT_USERS = (None, "", "0", "root", "0:0", "root:root")  # who may open a file the agent made (mode 0600) in there
+PYTHON = re.compile(r"python[0-9.]*")  # a command whose output the rank itself writes into its output file
+
+# A Python rank's container runs `python -S -c REDIRECT <the rank's argv>`: its stdout and stderr into the output file,
+# then its own command in the same process (the pid the handle names). Where the file cannot be opened, the output
+# stays on stdout (the daemon's log), and the rank runs all the same.
+REDIRECT = f"""import os, sys
+try:
+    fd = os.open(os.environ.pop('{OUTPUT_ENV}'), os.O_WRONLY | os.O_APPEND)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+except (OSError, KeyError):
+    pass
+os.execvp(sys.argv[1], sys.argv[1:])
+"""
+
+# A standby's prelude does the same before its boot (its ready line, then the rank's output, go into the file).
+STANDBY_REDIRECT = f"""if '{OUTPUT_ENV}' in _o.environ:
+    _f = _o.open(_o.environ.pop('{OUTPUT_ENV}'), _o.O_WRONLY | _o.O_APPEND)
+    _o.dup2(_f, 1)
+    _o.dup2(_f, 2)
+    _o.close(_f)
+"""
+
+
+def output_file(user: str | None, inbox: Path | None, env: Mapping[str, str]) -> tuple[Path, str] | None:
+    """The output file of a rank (or standby) in its inbox directory, made now: its path on the host and in the
+    container. None where it has no inbox, or runs as a `user` who could not open it (its output then goes through
+    the daemon's log)."""
+    inner = env.get("REPRISE_SDK_INBOX_DIR")
+    if inbox is None or not inner or user not in ROOT_USERS:
+        return None
+    path = inbox / OUTPUT
+    path.touch(mode=0o600)
+    return path, f"{inner}/{OUTPUT}"
+
+
+def size(path: Path | None) -> int:
+    """How long the file is now (0 when there is none)."""
+    try:
+        return path.stat().st_size if path is not None else 0
+    except OSError:
+        return 0
+
+
+class OffsetFile:
+    """``<output file>.copied``: how many bytes of the output file were copied, for an agent that adopts the rank."""
+
+    def __init__(self, output: Path) -> None:
+        self.path = _copied_path(output)
+
+    def __enter__(self) -> OffsetFile:
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o600)
+        return self
+
+    def write(self, offset: int) -> None:
+        os.pwrite(self.fd, b"%20d" % offset, 0)
+
+    def __exit__(self, *_: object) -> None:
+        os.close(self.fd)
+
+
+def _copied_path(output: Path) -> Path:
+    return output.with_name(output.name + ".copied")
+
+
+def copied_offset(output: Path) -> int:
+    """How much of a rank's output file an earlier agent copied (0 when it did not say)."""
+    try:
+        return int(_copied_path(output).read_text(encoding="ascii").strip() or 0)
+    except (OSError, ValueError):
+        return 0
