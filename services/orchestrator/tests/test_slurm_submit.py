@@ -51,6 +51,8 @@ def slurm_client(
         command_timeout_s=10.0,
         stop_grace_s=1.0,
     ) as client:
+        # The app connects to NATS in the background: a job submitted before it did is refused (503, a CI run's).
+        assert poll(lambda: client.get("/readyz").status_code, lambda status: status == 200, timeout_s=30) == 200
         yield client
 
 
