@@ -17,9 +17,10 @@ per cell, a cell being a system and a fault kind:
   loop   ``until torchrun --max-restarts 0 ...; do :; done`` (bench/recovery_loop.py): every failure restarts it all
   cold-container, fast-container
          cold and fast with each rank in a container of the base image on the stack's own dockerd
-         (bench/recovery_containers.py); on the fast path the agents keep standby containers (the first 2 spares
-         too), cold has none. Each is compared with its process cell (the ratio and the recovery's launch step, the
-         ranks' start overhead) under the table
+         (bench/recovery_containers.py); on the fast path the agents keep standby containers of the job (its nodes
+         and the first 2 spares; REPRISE_CONTAINER_STANDBYS 2, no standby interpreters), cold has none. Each is
+         compared with its process cell (the ratio and the recovery's launch step, the ranks' start overhead) under
+         the table
 
 Faults, each on rank 3: a rank crash (SIGKILL), XID 79 (Reprise: the agent's simulated GPU falls off the bus and the
 rank dies; the loop: the same SIGKILL, all a process sees), a hang (SIGSTOP; Reprise's job limit hang_timeout_s 3 s),
@@ -29,7 +30,9 @@ Several faults hit one run (5 per cell; --quick 1): the first when rank 0 prints
 step past the last fault's that is 5 past a checkpoint (35, 45, ...), and only once training has moved again after
 the last fault at the full world size (the fast path also waits for a ready standby on every node; the loop's node
 loss for its replacement node). Every fault therefore redoes 5 steps from the checkpoint (none on the peer path), and
-no fault hits a recovery still under way.
+no fault hits a recovery still under way. A fast-path fault that would have to hit without a ready standby because the
+run is ending is not injected (it would measure a cold start): such a cell has fewer faults, as its note says, and
+one that has none yet gets its one fault without them.
 
 Per cell (bench/results/recovery.json, ``figures.cells.<system>.<fault>``): fault → the first step completed after
 the restart (the script's own ``step N t=`` line), its median and range over the faults, detection (Reprise: the

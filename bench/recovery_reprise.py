@@ -46,6 +46,7 @@ from reprise_common.events import GpuHealth, NodeReport
 from reprise_orchestrator.settings import OrchestratorSettings
 
 STANDBY_SPARES = OrchestratorSettings.model_fields["standby_spares"].default  # spares keeping a job's standbys
+LATE = "standbys not ready again by the last fault step:"  # the note of a cell that ran out of steps
 REPORT_FRESH_S = 3.0  # a node whose last report is older is gone (lost) and has no standbys to wait for
 STAMP_SLACK_S = 0.1  # incidents and injections are stamped by processes on one host, one clock: a fault owns what
 # opens from just before its injection until just before the next
@@ -139,11 +140,17 @@ def policy(system: System, settings: RecoverySettings) -> dict[str, Any]:
 def run_cell(system: System, fault: Fault, settings: RecoverySettings, root: Path) -> CellRun:
     """One run of the job with `settings.faults` faults of one kind on a fresh stack."""
     root.mkdir(parents=True)
-    standbys = settings.standbys if system.standbys else 0
+    # Standby interpreters for a job of processes; for a containerized one, standby containers of its image only
+    # (none of the interpreters it would not use, which imported torch beside its containers' on the same cores).
+    standbys = settings.standbys if system.standbys and not system.in_containers else 0
+    containers = settings.standbys if system.standbys and system.in_containers else 0
     runtime: Runtime = "docker" if system.in_containers else "process"
     stack_of = platform(root, settings, spares=settings.spares(fault), standbys=standbys, runtime=runtime)
     with (
-        _agents_environment(REPRISE_STANDBY_REFILL_DELAY_S=f"{settings.standby_refill_delay_s:g}"),
+        _agents_environment(
+            REPRISE_STANDBY_REFILL_DELAY_S=f"{settings.standby_refill_delay_s:g}",
+            REPRISE_CONTAINER_STANDBYS=str(containers),
+        ),
         stack_of as (stack, client),
         NodeReports(client) as reports,
     ):
@@ -154,12 +161,12 @@ def run_cell(system: System, fault: Fault, settings: RecoverySettings, root: Pat
         if job is None:
             return run.cell
         try:
-            run.watch(job, RankZeroLogs(stack.config.state_dir, job["id"]), reports if standbys else None)
+            run.watch(job, RankZeroLogs(stack.config.state_dir, job["id"]), reports if system.standbys else None)
             _analyse(client, job["id"], run.cell)
             run.cell.extra["restart_paths"] = dict(
                 Counter(str(r.extra.get("restart_path", {}).get("restart_mode", "?")) for r in run.cell.records)
             )
-            run.cell.extra |= _save_cost(client, job["id"], settings) | (reports.memory() if standbys else {})
+            run.cell.extra |= _save_cost(client, job["id"], settings) | (reports.memory() if system.standbys else {})
         finally:
             with contextlib.suppress(httpx.HTTPError):
                 client.cancel(job["id"])
@@ -234,19 +241,22 @@ class _Run:
         """Inject each fault when due, until the digest, a stopped job, or the run timeout."""
         tracker, cell = FaultTracker(self.settings), self.cell
         cell.records = tracker.records
-        # Containers: the process standbys and at least one of the job's standby containers on each node serving it.
-        containers = cell.system.in_containers
-        wanted, serving = (self.settings.standbys + 1, True) if containers else (1, False)
+        # Containers: one of the job's standby containers ready on each node serving it (at most its ranks there).
+        serving = cell.system.in_containers
 
         def on_line(line: str) -> None:
             tracker.feed(line)
             if not tracker.due(line):
                 return
-            if reports is None or reports.warm(wanted, serving=serving):
+            if reports is None or reports.warm(1, serving=serving):
                 self._inject(job["id"], tracker)
-            elif (step_of(line) or (0, 0.0))[0] + self.settings.checkpoint_every > self.settings.steps:
-                cell.notes.append("standbys not ready by the last fault step: the fault hit without them")
+            elif (step_of(line) or (0, 0.0))[0] + self.settings.checkpoint_every <= self.settings.steps:
+                return
+            elif not tracker.records:  # a cell with no fault says nothing: its one fault hits without them
+                cell.notes.append("standbys never ready: the cell's one fault hit without them")
                 self._inject(job["id"], tracker)
+            elif not any(note.startswith(LATE) for note in cell.notes):  # a fault without them is not the fast path
+                cell.notes.append(f"{LATE} {len(tracker.records)} faults")
 
         end = follow_job(
             self.client, job["id"], logs, since=cell.launched_at, limit_s=self.settings.run_timeout_s, on_line=on_line

@@ -170,7 +170,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     cold = args.restart_mode == "cold"
     if cold or args.runtime == "docker":
-        args.standbys = 0  # the cold path starts every rank as a new interpreter; standbys do not serve containers
+        args.standbys = 0  # the cold path starts every rank anew; the docker demo keeps no standby containers
     return run_demo(_stack_config(args), keep=args.keep, cold=cold)
 
 

@@ -19,6 +19,7 @@ from reprise_agent.foreign_checkpoints import ForeignCheckpoints
 from reprise_agent.gpu.base import GpuBackend
 from reprise_agent.gpu.factory import open_backend
 from reprise_agent.launch.base import ImageLaunchers, Launcher
+from reprise_agent.launch.container_group import FILE, grant
 from reprise_agent.launch.container_policy import ContainerPolicy
 from reprise_agent.launch.processes import ProcessLauncher
 from reprise_agent.launch.standby import StandbyPool
@@ -121,9 +122,10 @@ class Agent:
             images=frozenset(settings.container_images) if settings.container_images is not None else None,
         )
         inbox_dir = default_inbox_dir(settings.state_dir)
+        size = settings.standbys if settings.container_standbys is None else settings.container_standbys
         standbys = ContainerStandbys(
-            size=settings.standbys, preload=settings.standby_preload, refill_delay_s=settings.standby_refill_delay_s
-        )  # per containerized job, as many as the process standbys
+            size=size, preload=settings.standby_preload, refill_delay_s=settings.standby_refill_delay_s
+        )  # per containerized job
         return ContainerEngine(
             base_url=settings.docker_url,
             policy=policy,
@@ -132,6 +134,7 @@ class Agent:
             sdk_socket=self.sdk.path,  # re-linked for the containers a restarted agent adopts
             standbys=standbys,
             gpus=self.gpus.name == "nvml",
+            gid=settings.container_gid,
         )
 
     def _executor(self, py_spy: Path | None) -> CommandExecutor:
@@ -153,6 +156,8 @@ class Agent:
     async def start(self) -> None:
         """Serve commands and injections, start the loops, announce ourselves."""
         await self.sdk.start()  # before any command can launch a rank that reports to it
+        if self.settings.docker_url is not None:  # a containerized rank of any user writes to it (its group's)
+            grant(self.sdk.path, self.settings.container_gid, FILE)
         self._subscriptions.append(await self.bus.serve(subjects.node_command(self.node_id), self.executor.on_command))
         self._subscriptions.append(await self.bus.serve(subjects.node_inject(self.node_id), self.faults.on_inject))
         self._tasks = [

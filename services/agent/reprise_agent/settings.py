@@ -10,6 +10,7 @@ from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from reprise_agent.depchecks.specs import DependencyChecks
+from reprise_agent.launch.container_group import DEFAULT_GID
 from reprise_common.settings import IdStr, ServiceSettings
 
 
@@ -59,6 +60,13 @@ class AgentSettings(ServiceSettings):
     standbys: int = Field(
         default=0, ge=0, le=64, description="warm standby interpreters kept ready for replacement ranks (0: none)"
     )
+    container_standbys: int | None = Field(
+        default=None,
+        ge=0,
+        le=64,
+        description="standby containers kept ready per containerized job, never more than its ranks here (0: none; "
+        "None: as many as REPRISE_STANDBYS); a node that runs only containers sets REPRISE_STANDBYS=0 and this",
+    )
     standby_python: Path = Field(
         default=Path(sys.executable), description="the interpreter of the standbys: jobs must run this one to use them"
     )
@@ -75,6 +83,14 @@ class AgentSettings(ServiceSettings):
     )
     container_mount_roots: list[Path] = Field(
         default_factory=list, max_length=64, description="host paths a job's containers may mount from (JSON list)"
+    )
+    container_gid: int = Field(
+        default=DEFAULT_GID,
+        ge=1,
+        le=2**31 - 2,
+        description="the group every rank's container runs in beside its user: the agent gives it what it makes for "
+        "the ranks (inbox, output, the SDK socket), so that ranks of users other than root use them; no host user "
+        "should be in it (docs/containers.md)",
     )
     container_images: list[str] | None = Field(
         default=None, max_length=1024, description="the images a job may name (JSON list); None: any local image"

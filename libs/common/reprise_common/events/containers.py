@@ -82,7 +82,9 @@ class ContainerSpec(Wire):
         default=None, ge=MIB, le=1 << 40, description="shared memory size (NCCL wants more than 64 MiB)"
     )
     cap_add: list[Capability] = Field(default_factory=list, max_length=16, description="added capabilities")
-    user: str | None = Field(default=None, max_length=64, description="uid[:gid] to run as; None: the image's")
+    user: str | None = Field(
+        default=None, max_length=64, description="the image's user to run as (a name, or uid[:gid]); None: the image's"
+    )
     privileged: bool = Field(default=False, description="always refused: kept so that asking for it says why")
     pid_mode: str | None = Field(default=None, max_length=64, description="'host' is refused; None: the container's")
 

@@ -11,43 +11,36 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 
+from reprise_agent.launch.container_group import FILE, grant
+
 OUTPUT = "rank.out"  # in a rank's (or standby's) inbox directory: its stdout and stderr, which the agent reads
 OUTPUT_ENV = "REPRISE_OUTPUT_FILE"  # its path in the container, for the process that points its output there
-ROOT_USERS = (None, "", "0", "root", "0:0", "root:root")  # who may open a file the agent made (mode 0600) in there
 PYTHON = re.compile(r"python[0-9.]*")  # a command whose output the rank itself writes into its output file
 
-# A Python rank's container runs `python -S -c REDIRECT <the rank's argv>`: its stdout and stderr into the output file,
-# then its own command in the same process (the pid the handle names). Where the file cannot be opened, the output
-# stays on stdout (the daemon's log), and the rank runs all the same.
-REDIRECT = f"""import os, sys
-try:
-    fd = os.open(os.environ.pop('{OUTPUT_ENV}'), os.O_WRONLY | os.O_APPEND)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-except (OSError, KeyError):
-    pass
-os.execvp(sys.argv[1], sys.argv[1:])
-"""
-
-# A standby's prelude does the same before its boot (its ready line, then the rank's output, go into the file).
-STANDBY_REDIRECT = f"""if '{OUTPUT_ENV}' in _o.environ:
+# Stdout and stderr into the output file, by the rank's process itself (os imported as _o): where the file cannot be
+# opened, the output stays on stdout (the daemon's log), and the rank runs all the same.
+POINT_OUTPUT = f"""try:
     _f = _o.open(_o.environ.pop('{OUTPUT_ENV}'), _o.O_WRONLY | _o.O_APPEND)
     _o.dup2(_f, 1)
     _o.dup2(_f, 2)
     _o.close(_f)
+except (OSError, KeyError):
+    pass
 """
+# A Python rank's container runs `python -S -c REDIRECT <the rank's argv>`: its output pointed, then its own command
+# in the same process (the pid the handle names). A standby's prelude points its output before its boot.
+REDIRECT = f"import os as _o, sys\n{POINT_OUTPUT}_o.execvp(sys.argv[1], sys.argv[1:])\n"
 
 
-def output_file(user: str | None, inbox: Path | None, env: Mapping[str, str]) -> tuple[Path, str] | None:
-    """The output file of a rank (or standby) in its inbox directory, made now: its path on the host and in the
-    container. None where it has no inbox, or runs as a `user` who could not open it (its output then goes through
-    the daemon's log)."""
+def output_file(gid: int, inbox: Path | None, env: Mapping[str, str]) -> tuple[Path, str] | None:
+    """The output file of a rank (or standby) in its inbox directory, made now for its container's group to write
+    (launch/container_group.py): its path on the host and in the container. None where it has no inbox."""
     inner = env.get("REPRISE_SDK_INBOX_DIR")
-    if inbox is None or not inner or user not in ROOT_USERS:
+    if inbox is None or not inner:
         return None
     path = inbox / OUTPUT
     path.touch(mode=0o600)
+    grant(path, gid, FILE)
     return path, f"{inner}/{OUTPUT}"
 
 

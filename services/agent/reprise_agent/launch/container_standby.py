@@ -1,17 +1,15 @@
 """Warm standbys in containers: for each containerized job, containers of its image started ahead of need, with the
 job's mounts and limits, running the job's interpreter with the heavy modules imported (the standby boot of
-launch/standby_boot.py) and waiting for a rank's assignment.
+launch/standby_boot.py) and waiting for a rank's assignment. A relaunch's rank then starts on one instead of a new
+container that imports torch.
 
-A relaunch's rank then starts on one instead of a new container that imports torch. The assignment (argv, environment,
-directory, as for a process standby) is one JSON line written into a FIFO in the standby's own inbox directory (mounted
-in the container, like a rank's inbox): the boot reads its stdin, which a prelude points at that FIFO. The rank's
-environment is the image's with the rank's own on top, as in a container started for it. A job's standbys are made
-from its latest launch (its launcher and one rank's environment as the template) and retired once none of its ranks
-started here runs and none started for RETIRE_AFTER_S, or when a launch changes its container spec.
-
-A spare, whose agent never ran the job, is told to `prepare` them (a PrepareStandbysCommand the orchestrator sends
-with a containerized job's launch): the same pool, made from the job's spec before any rank of it starts here, held
-for the command's `hold_s` (renewed by each prepare) and removed when told to drop them.
+The assignment (argv, environment, directory, as for a process standby) is one JSON line written into a FIFO in the
+standby's own inbox directory (mounted in the container, like a rank's inbox): the boot reads its stdin, which a
+prelude points at that FIFO. The rank's environment is the image's with the rank's own on top. A job's standbys are
+made from its latest launch (its launcher and one rank's environment as the template) and retired once none of its
+ranks started here runs and none started for RETIRE_AFTER_S, or when a launch changes its container spec. A spare,
+whose agent never ran the job, is told to `prepare` them (a PrepareStandbysCommand, once the job's launch trains):
+held for the command's `hold_s` (renewed by each prepare), removed when told to drop them.
 """
 
 from __future__ import annotations
@@ -31,8 +29,9 @@ import docker.errors
 from docker.models.containers import Container
 
 from reprise_agent.launch.container_cpu import CpuShare
+from reprise_agent.launch.container_group import FILE, grant
 from reprise_agent.launch.container_handle import ContainerHandle
-from reprise_agent.launch.container_output import OUTPUT_ENV, STANDBY_REDIRECT, output_file, size
+from reprise_agent.launch.container_output import OUTPUT_ENV, POINT_OUTPUT, output_file, size
 from reprise_agent.launch.standby import BOOT_SOURCE, READY, READY_TIMEOUT_S, RETRY_AFTER_S, unfit_arguments
 from reprise_common.errors import RepriseError
 from reprise_common.events import ContainerSpec, LaunchArgs, StandbyStatus
@@ -43,6 +42,9 @@ from reprise_common.procs import process_alive, sample_process
 class _Engine(Protocol):
     @property
     def gpus(self) -> bool: ...  # GPUs are device requests fixed when a container is made: no standby takes one
+
+    @property
+    def gid(self) -> int: ...  # the containers' group (launch/container_group.py)
 
 
 class ContainerLauncher(Protocol):
@@ -78,10 +80,10 @@ PRELUDE = f"""import os as _o
 _f = _o.open(_o.environ['{FIFO_ENV}'], _o.O_RDWR)
 _o.dup2(_f, 0)
 _o.close(_f)
-{STANDBY_REDIRECT}"""
+{POINT_OUTPUT}"""
 RETIRE_AFTER_S = 60.0  # a job none of whose ranks runs here, and none started for this long, needs no standby
 CHECK_S = 5.0  # how often a full pool looks whether its job is over
-READY_POLL_MIN_S, READY_POLL_MAX_S = 0.05, 0.5  # how often a standby's output is read for its ready line
+READY_POLL_S = 0.05  # how often a standby's output file is read for its ready line
 PREPARED_JOBS_MAX = 8  # jobs a node keeps standbys of before any of their ranks started here (a spare's)
 
 
@@ -95,7 +97,7 @@ class ContainerStandby:
     inbox: Path
     base_env: dict[str, str]
     share: CpuShare | None = None  # its container's CPU weight, lowered while it waits
-    output: Path | None = None  # its output file (None: its output is in the daemon's log)
+    output: Path | None = None  # its output file (None: it cannot say it is ready)
     ready: bool = False
 
 
@@ -258,8 +260,9 @@ class ContainerStandbys:
         if inbox is None:
             return False
         os.mkfifo(inbox / FIFO, 0o600)
+        grant(inbox / FIFO, launcher.engine.gid, FILE)
         env = {**pool.template, "RANK": "standby", FIFO_ENV: f"{inner}/{FIFO}"}
-        output = output_file(launcher.spec.user, inbox, pool.template)
+        output = output_file(launcher.engine.gid, inbox, pool.template)
         if output is not None:
             env[OUTPUT_ENV] = output[1]
         changes = launcher.env_changes(pool.template)  # the SDK socket's directory mounted, as for its rank
@@ -350,32 +353,21 @@ def _assign(fifo: Path, order: Mapping[str, object]) -> bool:
 
 
 def _await_ready(standby: ContainerStandby) -> bool:
-    """Wait for the standby's ready line (its first line of output); False when it exited or never said it.
-
-    From its output file, a look is a read on this host, every READY_POLL_MIN_S. From the daemon's log, each look is
-    two calls to the daemon: looked for every 50 ms, a node's standbys importing side by side kept their agent and the
-    daemon busy (on the bench's 2 cores, 9 agents at 7 % each and the daemon at 17 %), which their own imports then
-    lacked; those looks grow apart up to READY_POLL_MAX_S (the imports take seconds).
-    """
-    deadline, pause = time.monotonic() + READY_TIMEOUT_S, READY_POLL_MIN_S
-    while time.monotonic() < deadline:
+    """Wait for the standby's ready line, the first line of its output file (a read on this host every
+    READY_POLL_S; through the daemon's log each look was two calls to it, which a node's standbys importing side by side
+    kept busy); False when it exited, never said it, or has no output file."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while standby.output is not None and time.monotonic() < deadline:
         try:
-            if standby.output is not None:
-                output = standby.output.read_bytes()
-                running = process_alive(standby.init_pid)
-            else:
-                output = standby.container.logs(stdout=True, stderr=False)
-                standby.container.reload()
-                running = standby.container.status in ("created", "running")
-                pause = min(pause * 1.5, READY_POLL_MAX_S)
+            output = standby.output.read_bytes()
             if b"\n" in output:
                 said = json.loads(output.split(b"\n", 1)[0])
                 return isinstance(said, dict) and said.get("ready") == READY
-            if not running:
+            if not process_alive(standby.init_pid):
                 return False
-        except (docker.errors.DockerException, OSError, ValueError):
+        except (OSError, ValueError):
             return False
-        time.sleep(pause)
+        time.sleep(READY_POLL_S)
     return False
 
 

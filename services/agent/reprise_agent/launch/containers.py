@@ -30,6 +30,7 @@ import docker.errors
 import docker.types
 from docker.models.containers import Container
 
+from reprise_agent.launch.container_group import DEFAULT_GID, DIRECTORY, SHARED_DIRECTORY, grant
 from reprise_agent.launch.container_handle import ContainerHandle
 from reprise_agent.launch.container_output import OUTPUT_ENV, PYTHON, REDIRECT, output_file
 from reprise_agent.launch.container_policy import ContainerPolicy, DockerUnavailableError, LaunchRefusedError
@@ -83,7 +84,7 @@ class ContainerLauncher:
     ) -> ContainerHandle:
         inbox = self.new_inbox(env)
         command, rank_env = list(argv), dict(env)
-        output = output_file(self.spec.user, inbox, env) if PYTHON.fullmatch(os.path.basename(argv[0])) else None
+        output = output_file(self.engine.gid, inbox, env) if PYTHON.fullmatch(os.path.basename(argv[0])) else None
         if output is not None:
             command = [argv[0], "-S", "-c", REDIRECT, *argv]
             rank_env[OUTPUT_ENV] = output[1]
@@ -120,6 +121,7 @@ class ContainerLauncher:
             return None
         path = self.engine.inbox_dir / "containers" / secrets.token_hex(6)
         path.mkdir(mode=0o700, parents=True)
+        grant(path, self.engine.gid, DIRECTORY)  # the rank binds its inbox socket in there, whatever its user
         return path
 
     def env_changes(self, env: Mapping[str, str]) -> dict[str, str]:
@@ -136,10 +138,7 @@ class ContainerLauncher:
     ) -> tuple[Container, int, int]:
         """Create and start the container (blocking calls: in a thread); its init's pid and the rank's."""
         if self.job.checkpoints is not None:  # a bind's source must exist; a job's first launch has saved nothing yet
-            try:
-                Path(self.job.checkpoints.directory).mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                raise LaunchRefusedError(f"checkpoints.directory could not be created: {exc}") from exc
+            self._checkpoint_directory(Path(self.job.checkpoints.directory))
         created = self._create(argv, env, changes, cwd, inbox)
         try:
             created.start()
@@ -152,6 +151,17 @@ class ContainerLauncher:
         except (docker.errors.DockerException, OSError) as exc:
             raise DockerUnavailableError(f"the Docker daemon did not answer: {exc}") from exc
         return created, init_pid, rank_pid(init_pid)
+
+    def _checkpoint_directory(self, path: Path) -> None:
+        """Create the job's checkpoint directory where it is missing, for its ranks to write whatever their user; one
+        that exists is the job's own, left as it is."""
+        if path.is_dir():
+            return
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise LaunchRefusedError(f"checkpoints.directory could not be created: {exc}") from exc
+        grant(path, self.engine.gid, SHARED_DIRECTORY)
 
     def _create(
         self, argv: list[str], env: dict[str, str], changes: dict[str, str], cwd: str | None, inbox: Path | None
@@ -195,6 +205,7 @@ class ContainerLauncher:
             "cap_add": list(spec.cap_add) or None,
             "pids_limit": spec.pids_limit,
             "user": spec.user,
+            "group_add": [str(self.engine.gid)],  # what the agent made for the rank (launch/container_group.py)
         }
 
     def _mounts(self, env: Mapping[str, str], inbox: Path | None, *, sdk_directory: bool) -> list[docker.types.Mount]:
@@ -238,6 +249,7 @@ class ContainerEngine:
         gpus: bool = False,
         timeout_s: float = 30.0,
         standbys: ContainerStandbys | None = None,
+        gid: int = DEFAULT_GID,
     ) -> None:
         self.base_url = base_url
         self.policy = policy
@@ -245,6 +257,7 @@ class ContainerEngine:
         self.sdk_socket = sdk_socket  # the agent's: re-linked for the containers a restarted agent adopts
         self.job_files_dir = job_files_dir  # the agent's <state>/ranks: <job id>/epoch-N-resume-files.json
         self.gpus = gpus
+        self.gid = gid  # every rank's container runs in this group too: what the agent makes for it belongs to it
         self.timeout_s = timeout_s
         self.standbys = standbys or ContainerStandbys(size=0, preload=())  # per containerized job: warm containers
         self.images_seen: dict[str, float] = {}  # image → when the daemon last said it has it (monotonic)

@@ -51,3 +51,11 @@ def python_mounts() -> list[ContainerMount]:
 
 
 PYTHON = sys.executable  # the checkout's .venv/bin/python: found in the container through the mounts above
+
+
+def open_home(tmp_path: Path) -> ContainerMount:
+    """For a container whose user is not root: the host's interpreter may live under /root, which the image keeps to
+    root (mode 0700), so an open directory is mounted over it (the interpreter's own mount goes inside)."""
+    home = tmp_path / "home"
+    home.mkdir(mode=0o755, exist_ok=True)
+    return ContainerMount(source=str(home), target="/root", read_only=False)

@@ -24,7 +24,7 @@ from reprise_cli.servers import NatsServer, free_port
 from reprise_common.events import CommandAction, CommandResult, LaunchArgs, NodeReport, RankExited
 
 from ..test_agent import Harness, running_agent, wait_for
-from .conftest import PYTHON, Engine, python_mounts
+from .conftest import PYTHON, Engine, open_home, python_mounts
 
 pytest.importorskip("torch", reason="PyTorch is not installed: containerized ranks train in a real gloo group")
 
@@ -79,6 +79,16 @@ def stepping(harness: Harness, epoch: int) -> bool:
     return bool(reports) and len([r for r in reports[-1].ranks if r.restart_epoch == epoch and r.step]) == 2
 
 
+async def kill_one_park_the_other(harness: Harness, pid: int) -> None:
+    """SIGKILL rank 1 from the host, on the pid its report shows: rank 0 parks, and the stop leaves it parked."""
+    os.kill(pid, signal.SIGKILL)
+    assert await wait_for(lambda: any(r.parked.is_set() for r in harness.agent.supervisor.ranks()), timeout_s=60)
+    stop = await harness.command(
+        CommandAction.STOP, fence=1, command_id="s", grace_s=2.0, park_within_s=5.0, kill_ranks=[1]
+    )
+    assert stop.result is CommandResult.DONE and stop.data["parked"] == [0]
+
+
 async def test_containerized_ranks_train_die_and_restart_in_place(
     harness: Harness, docker_engine: Engine, tmp_path: Path
 ) -> None:
@@ -90,15 +100,10 @@ async def test_containerized_ranks_train_die_and_restart_in_place(
     assert await wait_for(lambda: stepping(harness, 0), timeout_s=90)  # heartbeats over the mounted SDK socket
     assert await wait_for(lambda: all(r.in_place for r in harness.agent.supervisor.ranks()))
 
-    os.kill(pids[1], signal.SIGKILL)  # from the host, on the pid the report shows: its peer parks
-    assert await wait_for(lambda: any(r.parked.is_set() for r in harness.agent.supervisor.ranks()), timeout_s=60)
+    await kill_one_park_the_other(harness, pids[1])
     assert await wait_for(lambda: harness.of_type(RankExited), timeout_s=30)
     exits = [e for e in harness.events if isinstance(e, RankExited)]
     assert [(e.rank, e.signal, e.oom_killed) for e in exits] == [(1, "SIGKILL", False)]
-    stop = await harness.command(
-        CommandAction.STOP, fence=1, command_id="s", grace_s=2.0, park_within_s=5.0, kill_ranks=[1]
-    )
-    assert stop.result is CommandResult.DONE and stop.data["parked"] == [0]
 
     relaunched = await launch(harness, spec, argv, epoch=1)
     assert relaunched[0] == pids[0] and relaunched[1] != pids[1]  # rank 0 in its own container, ordered by inbox
@@ -167,3 +172,22 @@ async def test_a_restarted_agents_supervisor_adopts_what_runs_as_recorded_and_re
     assert await wait_for(lambda: not changed.alive and not unrecorded.alive, timeout_s=30)
     await second.stop("job-1", grace_s=2.0)
     assert [r.handle.returncode for r in second.ranks()] == [-signal.SIGTERM]  # the adopted rank, stopped
+
+
+async def test_a_rank_in_a_container_of_a_non_root_user_trains_and_restarts_in_place(
+    harness: Harness, docker_engine: Engine, tmp_path: Path
+) -> None:
+    job_dir = tmp_path / "job"
+    job_dir.mkdir(mode=0o755)
+    (job_dir / "train.py").write_text(TRAIN)
+    spec, argv = {**container(docker_engine.image, job_dir), "user": "1000:1000"}, [PYTHON, str(job_dir / "train.py")]
+    spec["mounts"] = [*spec["mounts"], open_home(tmp_path).model_dump()]  # type: ignore[list-item]
+    pids = await launch(harness, spec, argv, epoch=0)
+    assert all(os.stat(f"/proc/{pid}").st_uid == 1000 for pid in pids)
+    assert await wait_for(lambda: stepping(harness, 0), timeout_s=90)  # its heartbeats reach the agent's socket
+    assert await wait_for(lambda: all(r.in_place for r in harness.agent.supervisor.ranks()))  # its inbox is bound
+
+    await kill_one_park_the_other(harness, pids[1])
+    relaunched = await launch(harness, spec, argv, epoch=1)
+    assert relaunched[0] == pids[0] and relaunched[1] != pids[1]
+    assert await wait_for(lambda: stepping(harness, 1), timeout_s=90)

@@ -8,23 +8,25 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 from pathlib import Path
 
 import docker
 import pytest
 
+from reprise_agent.agent import Agent
 from reprise_agent.launch import container_standby
 from reprise_agent.launch.container_cpu import LEAST, cgroup_cpu_file
 from reprise_agent.launch.container_procs import rank_pid
 from reprise_agent.launch.container_standby import ContainerStandbys
 from reprise_agent.launch.containers import ContainerEngine
+from reprise_agent.settings import AgentSettings
 from reprise_cli.servers import NatsServer
-from reprise_common.events import CommandAction, CommandResult, ContainerMount
+from reprise_common.bus import Bus
+from reprise_common.events import ContainerMount
 
 from ..test_agent import running_agent, wait_for
-from .conftest import PYTHON, Engine, python_mounts
-from .test_agent_containers import TRAIN, container, launch, stepping
+from .conftest import PYTHON, Engine, open_home, python_mounts
+from .test_agent_containers import TRAIN, container, kill_one_park_the_other, launch, stepping
 from .test_container_launcher import ENV, engine_for, job
 
 SCRIPT = """
@@ -41,14 +43,18 @@ def standbys(client: docker.DockerClient) -> list[str]:
     return [c.id for c in client.containers.list(all=True, filters={"label": "io.reprise.rank=standby"})]
 
 
-async def test_a_relaunched_rank_runs_on_a_warm_container_as_in_its_own(docker_engine: Engine, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("user", "uid"), [(None, 0), ("nobody", 65534)])  # a name of the image's
+async def test_a_relaunched_rank_runs_on_a_warm_container_as_in_its_own(
+    docker_engine: Engine, tmp_path: Path, user: str | None, uid: int
+) -> None:
     job_dir = tmp_path / "job"
     job_dir.mkdir()
     (job_dir / "rank.py").write_text(SCRIPT)
     engine = engine_for(docker_engine, tmp_path)
     engine.standbys = ContainerStandbys(size=1, preload=["wave"])  # a module nothing else imports
     mounts = [*python_mounts(), ContainerMount(source=str(job_dir), target=str(job_dir))]
-    launcher = engine.for_job(job(docker_engine.image, mounts=mounts))
+    mounts += [open_home(tmp_path)] if user else []  # of a user other than root: a FIFO and output file it may open
+    launcher = engine.for_job(job(docker_engine.image, mounts=mounts, user=user))
     env = {**ENV, "REPRISE_SDK_INBOX_DIR": str(tmp_path / "inbox"), "WHO": "me"}
     client = docker.DockerClient(base_url=docker_engine.url)
     try:
@@ -65,6 +71,7 @@ async def test_a_relaunched_rank_runs_on_a_warm_container_as_in_its_own(docker_e
             [PYTHON, str(job_dir / "rank.py"), "--lr", "0.1"], env={**env, "RANK": "1"}, cwd=str(job_dir), warm=True
         )
         assert rank.warm and rank.container.id == waiting
+        assert os.stat(f"/proc/{rank.pid}").st_uid == uid
         assert weight.read_text().strip() == DOCKER_DEFAULT_WEIGHT[weight.name]  # a rank's container's, as any other
         output = (await asyncio.wait_for(rank.output.read(), 30)).decode()
         assert output == f"1 me {job_dir} ['--lr', '0.1'] True None True {os.SCHED_OTHER}\n"  # its own only
@@ -99,12 +106,7 @@ async def test_an_agent_replaces_a_dead_containerized_rank_on_a_warm_container(
         assert isinstance(engine, ContainerEngine)
         assert await wait_for(lambda: engine.standbys.ready("job-1") == 1, timeout_s=120)
 
-        os.kill(pids[1], signal.SIGKILL)
-        assert await wait_for(lambda: any(r.parked.is_set() for r in harness.agent.supervisor.ranks()), timeout_s=60)
-        stop = await harness.command(
-            CommandAction.STOP, fence=1, command_id="s", grace_s=2.0, park_within_s=5.0, kill_ranks=[1]
-        )
-        assert stop.result is CommandResult.DONE and stop.data["parked"] == [0]
+        await kill_one_park_the_other(harness, pids[1])
         relaunched = await launch(harness, spec, argv, epoch=1)
         replaced = next(r for r in harness.agent.supervisor.ranks() if r.rank == 1)
         assert relaunched[0] == pids[0] and replaced.handle.warm  # in place, and on the standby container
@@ -130,3 +132,15 @@ async def test_a_jobs_standbys_are_removed_once_none_of_its_ranks_runs_here(
         assert engine.standbys.ready("job-1") == 0
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize(("standbys", "containers", "kept"), [(2, None, 2), (0, 2, 2), (2, 0, 0)])
+def test_an_agent_keeps_as_many_standby_containers_as_its_settings_say(
+    tmp_path: Path, standbys: int, containers: int | None, kept: int
+) -> None:
+    settings = AgentSettings(
+        node_id="n1", state_dir=tmp_path, docker_url="unix:///nowhere.sock", standbys=standbys,
+        container_standbys=containers,
+    )  # fmt: skip
+    engine = Agent(settings, Bus(url="nats://127.0.0.1:1", service="agent-n1")).supervisor.containers
+    assert isinstance(engine, ContainerEngine) and engine.standbys.size == kept
