@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from reprise_agent.launch.container_group import FILE, grant
 
 OUTPUT = "rank.out"  # in a rank's (or standby's) inbox directory: its stdout and stderr, which the agent reads
 OUTPUT_ENV = "REPRISE_OUTPUT_FILE"  # its path in the container, for the process that points its output there
-PYTHON = re.compile(r"python[0-9.]*")  # a command whose output the rank itself writes into its output file
+PYTHON = re.compile(r"python[0-9.]*")  # a rank's interpreter, or its shell: either points its own output at the file
+SHELL = re.compile(r"(ba|da)?sh")
 
 # Stdout and stderr into the output file, by the rank's process itself (os imported as _o): where the file cannot be
 # opened, the output stays on stdout (the daemon's log), and the rank runs all the same.
@@ -30,6 +31,23 @@ except (OSError, KeyError):
 # A Python rank's container runs `python -S -c REDIRECT <the rank's argv>`: its output pointed, then its own command
 # in the same process (the pid the handle names). A standby's prelude points its output before its boot.
 REDIRECT = f"import os as _o, sys\n{POINT_OUTPUT}_o.execvp(sys.argv[1], sys.argv[1:])\n"
+# A shell rank's container runs `<its shell> -c SHELL_REDIRECT <its shell> <the rank's argv>`: the same, in its shell.
+SHELL_REDIRECT = (
+    f'f=${OUTPUT_ENV}; unset {OUTPUT_ENV}; if [ -n "$f" ] && [ -w "$f" ]; then exec >>"$f" 2>&1; fi; exec "$@"'
+)
+
+
+def pointing(argv: Sequence[str]) -> list[str] | None:
+    """The container's command that points the rank's output at its file, then runs `argv` in the same process: by
+    the rank's own interpreter (a Python rank) or shell (``sh``, ``bash``, ``dash``), which the image has since the rank
+    needs it. None for any other command: whether the image has a shell to do it is not known, and its output stays in
+    the daemon's log."""
+    name = os.path.basename(argv[0]) if argv else ""
+    if PYTHON.fullmatch(name):
+        return [argv[0], "-S", "-c", REDIRECT, *argv]
+    if SHELL.fullmatch(name):
+        return [argv[0], "-c", SHELL_REDIRECT, argv[0], *argv]
+    return None
 
 
 def output_file(gid: int, inbox: Path | None, env: Mapping[str, str]) -> tuple[Path, str] | None:

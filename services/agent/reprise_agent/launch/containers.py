@@ -6,10 +6,10 @@ reaches the rank like a process's signal would, and the rank's exit code comes b
 signal death, as a shell reports it). The rank's handle names the command's process as the host sees it, so that
 reports, /proc samples and py-spy work on it as on a process.
 
-A Python rank (its command an interpreter named python...) writes its stdout and stderr into a file of its inbox
-directory, which the agent reads from the host: a few bytecodes put them there and exec the command (same pid), so
-that its last output is there the moment it exits, not once the daemon has copied it (docs/containers.md, "Exit and
-output"). Another command's output goes through the daemon's log.
+A Python or shell rank (its command an interpreter named python..., or sh, bash, dash) writes its stdout and stderr
+into a file of its inbox directory, which the agent reads from the host: a few lines of its own interpreter or shell
+put them there and exec the command (same pid), so that its last output is there the moment it exits, not once the
+daemon has copied it (docs/containers.md, "Exit and output"). Another command's output goes through the daemon's log.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from docker.models.containers import Container
 
 from reprise_agent.launch.container_group import DEFAULT_GID, DIRECTORY, SHARED_DIRECTORY, grant
 from reprise_agent.launch.container_handle import ContainerHandle
-from reprise_agent.launch.container_output import OUTPUT_ENV, PYTHON, REDIRECT, output_file
+from reprise_agent.launch.container_output import OUTPUT_ENV, output_file, pointing
 from reprise_agent.launch.container_policy import ContainerPolicy, DockerUnavailableError, LaunchRefusedError
 from reprise_agent.launch.container_procs import kill_init, namespace_pid, rank_pid
 from reprise_agent.launch.container_restart import LABEL, adopt, sdk_socket_link
@@ -84,10 +84,9 @@ class ContainerLauncher:
     ) -> ContainerHandle:
         inbox = self.new_inbox(env)
         command, rank_env = list(argv), dict(env)
-        output = output_file(self.engine.gid, inbox, env) if PYTHON.fullmatch(os.path.basename(argv[0])) else None
-        if output is not None:
-            command = [argv[0], "-S", "-c", REDIRECT, *argv]
-            rank_env[OUTPUT_ENV] = output[1]
+        output = output_file(self.engine.gid, inbox, env) if (pointed := pointing(argv)) is not None else None
+        if pointed is not None and output is not None:
+            command, rank_env[OUTPUT_ENV] = pointed, output[1]
         try:
             container, init_pid, pid = await asyncio.to_thread(self.run, command, rank_env, changes, cwd, inbox)
         except BaseException:

@@ -190,3 +190,27 @@ async def test_a_daemon_that_does_not_answer_is_a_retryable_dependency_fault(
     with pytest.raises(DockerUnavailableError, match="did not answer") as err:
         down.for_job(job(docker_engine.image))
     assert err.value.retryable and err.value.dependency == "the Docker daemon"
+
+
+SHELL_RANK = "echo out; echo err >&2; exit 3"
+
+
+@pytest.mark.parametrize(
+    ("argv", "in_file"),
+    [
+        (["bash", "-c", SHELL_RANK], True),
+        (["sh", "-c", SHELL_RANK], True),
+        (["/bin/sh", "-c", SHELL_RANK], True),
+        (["env", "sh", "-c", "echo out; exit 3"], False),  # the shell is not the command: the daemon's log
+    ],
+)
+async def test_a_shell_ranks_output_comes_from_its_file_and_another_commands_from_the_daemon(
+    docker_engine: Engine, tmp_path: Path, argv: list[str], in_file: bool
+) -> None:
+    launcher = engine_for(docker_engine, tmp_path).for_job(job(docker_engine.image))
+    env = {**ENV, "REPRISE_SDK_INBOX_DIR": "/run/reprise-inbox"}
+    handle = await launcher.start(argv, env=env, cwd=None, warm=False)
+    assert (handle.output_file is not None) is in_file
+    output = (await asyncio.wait_for(handle.output.read(), 30)).decode()
+    assert output == ("out\nerr\n" if in_file else "out\n")  # its own, in order, and nothing of the redirect
+    assert await asyncio.wait_for(handle.wait(), 30) == 3
