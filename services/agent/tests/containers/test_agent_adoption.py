@@ -156,4 +156,4 @@ async def test_a_restarted_agent_adopts_its_predecessors_containers_and_supervis
     master.close()
     containers = docker.DockerClient(base_url=docker_engine.url).containers
     ours = {"label": "io.reprise.job=job-1"}  # each removed right after its exit was reported
-    assert await wait_for(lambda: containers.list(all=True, filters=ours) == [], timeout_s=30)
+    assert await wait_for(lambda: containers.list(all=True, sparse=True, filters=ours) == [], timeout_s=30)

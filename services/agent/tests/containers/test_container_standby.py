@@ -40,7 +40,7 @@ DOCKER_DEFAULT_WEIGHT = {"cpu.shares": "1024", "cpu.weight": "100"}  # a contain
 
 
 def standbys(client: docker.DockerClient) -> list[str]:
-    return [c.id for c in client.containers.list(all=True, filters={"label": "io.reprise.rank=standby"})]
+    return [c.id for c in client.containers.list(all=True, sparse=True, filters={"label": "io.reprise.rank=standby"})]
 
 
 @pytest.mark.parametrize(("user", "uid"), [(None, 0), ("nobody", 65534)])  # a name of the image's
