@@ -19,6 +19,7 @@ from reprise_agent.progress.book import ProgressBook
 from reprise_agent.ranks import RankSupervisor
 from reprise_agent.stacks import capture
 from reprise_common import subjects
+from reprise_common.clock import utcnow
 from reprise_common.errors import MalformedEventError
 from reprise_common.events import (
     AgentReply,
@@ -163,7 +164,7 @@ class CommandExecutor:
         self.progress.forget(job_id)
         self.numeric.forget(job_id)
         outcomes = {r.rank: RankStopped(rank=r.rank, exit_code=r.exit_code, signal=r.exit_signal) for r in stopped}
-        return StopData(stopped=list(outcomes.values()), parked=sorted(kept))
+        return StopData(stopped=list(outcomes.values()), parked=sorted(kept), ended_at=utcnow())
 
     async def _capture_stacks(self, command: CaptureStacksCommand) -> CaptureStacksData:
         """Publish the Python stacks of the job's live ranks here, once per incident, within the order's bound; the

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -165,6 +166,12 @@ async def test_stop_leaves_no_process_of_the_group(harness: Harness) -> None:
     reply = await harness.launch(fence=1, command_id="l")
     pids = reply.data["pids"]
     assert all(process_alive(pid) for pid in pids)
+
+    def alive() -> dict[datetime, list[int]]:
+        reports = [e for e in harness.of_type(NodeReport) if isinstance(e, NodeReport)]
+        return {report.time: [r.rank for r in report.ranks if r.alive] for report in reports}
+
+    assert await wait_for(lambda: [0, 1] in alive().values())
     stopped = await harness.command(CommandAction.STOP, fence=1, command_id="s", grace_s=2.0)
     assert stopped.result is CommandResult.DONE
     assert sorted(r["rank"] for r in stopped.data["stopped"]) == [0, 1]
@@ -172,6 +179,14 @@ async def test_stop_leaves_no_process_of_the_group(harness: Harness) -> None:
     # a commanded stop is not a fault: no rank.exited event
     await asyncio.sleep(0.3)
     assert harness.of_type(RankExited) == []
+    # The answer says when the ranks had ended, on the clock of the node's reports: a report built since shows none
+    # alive, so the orchestrator can tell a report from before the stop (its ranks alive: strays) from one after.
+    ended = datetime.fromisoformat(stopped.data["ended_at"])
+    seen = alive()
+    assert any(ranks == [0, 1] for when, ranks in seen.items() if when < ended), seen
+    assert [ranks for when, ranks in seen.items() if when >= ended] and all(
+        ranks == [] for when, ranks in seen.items() if when >= ended
+    ), seen
 
 
 async def test_killed_rank_is_reported_with_signal_and_log_tail(harness: Harness) -> None:

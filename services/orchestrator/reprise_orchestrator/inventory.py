@@ -50,8 +50,8 @@ class NodeInfo:
     stopping: bool  # its agent's last word before a graceful stop: nothing listens there soon
 
     @classmethod
-    def of(cls, report: ReportSeen, seen_mono: float) -> NodeInfo:
-        """The values kept of one report."""
+    def of(cls, report: ReportSeen, seen_mono: float, ranks: tuple[RankSeen, ...]) -> NodeInfo:
+        """The values kept of one report, with `ranks` for the ones it lists (less those a stop ended since)."""
         health = [g.health for g in report.gpus]
         return cls(
             seen_mono=seen_mono,
@@ -61,7 +61,7 @@ class NodeInfo:
             gpus=len(health),
             healthy_gpus=health.count(GpuHealth.OK),
             gpus_usable=all(h in (GpuHealth.OK, GpuHealth.DEGRADED) for h in health),
-            ranks=report.ranks,
+            ranks=ranks,
             containers=report.containers,
             stopping=report.stopping,
         )
@@ -98,6 +98,7 @@ class Inventory:
         self._unread: dict[str, tuple[bytes, float]] = {}  # node → its newest report not parsed yet, and its arrival
         self._ranks: dict[RankKey, dict[str, list[RankSeen]]] = {}  # (job, epoch) → node → its ranks there
         self._gone: dict[str, float] = {}  # node → when a command found no agent listening there (monotonic)
+        self._stops: dict[str, dict[str, tuple[datetime, frozenset[int]]]] = {}  # node → job → a stop's end, parked
         self._bus: Bus | None = None
         self._arrival = asyncio.Event()  # set (and replaced) whenever reports arrive
 
@@ -159,6 +160,14 @@ class Inventory:
             self._store(node_id, report, seen_mono)
 
     def _store(self, node_id: str, report: ReportSeen, seen_mono: float) -> None:
+        self._unindex(node_id)
+        info = NodeInfo.of(report, seen_mono, self._after_stops(node_id, report.time, report.ranks))
+        self._nodes[node_id] = info
+        if node_id in self._gone and seen_mono > self._gone[node_id]:
+            del self._gone[node_id]  # its agent is back
+        self._index(node_id, info)
+
+    def _unindex(self, node_id: str) -> None:
         previous = self._nodes.get(node_id)
         if previous is not None:
             for key in {(r.job_id, r.restart_epoch) for r in previous.ranks}:
@@ -166,11 +175,36 @@ class Inventory:
                 del by_node[node_id]
                 if not by_node:
                     del self._ranks[key]
-        self._nodes[node_id] = NodeInfo.of(report, seen_mono)
-        if node_id in self._gone and seen_mono > self._gone[node_id]:
-            del self._gone[node_id]  # its agent is back
-        for rank in report.ranks:
+
+    def _index(self, node_id: str, info: NodeInfo) -> None:
+        for rank in info.ranks:
             self._ranks.setdefault((rank.job_id, rank.restart_epoch), {}).setdefault(node_id, []).append(rank)
+
+    def _after_stops(self, node_id: str, built: datetime, ranks: tuple[RankSeen, ...]) -> tuple[RankSeen, ...]:
+        """A node's ranks as its report built at `built` lists them, less those a later stop ended. A stop that
+        ended before the report was built is forgotten: the node's reports show what it left from then on."""
+        stops = self._stops.get(node_id)
+        if stops is None:
+            return ranks
+        for job_id in [job_id for job_id, (ended, _) in stops.items() if built >= ended]:
+            del stops[job_id]
+        if not stops:
+            del self._stops[node_id]
+            return ranks
+        return tuple(r for r in ranks if r.job_id not in stops or r.rank in stops[r.job_id][1])
+
+    def stopped(self, node_id: str, job_id: str, *, ended: datetime, parked: Set[int]) -> None:
+        """The node's agent answered a stop of the job: its ranks there had ended at `ended` (the agent's clock, as
+        its reports'), all but `parked`. Until a report built after then arrives, the node's reports show them
+        stopped: the last one may have been built before the stop, or may come in after the answer (reports travel
+        on the inventory's connection, answers on another), and its ranks alive would make them strays."""
+        self._absorb()
+        self._stops.setdefault(node_id, {})[job_id] = (ended, frozenset(parked))
+        info = self._nodes.get(node_id)
+        if info is not None:
+            self._unindex(node_id)
+            info.ranks = self._after_stops(node_id, info.time, info.ranks)
+            self._index(node_id, info)
 
     def _fresh(self, info: NodeInfo, now: float) -> bool:
         return now - info.seen_mono <= self.stale_s

@@ -6,16 +6,35 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from datetime import datetime, timedelta
 from pathlib import Path
 from types import SimpleNamespace
 from typing import cast
 
+from sqlalchemy import Engine
 from sqlmodel import Session, create_engine
 
-from reprise_common.clock import ManualClock
+from reprise_cli.servers import NatsServer
+from reprise_common import subjects
+from reprise_common.aio import poll_until
+from reprise_common.bus import Bus
+from reprise_common.clock import ManualClock, utcnow
 from reprise_common.errors import NoRespondersError
-from reprise_common.events import CommandResult, GpuStatus, NodeReport, RankAssignment, RankStatus, StopReply
+from reprise_common.events import (
+    CommandResult,
+    GpuStatus,
+    NodeReport,
+    RankAssignment,
+    RankStatus,
+    RankStopped,
+    StopCommand,
+    StopData,
+    StopReply,
+    Wire,
+    parse_command,
+)
 from reprise_orchestrator import schema
+from reprise_orchestrator.compute.agents.backend import AgentsBackend
 from reprise_orchestrator.compute.backend import Answers, NodeAnswer
 from reprise_orchestrator.deps import Deps
 from reprise_orchestrator.inventory import Inventory
@@ -44,11 +63,28 @@ class Compute:
         return Answers(tuple(items))
 
 
-def _report(node: str, epoch: int) -> NodeReport:
-    rank = RankStatus(job_id="job-a", rank=1, restart_epoch=epoch, step=5, alive=True)
+def _report(node: str, epoch: int, *, ranks: Sequence[int] = (1,), built: datetime | None = None) -> NodeReport:
+    alive = [RankStatus(job_id="job-a", rank=rank, restart_epoch=epoch, step=5, alive=True) for rank in ranks]
     return NodeReport(
-        source=node, node_id=node, interval_s=1.0, gpu_backend="sim", gpus=[GpuStatus(index=0)], ranks=[rank]
-    )
+        source=node, node_id=node, interval_s=1.0, gpu_backend="sim", gpus=[GpuStatus(index=0)], ranks=alive,
+        time=built or utcnow(),
+    )  # fmt: skip
+
+
+def _recovered_job(tmp_path: Path) -> Engine:
+    """job-a, recovered onto node-1 and the spare, at epoch 1 under fence 7."""
+    engine = create_engine(f"sqlite:///{tmp_path / 'o.db'}")
+    schema.upgrade(engine)
+    with Session(engine) as session:
+        spec = JobCreate(name="j", nodes=["node-1", "spare-1"], command=["true"])
+        placement = [
+            RankAssignment(rank=i, node_id=n, gpu=0, local_rank=0) for i, n in enumerate(["node-1", "spare-1"])
+        ]
+        job = service.create(session, spec=spec, placement=placement)
+        job.id, job.state, job.restart_epoch, job.max_fence = "job-a", JobState.RUNNING, 1, 7
+        session.add(job)
+        session.commit()
+    return engine
 
 
 async def _settle() -> None:
@@ -59,17 +95,7 @@ async def _settle() -> None:
 def test_a_stop_that_found_the_node_cut_off_is_sent_again_when_the_node_reports(tmp_path: Path) -> None:
     async def scenario() -> None:
         clock = ManualClock()
-        engine = create_engine(f"sqlite:///{tmp_path / 'o.db'}")
-        schema.upgrade(engine)
-        with Session(engine) as session:  # job-a recovered onto node-1 and the spare, at epoch 1 under fence 7
-            spec = JobCreate(name="j", nodes=["node-1", "spare-1"], command=["true"])
-            placement = [
-                RankAssignment(rank=i, node_id=n, gpu=0, local_rank=0) for i, n in enumerate(["node-1", "spare-1"])
-            ]
-            job = service.create(session, spec=spec, placement=placement)
-            job.id, job.state, job.restart_epoch, job.max_fence = "job-a", JobState.RUNNING, 1, 7
-            session.add(job)
-            session.commit()
+        engine = _recovered_job(tmp_path)
         inventory = Inventory(clock=clock, stale_s=5.0)
         compute = Compute()
         strays = Strays(cast(Deps, SimpleNamespace(inventory=inventory, engine=engine, clock=clock, compute=compute)))
@@ -94,3 +120,57 @@ def test_a_stop_that_found_the_node_cut_off_is_sent_again_when_the_node_reports(
         assert strays.tick() == 0
 
     asyncio.run(scenario())
+
+
+async def test_a_node_that_answered_the_stop_is_no_stray_on_a_report_built_before_it(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    """The recovery's stop reached node-2 and the job trains elsewhere before node-2 reports again: its last report,
+    built before the stop, still shows the old ranks alive. They ended when the answer says, so no stop goes there
+    again (a CI run's walking skeleton counted a third command on its culprit node). A report built before the stop
+    but read after the answer (reports and answers travel on different connections) shows them ended too; one built
+    after the stop is believed."""
+    built = utcnow()
+    ended = built + timedelta(seconds=1)
+    engine = _recovered_job(tmp_path)
+    bus = Bus(url=nats_server.url, service="test-orchestrator", provision=False)
+    await bus.connect(attempts=5)
+    fences: list[int] = []
+
+    async def agent(data: bytes) -> Wire:
+        command = parse_command(data)
+        assert isinstance(command, StopCommand)
+        fences.append(command.fence)
+        stopped = StopData(stopped=[RankStopped(rank=1, exit_code=0)], ended_at=ended)
+        return StopReply(command_id=command.command_id, node_id="node-2", result=CommandResult.DONE, data=stopped)
+
+    clock = ManualClock()
+    inventory = Inventory(clock=clock, stale_s=5.0)
+    backend = AgentsBackend(bus=bus, inventory=inventory, command_timeout_s=5.0, stop_grace_s=0.5)
+    strays = Strays(cast(Deps, SimpleNamespace(inventory=inventory, engine=engine, clock=clock, compute=backend)))
+    try:
+        await bus.serve(subjects.node_command("node-2"), agent)
+        inventory.observe("node-2", _report("node-2", epoch=0, built=built))
+        answers = await backend.stop("job-a", ["node-2"], operation_id="rec-1", fence=7)  # the recovery's
+        assert answers.all_done
+        assert strays.tick() == 0, "node-2's report from before the stop made its ended ranks strays"
+
+        inventory.observe("node-2", _report("node-2", epoch=0, built=built + timedelta(seconds=0.5)))
+        assert strays.tick() == 0, "a report built before the stop but read after its answer"
+
+        inventory.observe("node-2", _report("node-2", epoch=0, built=ended + timedelta(seconds=0.1)))
+        assert strays.tick() == 1, "a report built after the stop that shows the ranks alive is believed"
+        assert await poll_until(lambda: fences == [7, 7], timeout_s=10), fences
+    finally:
+        await bus.close()
+
+
+def test_ranks_a_stop_parked_stay_alive_until_the_nodes_next_report() -> None:
+    """A restart in place parks ranks instead of stopping them: the stop's answer ends only the others."""
+    inventory = Inventory(clock=ManualClock(), stale_s=5.0)
+    built = utcnow()
+    inventory.observe("node-2", _report("node-2", epoch=0, ranks=(1, 2), built=built))
+    inventory.stopped("node-2", "job-a", ended=built + timedelta(seconds=1), parked={2})
+    assert set(inventory.ranks_of("job-a", restart_epoch=0)) == {2}
+    inventory.observe("node-2", _report("node-2", epoch=0, ranks=(1, 2), built=built + timedelta(seconds=2)))
+    assert set(inventory.ranks_of("job-a", restart_epoch=0)) == {1, 2}, "a report built after the stop is believed"

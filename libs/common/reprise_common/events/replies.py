@@ -10,7 +10,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Any
 
-from pydantic import Field, NonNegativeInt, SerializerFunctionWrapHandler, model_serializer
+from pydantic import AwareDatetime, Field, NonNegativeInt, SerializerFunctionWrapHandler, model_serializer
 
 from reprise_common.events.base import Wire
 
@@ -68,6 +68,11 @@ class StopData(ReplyData):
 
     stopped: list[RankStopped] = Field(default_factory=list)
     parked: list[NonNegativeInt] = Field(default_factory=list)
+    ended_at: AwareDatetime | None = Field(
+        default=None,
+        description="when every rank the stop left unparked had ended, on the agent's clock (its reports' clock): a "
+        "report the node built before then may still show them alive",
+    )
 
 
 class PrepareStandbysData(ReplyData):

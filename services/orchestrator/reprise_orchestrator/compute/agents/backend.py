@@ -228,7 +228,11 @@ class AgentsBackend:
             )
             for node_id in dict.fromkeys(node_ids)
         }
-        return await self._command(commands, StopReply, timeout_s=timeout_s)
+        answers = await self._command(commands, StopReply, timeout_s=timeout_s)
+        for answer in answers.items:  # what the nodes' reports from before the stop still show alive has ended
+            if answer.ok and answer.reply is not None and (ended := answer.reply.data.ended_at) is not None:
+                self.inventory.stopped(answer.node_id, job_id, ended=ended, parked=set(answer.reply.data.parked))
+        return answers
 
     async def _capture_stacks(
         self, job_id: str, node_ids: Sequence[str], *, operation_id: str, fence: int, incident_id: str
