@@ -210,9 +210,10 @@ class Inventory:
         return now - info.seen_mono <= self.stale_s
 
     def agent_gone(self, node_id: str) -> None:
-        """No agent listens on the node (a command had no responder): it is not placeable until it reports again,
-        rather than until its last report goes stale (a node lost a second ago was offered as the next spare). A report
-        still unread keeps its arrival time, earlier than this mark, so it does not clear it."""
+        """No agent listens on the node (a command had no responder, or a recovery's incident called the node lost):
+        it is not placeable, and its ranks are not counted alive, until it reports again, rather than until its last
+        report goes stale (a node lost a second ago was offered as the next spare, and told to keep a job's standby
+        containers). A report still unread keeps its arrival time, earlier than this mark, so it does not clear it."""
         self._gone[node_id] = self.clock.monotonic()
 
     def fresh(self, node_id: str) -> bool:
@@ -258,7 +259,8 @@ class Inventory:
         }
 
     def live_launches(self) -> dict[RankKey, set[str]]:
-        """Each launch (job, restart epoch) that fresh reports show alive ranks of, and the nodes they run on."""
+        """Each launch (job, restart epoch) that fresh reports show alive ranks of, and the nodes they run on (not a
+        node whose agent is gone: its ranks show again when it reports again)."""
         self._absorb()
         now = self.clock.monotonic()
         return {
@@ -268,7 +270,9 @@ class Inventory:
                 alive := {
                     node_id
                     for node_id, ranks in by_node.items()
-                    if self._fresh(self._nodes[node_id], now) and any(rank.alive for rank in ranks)
+                    if node_id not in self._gone
+                    and self._fresh(self._nodes[node_id], now)
+                    and any(rank.alive for rank in ranks)
                 }
             )
         }

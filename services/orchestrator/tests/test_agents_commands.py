@@ -140,6 +140,16 @@ async def test_a_containerized_launch_tells_only_the_spares_a_recovery_takes_fir
         assert sorted(told) == [
             ("s-1", "prepare_standbys"), ("s-2", "prepare_standbys"), ("w-1", "launch"), ("w-1", "launch")
         ]  # fmt: skip
+
+        told.clear()  # a recovery cordoned s-1 (an XID 79 there): its GPUs may look fine again, it takes no ranks
+        backend.standby_spares = 2
+        await backend.cordon("s-1", reason="XID 79")
+        await backend.launch(LaunchRequest("job-d", args), operation_id="op-4", fence=1)
+        assert await poll_until(lambda: len(told) == 3, timeout_s=10), told
+        assert sorted(told) == [("s-2", "prepare_standbys"), ("s-3", "prepare_standbys"), ("w-1", "launch")]
+        assert "s-1" not in backend.pool().spares
+        await backend.uncordon("s-1")
+        assert "s-1" in backend.pool().spares
     finally:
         await backend.close()
         await bus.close()

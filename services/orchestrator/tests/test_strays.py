@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from datetime import datetime, timedelta
 from pathlib import Path
 from types import SimpleNamespace
-from typing import cast
+from typing import Any, cast
 
 from sqlalchemy import Engine
 from sqlmodel import Session, create_engine
@@ -21,12 +21,15 @@ from reprise_common.bus import Bus
 from reprise_common.clock import ManualClock, utcnow
 from reprise_common.errors import NoRespondersError
 from reprise_common.events import (
+    Category,
     CommandResult,
+    Culprit,
     GpuStatus,
     NodeReport,
     RankAssignment,
     RankStatus,
     RankStopped,
+    RecommendedAction,
     StopCommand,
     StopData,
     StopReply,
@@ -41,6 +44,10 @@ from reprise_orchestrator.inventory import Inventory
 from reprise_orchestrator.jobs import service
 from reprise_orchestrator.jobs.models import JobCreate, JobState
 from reprise_orchestrator.jobs.strays import RESEND_S, Strays
+from reprise_orchestrator.recoveries.run import RecoveryRun
+from reprise_orchestrator.recoveries.steps import RecoverySteps
+
+from .incidents import incident
 
 
 class Compute:
@@ -50,7 +57,9 @@ class Compute:
         self.cut: set[str] = set()
         self.stops: list[tuple[list[str], int]] = []  # (nodes, fence)
 
-    async def stop(self, job_id: str, node_ids: Sequence[str], *, operation_id: str, fence: int) -> Answers[StopReply]:
+    async def stop(
+        self, job_id: str, node_ids: Sequence[str], *, operation_id: str, fence: int, **_: object
+    ) -> Answers[StopReply]:
         self.stops.append((list(node_ids), fence))
         items = [
             NodeAnswer[StopReply](node_id=n, reply=None, error=NoRespondersError(n))
@@ -71,15 +80,13 @@ def _report(node: str, epoch: int, *, ranks: Sequence[int] = (1,), built: dateti
     )  # fmt: skip
 
 
-def _recovered_job(tmp_path: Path) -> Engine:
+def _recovered_job(tmp_path: Path, nodes: Sequence[str] = ("node-1", "spare-1")) -> Engine:
     """job-a, recovered onto node-1 and the spare, at epoch 1 under fence 7."""
     engine = create_engine(f"sqlite:///{tmp_path / 'o.db'}")
     schema.upgrade(engine)
     with Session(engine) as session:
-        spec = JobCreate(name="j", nodes=["node-1", "spare-1"], command=["true"])
-        placement = [
-            RankAssignment(rank=i, node_id=n, gpu=0, local_rank=0) for i, n in enumerate(["node-1", "spare-1"])
-        ]
+        spec = JobCreate(name="j", nodes=list(nodes), command=["true"])
+        placement = [RankAssignment(rank=i, node_id=n, gpu=0, local_rank=0) for i, n in enumerate(nodes)]
         job = service.create(session, spec=spec, placement=placement)
         job.id, job.state, job.restart_epoch, job.max_fence = "job-a", JobState.RUNNING, 1, 7
         session.add(job)
@@ -174,3 +181,60 @@ def test_ranks_a_stop_parked_stay_alive_until_the_nodes_next_report() -> None:
     assert set(inventory.ranks_of("job-a", restart_epoch=0)) == {2}
     inventory.observe("node-2", _report("node-2", epoch=0, ranks=(1, 2), built=built + timedelta(seconds=2)))
     assert set(inventory.ranks_of("job-a", restart_epoch=0)) == {1, 2}, "a report built after the stop is believed"
+
+
+async def test_a_stray_stop_that_found_no_agent_waits_for_the_nodes_next_report(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    """No agent answers on node-2 while its last report still looks fresh: the stop is not sent again at every pass
+    until that report goes stale, but once node-2 reports again."""
+    bus = Bus(url=nats_server.url, service="test-orchestrator", provision=False)
+    await bus.connect(attempts=5)
+    clock = ManualClock()
+    inventory = Inventory(clock=clock, stale_s=5.0)
+    backend = AgentsBackend(bus=bus, inventory=inventory, command_timeout_s=2.0, stop_grace_s=0.1)
+    strays = Strays(
+        cast(Deps, SimpleNamespace(inventory=inventory, engine=_recovered_job(tmp_path), clock=clock, compute=backend))
+    )
+    try:
+        inventory.observe("node-2", _report("node-2", epoch=0))
+        assert strays.tick() == 1
+        assert await poll_until(lambda: "node-2" not in inventory.placeable(), timeout_s=10)  # no responder
+        clock.advance(1.0)
+        assert strays.tick() == 0, "a stop sent again at every pass to a node where no agent answers"
+        clock.advance(1.0)
+        inventory.observe("node-2", _report("node-2", epoch=0))
+        assert strays.tick() == 1
+    finally:
+        await bus.close()
+
+
+def test_a_recovery_from_a_lost_node_offers_it_to_nothing_until_it_reports_again(tmp_path: Path) -> None:
+    """The incident called node-2 lost: its last report may look fresh for seconds yet, but no placement, no spare's
+    standby containers and no stray stop takes it for a live node until it reports again (a containerized job's
+    recovery told the lost spare, not the next one, to keep its standbys)."""
+
+    async def scenario() -> None:
+        clock = ManualClock()
+        inventory = Inventory(clock=clock, stale_s=5.0)
+        for node in ("node-1", "node-2"):
+            inventory.observe(node, _report(node, epoch=0))
+        compute = Compute()
+        steps = RecoverySteps(cast(Deps, SimpleNamespace(inventory=inventory, compute=compute, clock=clock)))
+        with Session(_recovered_job(tmp_path, nodes=("node-1", "node-2")), expire_on_commit=False) as session:
+            job = service.get(session, job_id="job-a")
+        lost = incident(
+            job_id="job-a", category=Category.NODE, root_cause="node-2 lost", culprit=Culprit(node_id="node-2"),
+            recommended_action=RecommendedAction.RESTART_EXCLUDE_NODE,
+        )  # fmt: skip
+        handle: Any = SimpleNamespace(fence=7)  # what stop_ranks reads of the lock
+        run = RecoveryRun(handle=handle, recovery_id="rec-1", job=job, incident=lost, baseline=cast(Any, None))
+        await steps.stop_ranks(run)
+        assert compute.stops == [(["node-1"], 7)]  # nothing answers on node-2: not waited for
+        assert inventory.placeable() == ["node-1"]
+        assert set(inventory.live_launches()[("job-a", 0)]) == {"node-1"}
+        clock.advance(1.0)
+        inventory.observe("node-2", _report("node-2", epoch=0))  # it was cut off, not gone: it is back
+        assert inventory.placeable() == ["node-1", "node-2"]
+
+    asyncio.run(scenario())

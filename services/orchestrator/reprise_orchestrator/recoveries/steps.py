@@ -91,6 +91,8 @@ class RecoverySteps:
         """A fenced stop to every node the job ran on (or was just launched on); silence counts as stopped. Ranks
         that can restart in place are parked instead, when the policy and the attempt allow (recoveries/restart.py)."""
         gone = facts.node_gone(run.incident)
+        if gone is not None:  # its last report may look fresh a while yet: no placement, and no spare's standbys, there
+            self.deps.inventory.agent_gone(gone)
         node_ids = [n for n in dict.fromkeys([*run.job.nodes(), *(r.node_id for r in run.ranks)]) if n != gone]
         stacks_for = facts.stacks_wanted(run.incident, attempt=run.attempt)
         chosen = restart.plan(run.incident, run.policy, attempt=run.attempt)

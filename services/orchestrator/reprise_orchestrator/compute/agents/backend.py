@@ -79,9 +79,13 @@ class AgentsBackend:
         self.standby_spares = standby_spares
         self.prepare_wait_s = prepare_wait_s
         self._preparing: set[asyncio.Task[None]] = set()  # spares told to keep a job's standby containers
+        self._cordoned: set[str] = set()  # nodes this replica cordoned
 
     def pool(self, *, exclude: Set[str] = frozenset(), job_id: str | None = None) -> NodePool:
-        """Nodes with fresh reports and usable GPUs, workers and spares apart (any job may use any of them)."""
+        """Nodes with fresh reports and usable GPUs, workers and spares apart (any job may use any of them), but
+        those this replica cordoned: a placement leaves every cordoned node out anyway, and the spares told to keep
+        a job's standby containers must be left out too (a GPU that fell off the bus may report healthy again)."""
+        exclude = exclude | self._cordoned
         return NodePool(
             workers=self.inventory.placeable(exclude=exclude),
             spares=self.inventory.placeable(spares=True, exclude=exclude),
@@ -264,11 +268,14 @@ class AgentsBackend:
         return answers
 
     async def cordon(self, node_id: str, *, reason: str) -> None:
-        """Nothing to tell the agent: it takes ranks only from launches, and placement leaves cordoned nodes out."""
+        """Nothing to tell the agent: it takes ranks only from launches, and placement leaves cordoned nodes out; the
+        pool leaves it out too."""
+        self._cordoned.add(node_id)
         log.info("node cordoned", extra={"node_id": node_id, "reason": reason})
 
     async def uncordon(self, node_id: str) -> None:
         """Nothing to tell the agent (see cordon)."""
+        self._cordoned.discard(node_id)
         log.info("node uncordoned", extra={"node_id": node_id})
 
     async def watch(self, emit: SignalSink) -> None:
