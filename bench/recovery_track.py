@@ -66,7 +66,7 @@ class RecoverySettings(Settings):
 
 
 FULL = RecoverySettings(
-    steps=400, checkpoint_every=10, fault_step=25, step_sleep=0.05, hang_timeout_s=3.0, hang_bound_s=60.0,
+    steps=800, checkpoint_every=10, fault_step=25, step_sleep=0.05, hang_timeout_s=3.0, hang_bound_s=60.0,
     max_restarts=8, run_timeout_s=900.0, faults=5,
 )  # fmt: skip
 QUICK = RecoverySettings(
