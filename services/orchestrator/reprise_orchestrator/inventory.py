@@ -97,7 +97,7 @@ class Inventory:
         self._nodes: dict[str, NodeInfo] = {}
         self._unread: dict[str, tuple[bytes, float]] = {}  # node → its newest report not parsed yet, and its arrival
         self._ranks: dict[RankKey, dict[str, list[RankSeen]]] = {}  # (job, epoch) → node → its ranks there
-        self._gone: dict[str, float] = {}  # node → when a command found no agent listening there (monotonic)
+        self._gone: dict[str, float] = {}  # node → when no agent answered there, or it was called lost (monotonic)
         self._stops: dict[str, dict[str, tuple[datetime, frozenset[int]]]] = {}  # node → job → a stop's end, parked
         self._bus: Bus | None = None
         self._arrival = asyncio.Event()  # set (and replaced) whenever reports arrive
