@@ -6,7 +6,7 @@ or ``--only loop.hang`` (repeatable) runs a subset and replaces just those cells
 its own date and load average), ``--render`` prints the saved table again and writes it into docs/benchmarks.md.
 
 examples/ddp_train.py (4 ranks, gloo on CPU, ``--resume-latest --log-steps``, a checkpoint every 10 steps) runs once
-per cell, a cell being a system and a fault kind:
+per cell (the compared cells: once per round, below), a cell being a system and a fault kind:
 
   cold   Reprise, policy ``restart_mode: "cold"``, no standbys: every recovery restarts every rank as a new process
   fast   Reprise, policy ``restart_mode: "auto"``, the script with ``--in-place`` (surviving ranks restart in their
@@ -33,6 +33,13 @@ loss for its replacement node). Every fault therefore redoes 5 steps from the ch
 no fault hits a recovery still under way. A fast-path fault that would have to hit without a ready standby because the
 run is ending is not injected (it would measure a cold start): such a cell has fewer faults, as its note says, and
 one that has none yet gets its one fault without them.
+
+Rounds: the cells a container ratio compares (cold, fast and their container cells) run twice (``--rounds N``;
+--quick once). A fault's row runs first, each container cell right after its process cell; then those cells again in
+the reverse order, so that on average each side of a ratio ran at the same point of the row (a load that drifts
+weighs on both alike). A cell's figures pool its rounds' faults, and list each round's own median. Before every run
+the bench waits until the CPUs were under 25 % busy for 2 s (at most 60 s): what the run before left behind (a stack
+going down, the daemon removing containers) has ended.
 
 Per cell (bench/results/recovery.json, ``figures.cells.<system>.<fault>``): fault → the first step completed after
 the restart (the script's own ``step N t=`` line), its median and range over the faults, detection (Reprise: the
@@ -61,9 +68,18 @@ from typing import Any
 import httpx
 
 from bench import recovery_loop, recovery_reprise
-from bench.common import RESULTS_DIR, write_result
+from bench.common import RESULTS_DIR, wait_quiet, write_result
 from bench.recovery_render import render, update_doc
-from bench.recovery_track import FAULTS, FULL, QUICK, CellRun, RecoverySettings, System
+from bench.recovery_track import (
+    CONTAINER_PAIRS,
+    FAULTS,
+    FULL,
+    QUICK,
+    CellRun,
+    RecoverySettings,
+    System,
+    pooled,
+)
 from bench.vs_torchrun_common import OUTSIDE_REPRISE, REPO, SCRIPT, Fault, digest_of
 from reprise_common.errors import RepriseError
 
@@ -118,6 +134,37 @@ def selected(only: list[str]) -> list[tuple[System, Fault]]:
     return [(s, f) for s, f in cells if not only or s.value in only or f"{s.value}.{f.value}" in only]
 
 
+def schedule(chosen: list[tuple[System, Fault]], rounds: int) -> list[tuple[System, Fault]]:
+    """The order the runs go in: a fault's row complete before the next, each container cell right after its process
+    cell; every further round runs again, in the reverse order, the cells of a pair compared (both chosen), so that
+    each side of a ratio was measured as early in the row as the other on average (a load that drifts weighs on
+    both alike)."""
+    order = []
+    for fault in FAULTS:
+        row = [(s, f) for s, f in chosen if f is fault]
+        paired = [(s, f) for s, f in row if _partner(s) is not None and (_partner(s), f) in row]
+        first = sorted(row, key=lambda cell: _position(cell[0]))
+        compared = sorted(paired, key=lambda cell: _position(cell[0]))
+        order += first
+        for again in range(1, rounds):
+            order += compared[::-1] if again % 2 else compared
+    return order
+
+
+def _partner(system: System) -> System | None:
+    """The cell a container cell is compared with, and the other way round."""
+    pairs = dict(CONTAINER_PAIRS)
+    return pairs.get(system) or next((boxed for boxed, bare in pairs.items() if bare is system), None)
+
+
+def _position(system: System) -> tuple[int, int]:
+    """Where a system's cell runs in its row: each process cell, then its container cell, then the others."""
+    bare = system if not system.in_containers else _partner(system)
+    if bare is None or _partner(bare) is None:
+        return (len(System), list(System).index(system))
+    return (list(System).index(bare), int(system.in_containers))
+
+
 def save(cells: list[CellRun], settings: RecoverySettings, *, name: str, reference: str | None) -> dict[str, Any]:
     """Write bench/results/<name>.json, keeping the cells of the saved file (same settings) these do not replace."""
     previous = RESULTS_DIR / f"{name}.json"
@@ -146,6 +193,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--quick", action="store_true", help="one fault per cell, for a smoke run")
     parser.add_argument("--only", action="append", default=[], metavar="SYSTEM[.FAULT]", help="e.g. fast, loop.hang")
+    parser.add_argument("--rounds", type=int, metavar="N", help="runs of each compared cell (default 2, --quick 1)")
     parser.add_argument("--keep", action="store_true", help="keep every run's directory (logs, checkpoints)")
     parser.add_argument("--render", action="store_true", help="only print (and write into the doc) the saved table")
     return parser.parse_args()
@@ -165,18 +213,25 @@ def main() -> None:
     chosen = selected(args.only)
     if not chosen:
         raise SystemExit(f"no cell is named by --only {' '.join(args.only)}: systems {[s.value for s in System]}")
+    rounds = args.rounds or (1 if args.quick else 2)
+    runs_in_order = schedule(chosen, rounds)
     root = Path(tempfile.mkdtemp(prefix="bench-recovery-"))
     missing = fast_path_missing() if any(system.in_place for system, _ in chosen) else ""
     reference = reference_digest(settings, root)
-    print(f"{len(chosen)} cells under {root}; reference {reference}", flush=True)
-    cells = []
-    for system, fault in chosen:
+    print(f"{len(chosen)} cells, {len(runs_in_order)} runs under {root}; reference {reference}", flush=True)
+    runs: dict[tuple[System, Fault], list[CellRun]] = {}
+    for system, fault in runs_in_order:
+        done = runs.setdefault((system, fault), [])
         if system.in_place and missing:
-            cells.append(CellRun(system, fault, launched_at=time.time(), skipped=missing))
+            run = CellRun(system, fault, launched_at=time.time(), skipped=missing)
         else:
-            cells.append(run_cell(system, fault, settings, root / f"{system.value}-{fault.value}"))
-        print(summary(cells[-1]), flush=True)
-        document = save(cells[-1:], settings, name=name, reference=reference)  # a run cut short keeps its cells
+            quiet = wait_quiet()  # what the last run left behind has ended
+            run = run_cell(system, fault, settings, root / f"{system.value}-{fault.value}-{len(done) + 1}")
+            run.extra["quiet_before"] = quiet
+        done.append(run)
+        print(f"round {len(done)}: {summary(run)}", flush=True)
+        document = save([pooled(done)], settings, name=name, reference=reference)  # a run cut short keeps its cells
+    cells = [run for done in runs.values() for run in done]
     table = render(document)
     print(table)
     if update_doc(table, quick=args.quick):

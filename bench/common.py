@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import time
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
@@ -35,6 +36,28 @@ def _cpu_model() -> str:
         if key.strip() in ("model name", "Model", "cpu model"):
             return value.strip()
     return platform.processor() or "unknown"
+
+
+def wait_quiet(*, busy_below: float = 0.25, window_s: float = 2.0, limit_s: float = 60.0) -> dict[str, float]:
+    """Wait until the machine's CPUs were busy less than `busy_below` of a `window_s` window (what an earlier run left
+    behind has ended: a stack going down, a daemon cleaning up), at most `limit_s`; how long it waited and the last
+    window's busy share."""
+    began = time.monotonic()
+    while True:
+        before = _cpu_ticks()
+        time.sleep(window_s)
+        after = _cpu_ticks()
+        total = sum(after) - sum(before)
+        busy = 1.0 - (after[3] + after[4] - before[3] - before[4]) / total if total > 0 else 0.0  # idle + iowait
+        waited = time.monotonic() - began
+        if busy < busy_below or waited >= limit_s:
+            return {"waited_s": round(waited, 1), "busy_share": round(busy, 3)}
+
+
+def _cpu_ticks() -> list[int]:
+    """The machine's CPU time by kind (user, nice, system, idle, iowait, ...), in ticks, from /proc/stat."""
+    with open("/proc/stat", encoding="ascii") as stat:
+        return [int(field) for field in stat.readline().split()[1:]]
 
 
 def latency_summary(samples_ns: Sequence[int]) -> dict[str, float]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from bench.common import RESULTS_DIR, replace_block
-from bench.recovery_track import FAULTS, System
+from bench.recovery_track import CONTAINER_PAIRS, FAULTS, System
 from bench.vs_torchrun_common import REPO, Fault
 
 DOC = REPO / "docs" / "benchmarks.md"
@@ -19,7 +19,6 @@ SYSTEM_NAMES = {
     System.COLD_CONTAINER: "Reprise cold, containers",
     System.FAST_CONTAINER: "Reprise fast path, containers",
 }
-CONTAINER_PAIRS = ((System.FAST_CONTAINER, System.FAST), (System.COLD_CONTAINER, System.COLD))
 
 
 def seconds(value: float | None, missing: str = "—") -> str:
@@ -88,10 +87,19 @@ def _container_notes(fault: Fault, cells: dict[str, Any]) -> list[str]:
         if progress[0] is None or not progress[1]:
             continue
         line = f"- {SYSTEM_NAMES[containers]}, {FAULT_NAMES[fault]}: {progress[0] / progress[1]:.2f} x the processes'"
+        if each := _round_ratios(boxed, bare):
+            line += f" (pooled over {len(each)} rounds in alternating order; round by round {', '.join(each)})"
         if launch[0] is not None and launch[1] is not None:
             line += f"; launch step {seconds(launch[0])} vs {seconds(launch[1])}"
         notes.append(line)
     return notes
+
+
+def _round_ratios(boxed: dict[str, Any], bare: dict[str, Any]) -> list[str]:
+    """Containers ÷ processes of each round two pooled cells both recovered in (none for cells of one run)."""
+    pairs = zip(boxed.get("rounds", []), bare.get("rounds", []), strict=False)
+    medians = [(a.get("time_to_progress_s_median"), b.get("time_to_progress_s_median")) for a, b in pairs]
+    return [f"{a / b:.2f}" for a, b in medians if a and b]
 
 
 def _notes(cell: dict[str, Any]) -> list[str]:

@@ -17,7 +17,6 @@ import os
 import statistics
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -163,9 +162,6 @@ def run_cell(system: System, fault: Fault, settings: RecoverySettings, root: Pat
         try:
             run.watch(job, RankZeroLogs(stack.config.state_dir, job["id"]), reports if system.standbys else None)
             _analyse(client, job["id"], run.cell)
-            run.cell.extra["restart_paths"] = dict(
-                Counter(str(r.extra.get("restart_path", {}).get("restart_mode", "?")) for r in run.cell.records)
-            )
             run.cell.extra |= _save_cost(client, job["id"], settings) | (reports.memory() if system.standbys else {})
         finally:
             with contextlib.suppress(httpx.HTTPError):

@@ -9,8 +9,10 @@ the same number of steps, and no fault hits a recovery still under way.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
+from collections import Counter
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -49,6 +51,7 @@ class System(StrEnum):
 
 
 FAULTS = (Fault.RANK_CRASH, Fault.XID79, Fault.HANG, Fault.NODE_LOSS)
+CONTAINER_PAIRS = ((System.FAST_CONTAINER, System.FAST), (System.COLD_CONTAINER, System.COLD))  # ratios reported
 
 
 @dataclass(frozen=True)
@@ -176,9 +179,13 @@ class CellRun:
     extra: dict[str, Any] = field(default_factory=dict)
     load_average: list[float] = field(default_factory=lambda: [round(os.getloadavg()[0], 2)])
 
+    rounds: list[dict[str, Any]] = field(default_factory=list)  # a pooled cell's runs, each one's own summary
+
     def figures(self, reference: str | None) -> dict[str, Any]:
         """The cell's figures: medians over its faults, then each fault's."""
         faults = [record.figures() for record in self.records]
+        chose = any("restart_path" in f for f in faults)  # Reprise's cells: the path each recovery took
+        paths = Counter(str((f.get("restart_path") or {}).get("restart_mode", "?")) for f in faults) if chose else {}
         progress = [f["time_to_progress_s"] for f in faults if f["time_to_progress_s"] is not None]
         detect = [f["time_to_detect_s"] for f in faults if f["time_to_detect_s"] is not None]
         redone = [f["steps_redone"] for f in faults if f["steps_redone"] is not None]
@@ -199,9 +206,49 @@ class CellRun:
             "params_sha256": self.digest,
             "load_average_1m": self.load_average,
             "notes": self.notes,
+            "restart_paths": dict(paths),
             **self.extra,
+            "rounds": self.rounds,
             "faults": faults,
         }
+
+    def summary(self) -> dict[str, Any]:
+        """This run alone, as a pooled cell lists it among its rounds."""
+        progress = [p for r in self.records if (p := r.figures()["time_to_progress_s"]) is not None]
+        return {
+            "measured_at": datetime.fromtimestamp(self.launched_at, UTC).isoformat(timespec="seconds"),
+            "faults_recovered": len(progress),
+            "time_to_progress_s_median": _median(progress),
+            "wall_s": round(self.finished_at - self.launched_at, 2) if self.finished_at else None,
+            "load_average_1m": self.load_average,
+            "params_sha256": self.digest,
+            "quiet_before": self.extra.get("quiet_before"),  # how long the machine was waited for, how busy it was
+        }
+
+
+def pooled(runs: list[CellRun]) -> CellRun:
+    """Several runs of one cell as one: their faults together, each marked with its round; the final parameters only
+    where every run reached the same ones (a round that did not, says so in the notes); the standbys' memory and the
+    save cost of the first run. One run is itself."""
+    if len(runs) == 1:
+        return runs[0]
+    first = runs[0]
+    cell = CellRun(first.system, first.fault, launched_at=first.launched_at, extra=dict(first.extra), load_average=[])
+    for number, run in enumerate(runs, start=1):
+        for record in run.records:
+            cell.records.append(dataclasses.replace(record, extra={**record.extra, "round": number}))
+        cell.notes += [f"round {number}: {note}" for note in run.notes]
+        cell.load_average += run.load_average
+        cell.rounds.append({"round": number, **run.summary()})
+        if run.skipped:
+            cell.skipped = run.skipped
+    digests = {run.digest for run in runs}
+    cell.digest = first.digest if len(digests) == 1 else None
+    if len(digests) > 1:
+        cell.notes.append(f"the rounds ended with different parameters: {sorted(str(d) for d in digests)}")
+    walls = [run.finished_at - run.launched_at for run in runs if run.finished_at]
+    cell.finished_at = first.launched_at + sum(walls) if len(walls) == len(runs) else None  # wall_s: the runs' sum
+    return cell
 
 
 def _median(values: list[float] | list[int]) -> float | None:

@@ -1,4 +1,5 @@
-"""bench/recovery_track.py: when the next fault is due; each fault's restart and progress from rank 0's lines."""
+"""bench/recovery_track.py: when the next fault is due; each fault's restart and progress from rank 0's lines; a cell's
+rounds pooled; bench/bench_recovery.py: the order the runs go in."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ import sys
 
 import pytest
 
-from bench.recovery_track import QUICK, SCRIPT_COLLECTIVE_TIMEOUT_S, CellRun, FaultTracker, System
+from bench.bench_recovery import schedule
+from bench.common import machine_info
+from bench.recovery_render import render
+from bench.recovery_track import QUICK, SCRIPT_COLLECTIVE_TIMEOUT_S, CellRun, FaultRecord, FaultTracker, System, pooled
 from bench.vs_torchrun_common import SCRIPT, Fault
 
 SETTINGS = dataclasses.replace(QUICK, faults=2, checkpoint_every=10, fault_step=25)
@@ -71,6 +75,62 @@ def test_cell_figures_take_medians_over_the_recovered_faults() -> None:
     assert figures["time_to_progress_s_median"] == 7.0 and figures["time_to_progress_s_range"] == [6.0, 8.0]
     assert figures["final_equal_to_reference"] is True
     assert cell.figures("other")["final_equal_to_reference"] is False
+
+
+def run_of(took: list[float], *, at: float, digest: str | None = "abc") -> CellRun:
+    """A run of the fast cell whose faults took `took` seconds each to training again."""
+    records = [FaultRecord(step=25 + 10 * i, injected_at=at + i, progressed_at=at + i + t) for i, t in enumerate(took)]
+    run = CellRun(System.FAST, Fault.RANK_CRASH, launched_at=at, records=records, digest=digest, load_average=[1.0])
+    run.finished_at = at + 60.0
+    return run
+
+
+def test_a_cells_rounds_pool_their_faults_and_keep_each_rounds_own_figures() -> None:
+    cell = pooled([run_of([0.4, 0.6, 0.5], at=1000.0), run_of([0.9, 0.3], at=2000.0)])
+    figures = cell.figures("abc")
+    assert figures["faults_injected"] == 5 and figures["faults_recovered"] == 5
+    assert figures["time_to_progress_s_median"] == 0.5 and figures["time_to_progress_s_range"] == [0.3, 0.9]
+    assert [f["round"] for f in figures["faults"]] == [1, 1, 1, 2, 2]
+    assert [(r["round"], r["time_to_progress_s_median"]) for r in figures["rounds"]] == [(1, 0.5), (2, 0.6)]
+    assert figures["wall_s"] == 120.0 and figures["load_average_1m"] == [1.0, 1.0]
+    assert figures["final_equal_to_reference"] is True
+
+
+def test_pooled_rounds_that_ended_apart_are_not_equal_to_the_reference() -> None:
+    cell = pooled([run_of([0.4], at=1000.0), run_of([0.5], at=2000.0, digest="other")])
+    assert cell.figures("abc")["final_equal_to_reference"] is None
+    assert cell.figures("abc")["finished"] is False
+    assert any("different parameters" in note for note in cell.notes)
+    unfinished = pooled([run_of([0.4], at=1000.0), run_of([0.5], at=2000.0, digest=None)])
+    assert unfinished.figures("abc")["final_equal_to_reference"] is None
+
+
+def test_further_rounds_run_the_compared_pairs_again_in_the_reverse_order() -> None:
+    only_fast = [s for s, _ in schedule([(System.FAST, Fault.HANG), (System.FAST_CONTAINER, Fault.HANG)], 2)]
+    assert only_fast == [System.FAST, System.FAST_CONTAINER, System.FAST_CONTAINER, System.FAST]
+    row = [s for s, f in schedule([(s, Fault.XID79) for s in System], 3)]
+    cold, fast = System.COLD, System.FAST
+    boxed_cold, boxed_fast = System.COLD_CONTAINER, System.FAST_CONTAINER
+    assert row == [cold, boxed_cold, fast, boxed_fast, System.PEER, System.LOOP,
+                   boxed_fast, fast, boxed_cold, cold, cold, boxed_cold, fast, boxed_fast]  # fmt: skip
+    assert schedule([(System.FAST, Fault.HANG)], 2) == [(System.FAST, Fault.HANG)]  # no partner: nothing to compare
+
+
+def test_the_table_gives_each_container_ratio_pooled_and_round_by_round() -> None:
+    bare = pooled([run_of([0.4, 0.4], at=1000.0), run_of([0.5, 0.5], at=3000.0)])
+    boxed = pooled([run_of([0.6, 0.6], at=2000.0), run_of([0.5, 0.5], at=2500.0)])
+    boxed.system = System.FAST_CONTAINER
+    cells = {"fast": {"rank_crash": bare.figures("abc")}, "fast-container": {"rank_crash": boxed.figures("abc")}}
+    document = {
+        "machine": machine_info(),
+        "figures": {"settings": dataclasses.asdict(QUICK), "quick": False, "torch": "x", "cells": cells},
+    }
+    table = render(document)
+    assert (
+        "rank crash: 1.22 x the processes' (pooled over 2 rounds in alternating order; round by round 1.50, 1.00)"
+        in (table)
+    )
+    assert "| rank crash | Reprise fast path, containers | 4 of 4 | 0.55 s (0.50 s to 0.60 s) |" in table
 
 
 def test_the_collective_timeout_is_the_scripts(monkeypatch: pytest.MonkeyPatch) -> None:
