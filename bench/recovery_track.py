@@ -178,7 +178,6 @@ class CellRun:
     notes: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
     load_average: list[float] = field(default_factory=lambda: [round(os.getloadavg()[0], 2)])
-
     rounds: list[dict[str, Any]] = field(default_factory=list)  # a pooled cell's runs, each one's own summary
 
     def figures(self, reference: str | None) -> dict[str, Any]:
@@ -214,16 +213,10 @@ class CellRun:
 
     def summary(self) -> dict[str, Any]:
         """This run alone, as a pooled cell lists it among its rounds."""
-        progress = [p for r in self.records if (p := r.figures()["time_to_progress_s"]) is not None]
-        return {
-            "measured_at": datetime.fromtimestamp(self.launched_at, UTC).isoformat(timespec="seconds"),
-            "faults_recovered": len(progress),
-            "time_to_progress_s_median": _median(progress),
-            "wall_s": round(self.finished_at - self.launched_at, 2) if self.finished_at else None,
-            "load_average_1m": self.load_average,
-            "params_sha256": self.digest,
-            "quiet_before": self.extra.get("quiet_before"),  # how long the machine was waited for, how busy it was
-        }
+        figures = self.figures(None)
+        kept = ("measured_at", "faults_recovered", "time_to_progress_s_median", "wall_s", "load_average_1m")
+        # quiet_before: how long the machine was waited for before the run, and how busy it was
+        return {key: figures.get(key) for key in (*kept, "params_sha256", "quiet_before")}
 
 
 def pooled(runs: list[CellRun]) -> CellRun:
