@@ -36,6 +36,9 @@ log = get_logger("reprise.agent.containers")
 EXIT_WORD_S = 5.0
 TAIL_MIN_S, TAIL_MAX_S = 0.02, 0.25  # how often the output file is read: soon after output, less often while quiet
 TAIL_CHUNK = 64 * 1024
+# How long an ended container is kept before it is removed: a rank's exit starts a recovery, and the daemon's work of
+# removing a container (its mounts, its file system, its network) is not done beside the new epoch's first step.
+REMOVE_AFTER_S = 2.0
 
 
 @dataclass
@@ -164,13 +167,14 @@ class ContainerHandle:
 
     def _wait(self, loop: asyncio.AbstractEventLoop, pump: threading.Thread) -> None:
         """The exit is told as soon as the daemon reports it, unless the kernel did first (and, for a failure, whether
-        the container saw an OOM kill); the container and its inbox are removed after, so their removal never delays
-        a recovery."""
+        the container saw an OOM kill); the container and its inbox are removed REMOVE_AFTER_S later, so their removal
+        neither delays a recovery nor competes with the new epoch's start."""
         status = self._status()
         self._report(loop, status)
         if (watch := kernel_exits.shared()) is not None:
             watch.forget(self.init_pid)
         pump.join(timeout=5.0)
+        threading.Event().wait(REMOVE_AFTER_S)
         with contextlib.suppress(docker.errors.DockerException, OSError):
             self.container.remove(force=True)
         self._forget_inbox()
