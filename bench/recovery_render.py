@@ -32,9 +32,11 @@ def render(document: dict[str, Any]) -> str:
     """The cells as a Markdown table, with the machine, the date, the settings and each cell's notes."""
     figures, machine = document["figures"], document["machine"]
     settings, cells = figures["settings"], figures["cells"]
+    measured = sorted(c["measured_at"] for row in cells.values() for c in row.values() if c.get("measured_at"))
+    span = f" (its cells measured {measured[0]} to {measured[-1]}: `--only` replaces some)" if measured else ""
     lines = [
         f"{'**Smoke run (`--quick`), 1 fault per cell**' if figures['quick'] else 'Full run'}, saved "
-        f"{machine['date']} on {machine['cores']} cores ({machine['cpu_model']}, {machine['kernel']}), "
+        f"{machine['date']}{span} on {machine['cores']} cores ({machine['cpu_model']}, {machine['kernel']}), "
         f"{machine['python']}, torch {figures['torch']}; {settings['world_size']} ranks, {settings['steps']} steps, "
         f"a checkpoint every {settings['checkpoint_every']} steps, first fault at step {settings['fault_step']}, "
         f"{settings['step_sleep']} s sleep per step, hang limit {settings['hang_timeout_s']:g} s.",
