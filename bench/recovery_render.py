@@ -33,7 +33,7 @@ def render(document: dict[str, Any]) -> str:
     figures, machine = document["figures"], document["machine"]
     settings, cells = figures["settings"], figures["cells"]
     measured = sorted(c["measured_at"] for row in cells.values() for c in row.values() if c.get("measured_at"))
-    span = f" (its cells measured {measured[0]} to {measured[-1]}: `--only` replaces some)" if measured else ""
+    span = f" (its cells measured from {measured[0]} to {measured[-1]})" if measured else ""
     lines = [
         f"{'**Smoke run (`--quick`), 1 fault per cell**' if figures['quick'] else 'Full run'}, saved "
         f"{machine['date']}{span} on {machine['cores']} cores ({machine['cpu_model']}, {machine['kernel']}), "
